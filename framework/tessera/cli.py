@@ -1,0 +1,191 @@
+"""The ``tessera`` command.
+
+    tessera run R.yaml [key=value ...] [--resume] [--dry-run]
+    tessera config show R.yaml [key=value ...]
+
+User mistakes (recipe, override, layout, data, checkpoint) exit with code 2 and a short message that
+names the field, the value and the fix; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from tessera.errors import EXIT_USER_ERROR, RecipeError, TesseraError
+
+
+def _console():
+    from rich.console import Console
+
+    return Console()
+
+
+def _validate(path: str, overrides: list[str]):
+    """Everything that can be checked before launch, cheaply; returns (resolved, layout, device)."""
+    from tessera.config.loader import load_recipe
+    from tessera.plan.layout import layout_from_recipe
+
+    resolved = load_recipe(path, overrides)
+    recipe = resolved.recipe
+    layout = layout_from_recipe(recipe)
+    from tessera.train.worker import resolve_device
+
+    device = resolve_device(recipe.run.device)
+    if recipe.train.precision == "fp16" and device == "cpu":
+        raise RecipeError("fp16 does not exist on the CPU", field="train.precision", value="fp16",
+                          fix="use train.precision: bf16 or fp32 on CPU")
+    from tessera.engines.deepspeed_engine import build_ds_config
+
+    build_ds_config(recipe, layout, device=device)  # user JSON conflicts are errors before launch
+    from tessera.models.hf import check_vocab, load_hf_config
+
+    cfg = load_hf_config(recipe.model)
+    if recipe.data.tokenizer == "bpe":
+        check_vocab(cfg, recipe.data.vocab_size)
+    from tessera.data import load_corpus
+
+    load_corpus(recipe.data, root=Path.cwd())  # missing files / empty globs fail here
+    return resolved, layout, device
+
+
+def run_dir_of(recipe, recipe_path: str) -> Path:
+    name = recipe.run.name or Path(recipe_path).stem
+    return Path(recipe.run.out_dir) if recipe.run.out_dir else Path("runs") / name
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from tessera.checkpoint.manager import CheckpointManager, write_json_atomic
+    from tessera.launch.launcher import build_command, run_and_monitor
+    from tessera.train.worker import write_run_recipe
+
+    resolved, layout, device = _validate(args.recipe, args.overrides)
+    recipe = resolved.recipe
+    run_dir = run_dir_of(recipe, args.recipe).resolve()
+    cmd, env = build_command(recipe, run_dir, resume=args.resume, device=device)
+    con = _console()
+    env_txt = " ".join(f"{k}={v}" for k, v in env.items())
+    printable = (env_txt + " " if env_txt else "") + shlex.join(cmd)
+    if args.dry_run:
+        con.print(f"[bold]layout[/]  {layout.describe()}")
+        con.print(f"[bold]device[/]  {device}")
+        con.print(f"[bold]run dir[/] {run_dir}")
+        con.print("[bold]command[/]")
+        print(printable)
+        return 0
+    ckpts = CheckpointManager(run_dir / "checkpoints", keep=recipe.checkpoint.keep, rank=0, world_size=1)
+    if args.resume and ckpts.latest() is None:
+        raise TesseraError("--resume found no complete checkpoint", field="run.out_dir", value=str(run_dir),
+                           fix="run without --resume to start fresh")
+    if not args.resume and ckpts.complete():
+        raise TesseraError(
+            "this run directory already holds checkpoints; a fresh run would mix with them",
+            field="run.out_dir", value=str(run_dir),
+            fix="pass --resume to continue it, or set run.out_dir (or run.name) to a new directory",
+        )
+    # data is tokenised and cached here, once, before any rank starts (errors surface before launch)
+    from tessera.data import prepare_data
+
+    with con.status("preparing data (tokenizer + packing, cached by content hash)"):
+        data = prepare_data(recipe.data, root=Path.cwd())
+    con.print(f"data: {len(data)} samples x {recipe.data.seq_len} tokens, vocab {data.vocab_size}")
+    write_run_recipe(recipe, run_dir)
+    write_json_atomic(run_dir / "launch.json", {"command": printable, "argv": sys.argv, "resume": args.resume})
+    con.print(f"[bold]launch[/] {printable}")
+    rc, failure = run_and_monitor(cmd, env, run_dir, recipe.run.world_size)
+    if failure is not None:
+        con.print(f"[bold red]rank {failure.rank} {failure.how}[/]; last log lines "
+                  f"({run_dir}/logs/rank_{failure.rank:05d}.log):")
+        for line in failure.log_tail:
+            print(f"  | {line}")
+        print(f"tessera: run failed: rank {failure.rank} {failure.how} (exit code {rc})", file=sys.stderr)
+        return rc or 1
+    if rc != 0:
+        print(f"tessera: launcher exited with code {rc}; logs in {run_dir}/logs", file=sys.stderr)
+        return rc
+    summary_path = run_dir / "summary.json"
+    if summary_path.is_file():
+        s = json.loads(summary_path.read_text())
+        con.print(f"[bold green]done[/]  final loss {s['final_loss']:.4f}")
+        con.print(f"run dir:          {s['run_dir']}")
+        con.print(f"last checkpoint:  {s['last_checkpoint']}")
+        con.print(f"W&B offline run:  {s['wandb_dir']}" + (
+            f"   (sync with: wandb sync {s['wandb_dir']})" if s.get("wandb_dir") else ""))
+        con.print(f"plots:            {', '.join(s['plots'])}")
+    return 0
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, dict):
+        return json.dumps(v, sort_keys=True)
+    return repr(v) if isinstance(v, str) else str(v)
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from tessera.config.loader import _flatten, load_recipe
+    from tessera.plan.layout import layout_from_recipe
+
+    resolved = load_recipe(args.recipe, args.overrides)
+    layout = layout_from_recipe(resolved.recipe)
+    flat = _flatten(resolved.recipe.to_dict())
+    if args.json:
+        out = {k: {"value": v, "source": resolved.source_of(k)} for k, v in flat.items()}
+        out["derived"] = layout.to_dict()  # type: ignore[assignment]
+        print(json.dumps(out, indent=2, default=str))
+        return 0
+    table = Table(title=f"resolved recipe: {args.recipe}", show_lines=False)
+    table.add_column("field", style="bold")
+    table.add_column("value")
+    table.add_column("set by")
+    for k, v in flat.items():
+        src = resolved.source_of(k)
+        table.add_row(k, _fmt(v), src if src != "default" else "[dim]default[/]")
+    for k in ("dp", "grad_accum", "global_batch"):
+        table.add_row(f"parallel.{k} (derived)", str(getattr(layout, k)),
+                      "[cyan]derived: global_batch = micro_batch x grad_accum x dp[/]")
+    con = _console()
+    con.width = max(con.width, 140)
+    con.print(table)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="tessera", description="distributed training recipes for HF models")
+    sub = ap.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="train a recipe on N ranks")
+    r.add_argument("recipe")
+    r.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.zero=3 optim.lr=3e-4")
+    r.add_argument("--resume", action="store_true", help="continue from the run dir's latest checkpoint")
+    r.add_argument("--dry-run", action="store_true", help="print the command and the layout; start nothing")
+    r.set_defaults(fn=cmd_run)
+    c = sub.add_parser("config", help="recipe tools")
+    csub = c.add_subparsers(dest="config_command", required=True)
+    show = csub.add_parser("show", help="the resolved recipe and which layer set each value")
+    show.add_argument("recipe")
+    show.add_argument("overrides", nargs="*")
+    show.add_argument("--json", action="store_true")
+    show.set_defaults(fn=cmd_config_show)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args) or 0)
+    except TesseraError as e:
+        print(f"tessera: error: {e.render()}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+def entry() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

@@ -1,0 +1,263 @@
+"""Recipe loading: YAML layering with ``include:``, dotted CLI overrides, and where each value came from.
+
+Layering order (later wins): schema defaults < included files (in list order, recursively) < the recipe
+file itself < command-line overrides (``parallel.zero=3``). Every leaf value keeps the name of the layer
+that set it, so ``tessera config show`` can answer "why is this 3?" without guessing.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from tessera.config.schema import Recipe
+from tessera.errors import RecipeError
+
+DEFAULT = "default"
+
+
+@dataclass
+class ResolvedRecipe:
+    """A validated recipe plus the layer that set each dotted key."""
+
+    recipe: Recipe
+    sources: dict[str, str] = field(default_factory=dict)
+    path: Path | None = None
+
+    def source_of(self, dotted: str) -> str:
+        return self.sources.get(dotted, DEFAULT)
+
+    def hash(self) -> str:
+        return recipe_hash(self.recipe)
+
+
+def recipe_hash(recipe: Recipe) -> str:
+    """sha256 of the canonical JSON of the resolved recipe (what the manifest records)."""
+    blob = json.dumps(recipe.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+def project_root(start: Path) -> Path | None:
+    """The nearest ancestor holding a ``configs/`` directory (where includes are looked up)."""
+    for p in [start, *start.parents]:
+        if (p / "configs").is_dir():
+            return p
+    return None
+
+
+def _resolve_include(name: str, including: Path) -> Path:
+    cand = [Path(name)] if Path(name).is_absolute() else []
+    if not cand:
+        cand.append(including.parent / name)
+        root = project_root(including.parent.resolve()) or project_root(Path.cwd())
+        if root is not None:
+            cand += [root / name, root / "configs" / name]
+    for c in cand:
+        if c.is_file():
+            return c
+    raise RecipeError(
+        "included file not found",
+        field="include",
+        value=name,
+        fix=f"looked in {', '.join(str(c) for c in cand)}; give a path relative to the recipe or to configs/",
+    )
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise RecipeError("recipe file not found", field="recipe", value=str(path),
+                          fix="check the path (recipes live in recipes/)") from None
+    except yaml.YAMLError as e:
+        raise RecipeError(f"not valid YAML: {e}", field="recipe", value=str(path),
+                          fix="fix the YAML syntax at the position shown") from None
+    if not isinstance(data, dict):
+        raise RecipeError("a recipe must be a mapping of sections", field="recipe", value=str(path),
+                          fix="start the file with sections such as 'model:' and 'parallel:'")
+    return data
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        # hf_config is one value (an HF config dict), not a section of the recipe
+        if isinstance(v, dict) and v and not key.endswith("hf_config"):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _merge(dst: dict[str, Any], src: dict[str, Any], label: str, sources: dict[str, str], pre: str = "") -> None:
+    """Deep-merge ``src`` into ``dst`` (hf_config is replaced whole), recording ``label`` per leaf."""
+    for k, v in src.items():
+        key = f"{pre}{k}"
+        if isinstance(v, dict) and isinstance(dst.get(k), dict) and not key.endswith("hf_config"):
+            _merge(dst[k], v, label, sources, key + ".")
+        else:
+            dst[k] = v
+            _record(sources, key, v, label)
+
+
+def _record(sources: dict[str, str], key: str, value: Any, label: str) -> None:
+    if isinstance(value, dict) and not key.endswith("hf_config"):
+        for sub, _ in _flatten(value, key + ".").items():
+            sources[sub] = label
+    else:
+        sources[key] = label
+
+
+def _load_layers(path: Path, sources: dict[str, str], seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    rp = path.resolve()
+    if rp in seen:
+        raise RecipeError("include cycle", field="include", value=str(path),
+                          fix="remove the include that points back at " + " -> ".join(map(str, seen)))
+    raw = _read_yaml(path)
+    includes = raw.pop("include", None) or []
+    if isinstance(includes, str):
+        includes = [includes]
+    merged: dict[str, Any] = {}
+    for inc in includes:
+        layer = _load_layers(_resolve_include(str(inc), path), sources, (*seen, rp))
+        _merge(merged, layer, "", {})  # values only; sources recorded by the recursive call
+    label = _label(path)
+    _merge(merged, raw, label, sources)
+    return merged
+
+
+def _label(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``parallel.zero=3`` -> ("parallel.zero", 3); the value is parsed as YAML (numbers, lists, null)."""
+    if "=" not in text:
+        raise RecipeError("an override must look like section.field=value", field="override", value=text,
+                          fix="e.g. parallel.zero=3 or optim.lr=3e-4")
+    key, _, val = text.partition("=")
+    key = key.strip()
+    if not key or key.startswith(".") or key.endswith("."):
+        raise RecipeError("bad override key", field="override", value=text, fix="e.g. parallel.zero=3")
+    try:
+        parsed = yaml.safe_load(val) if val.strip() else ""
+    except yaml.YAMLError:
+        parsed = val
+    # YAML reads 3e-4 as a string (no dot); users mean a float.
+    if isinstance(parsed, str):
+        try:
+            parsed = float(parsed) if any(c in parsed for c in "eE.") and parsed[0] in "0123456789.-+" else parsed
+        except ValueError:
+            pass
+    return key, parsed
+
+
+def _set_dotted(d: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    cur = d
+    for p in parts[:-1]:
+        nxt = cur.get(p)
+        if not isinstance(nxt, dict):
+            nxt = {}
+            cur[p] = nxt
+        cur = nxt
+    cur[parts[-1]] = value
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> ResolvedRecipe:
+    """Load, layer, override and validate a recipe; user mistakes raise :class:`RecipeError`."""
+    path = Path(path)
+    sources: dict[str, str] = {}
+    data = _load_layers(path, sources)
+    for ov in overrides or []:
+        key, val = parse_override(ov)
+        _set_dotted(data, key, val)
+        _record(sources, key, val, f"override {ov}")
+    recipe = validate_recipe(data)
+    return ResolvedRecipe(recipe=recipe, sources=sources, path=path)
+
+
+def validate_recipe(data: dict[str, Any]) -> Recipe:
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as e:
+        raise _friendly(e, data) from None
+
+
+def _known_fields(model: type[BaseModel], prefix: str = "") -> list[str]:
+    out = []
+    for name, f in model.model_fields.items():
+        ann = f.annotation
+        key = f"{prefix}{name}"
+        out.append(key)
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            out += _known_fields(ann, key + ".")
+    return out
+
+
+def _get(data: dict[str, Any], loc: tuple[Any, ...]) -> Any:
+    cur: Any = data
+    for p in loc:
+        if isinstance(cur, dict) and p in cur:
+            cur = cur[p]
+        elif isinstance(cur, list | tuple) and isinstance(p, int) and p < len(cur):
+            cur = cur[p]
+        else:
+            return None
+    return cur
+
+
+def field_description(dotted: str) -> str | None:
+    model: type[BaseModel] = Recipe
+    parts = dotted.split(".")
+    for i, p in enumerate(parts):
+        f = model.model_fields.get(p)
+        if f is None:
+            return None
+        if i == len(parts) - 1:
+            return f.description
+        ann = f.annotation
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        model = ann
+    return None
+
+
+def _friendly(e: ValidationError, data: dict[str, Any]) -> RecipeError:
+    """Turn pydantic's report into one message per problem: field, value, fix."""
+    known = _known_fields(Recipe)
+    lines: list[str] = []
+    first_field, first_value = None, None
+    for err in e.errors():
+        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith(("function-", "literal["))))
+        dotted = ".".join(str(p) for p in loc if not isinstance(p, int)) or "recipe"
+        value = err.get("input") if err["type"] != "missing" else None
+        if err["type"] == "extra_forbidden":
+            close = difflib.get_close_matches(dotted, known, n=1, cutoff=0.6)
+            fix = f"did you mean '{close[0]}'?" if close else "remove it; see `tessera config show` for the fields"
+            msg = f"{dotted} = {value!r}: unknown field\n  fix: {fix}"
+        elif err["type"] == "missing":
+            msg = f"{dotted}: required field is missing\n  fix: add it to the recipe ({field_description(dotted) or ''})"
+        else:
+            value = _get(data, loc) if value is None else value
+            desc = field_description(dotted)
+            reason = err["msg"].removeprefix("Value error, ")
+            fix = f"{dotted} is the {desc}" if desc else "see the recipe schema"
+            msg = f"{dotted} = {value!r}: {reason}\n  fix: {fix}"
+        if first_field is None:
+            first_field, first_value = dotted, value
+        lines.append(msg)
+    err = RecipeError("\n".join(lines))
+    err.field, err.value = first_field, first_value
+    return err

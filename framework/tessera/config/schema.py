@@ -1,0 +1,177 @@
+"""The recipe schema: what a Tessera run is, as typed, validated, documented fields.
+
+Every field carries a one-line description (used in error messages and `tessera config show`).
+Unknown keys are rejected (``extra="forbid"``) so that a typo never silently falls back to a default.
+Cross-field rules that need the world size (global batch = micro x grad-accum x dp) live in
+:mod:`tessera.plan.layout`, which is computed once from a resolved recipe.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+FAMILIES = ("llama", "qwen2", "mistral", "gpt2", "mixtral")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+class ModelSection(_Section):
+    hf_config: dict[str, Any] | None = Field(
+        None, description="inline Hugging Face config dict (must contain model_type)"
+    )
+    path: str | None = Field(None, description="local HF config.json, config directory or pretrained directory")
+    pretrained: bool = Field(False, description="load the weights found in model.path (else random init)")
+    attn_implementation: Literal["eager", "sdpa"] = Field(
+        "eager", description="HF attention kernel; eager is bit-stable on CPU"
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSection:
+        if (self.hf_config is None) == (self.path is None):
+            raise ValueError("give exactly one of model.hf_config (inline dict) or model.path (local dir)")
+        if self.hf_config is not None and "model_type" not in self.hf_config:
+            raise ValueError("model.hf_config needs a model_type (one of " + ", ".join(FAMILIES) + ")")
+        if self.pretrained and self.path is None:
+            raise ValueError("model.pretrained: true needs model.path pointing at a pretrained directory")
+        return self
+
+
+class DataSection(_Section):
+    source: Literal["stdlib", "files"] = Field(
+        "stdlib", description="stdlib = the Python standard library's source files; files = data.files"
+    )
+    files: list[str] = Field(default_factory=list, description="local text / jsonl / parquet files or globs")
+    format: Literal["auto", "text", "jsonl", "parquet"] = Field(
+        "auto", description="file format; auto picks by extension"
+    )
+    text_field: str = Field("text", description="column holding the text in jsonl / parquet files")
+    tokenizer: str = Field("bpe", description="'bpe' (train a byte-level BPE on the corpus) or a local tokenizer dir")
+    vocab_size: int = Field(512, ge=260, description="vocabulary size of the locally trained BPE")
+    seq_len: int = Field(128, ge=8, description="tokens per training sample")
+    packing: bool = Field(True, description="pack documents into full rows; false pads each document (labels -100)")
+    max_docs: int | None = Field(400, ge=1, description="cap on documents read (keeps CPU runs small); null = all")
+    cache_dir: str = Field(".cache/tessera", description="where tokenizers and tokenized data are cached by hash")
+
+    @model_validator(mode="after")
+    def _files_given(self) -> DataSection:
+        if self.source == "files" and not self.files:
+            raise ValueError("data.source: files needs data.files (a list of local paths)")
+        return self
+
+
+class ParallelSection(_Section):
+    engine: Literal["deepspeed", "megatron"] = Field("deepspeed", description="training engine")
+    dp: int | Literal["auto"] = Field("auto", description="data-parallel degree; auto = world_size / (tp*pp)")
+    tp: int = Field(1, ge=1, description="tensor-parallel degree")
+    pp: int = Field(1, ge=1, description="pipeline-parallel degree")
+    vpp: int = Field(1, ge=1, description="virtual pipeline stages per rank (interleaved schedule)")
+    ep: int = Field(1, ge=1, description="expert-parallel degree (MoE families)")
+    zero: int = Field(0, description="DeepSpeed ZeRO stage 0-3")
+    micro_batch: int = Field(1, ge=1, description="samples per rank per forward/backward")
+    global_batch: int | None = Field(
+        None, ge=1, description="samples per optimizer step over all ranks; default micro*grad_accum*dp"
+    )
+    grad_accum: int | None = Field(None, ge=1, description="micro-batches per step; default derived")
+    offload_optimizer: bool = Field(False, description="ZeRO optimizer-state offload to CPU (stages 1-3)")
+    offload_params: bool = Field(False, description="ZeRO parameter offload to CPU (stage 3 only)")
+    deepspeed_config: str | None = Field(None, description="path of a user DeepSpeed JSON merged under the recipe")
+
+    @field_validator("zero")
+    @classmethod
+    def _zero_range(cls, v: int) -> int:
+        if v not in (0, 1, 2, 3):
+            raise ValueError("ZeRO stage must be 0, 1, 2 or 3")
+        return v
+
+    @field_validator("dp")
+    @classmethod
+    def _dp_pos(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 1:
+            raise ValueError("dp must be >= 1 or 'auto'")
+        return v
+
+    @model_validator(mode="after")
+    def _offload_rules(self) -> ParallelSection:
+        if self.offload_optimizer and self.zero == 0:
+            raise ValueError("parallel.offload_optimizer needs parallel.zero 1, 2 or 3")
+        if self.offload_params and self.zero != 3:
+            raise ValueError("parallel.offload_params needs parallel.zero: 3")
+        return self
+
+
+class OptimSection(_Section):
+    name: Literal["adamw", "deepspeed_adam"] = Field(
+        "adamw", description="adamw = torch.optim.AdamW; deepspeed_adam = DeepSpeed's fused / CPU Adam (JIT-built)"
+    )
+    lr: float = Field(3e-4, gt=0, description="peak learning rate")
+    min_lr: float = Field(0.0, ge=0, description="floor of the cosine schedule")
+    warmup_steps: int = Field(0, ge=0, description="linear warmup steps")
+    schedule: Literal["cosine", "constant", "linear"] = Field("cosine", description="decay after warmup")
+    weight_decay: float = Field(0.0, ge=0, description="decoupled weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="Adam betas")
+    eps: float = Field(1e-8, gt=0, description="Adam epsilon")
+    grad_clip: float = Field(1.0, ge=0, description="global grad-norm clip; 0 disables")
+
+
+class TrainSection(_Section):
+    steps: int = Field(20, ge=1, description="optimizer steps")
+    seed: int = Field(1234, description="seed of weights, data order and RNG")
+    precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="compute precision")
+    log_every: int = Field(1, ge=1, description="metrics / progress every N steps")
+
+
+class CheckpointSection(_Section):
+    every: int = Field(0, ge=0, description="save every N steps (0 = only at the end)")
+    keep: int = Field(2, ge=1, description="keep the last N checkpoints")
+    at_end: bool = Field(True, description="save after the last step")
+
+
+class WandbSection(_Section):
+    mode: Literal["online", "offline", "disabled"] = Field("offline", description="W&B mode")
+    project: str = Field("tessera", description="W&B project")
+    entity: str | None = Field(None, description="W&B entity (team)")
+    name: str | None = Field(None, description="W&B run name; default the run dir name")
+    tags: list[str] = Field(default_factory=list, description="W&B tags")
+
+
+class TrackingSection(_Section):
+    wandb: WandbSection = Field(default_factory=WandbSection, description="Weights & Biases")
+
+
+class RunSection(_Section):
+    name: str | None = Field(None, description="run name; default the recipe file name")
+    world_size: int = Field(1, description="number of ranks")
+    launcher: Literal["deepspeed", "torchrun"] = Field("deepspeed", description="process launcher")
+    out_dir: str | None = Field(None, description="run directory; default runs/<name>")
+    hostfile: str | None = Field(None, description="DeepSpeed hostfile for multi-node runs")
+    master_addr: str = Field("127.0.0.1", description="rendezvous address")
+    master_port: int = Field(29500, ge=1024, le=65535, description="rendezvous port")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda if available else cpu")
+    bind_cores_to_rank: bool = Field(True, description="deepspeed --bind_cores_to_rank on CPU (needs numactl)")
+
+    @field_validator("world_size")
+    @classmethod
+    def _ws(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError("world_size must be >= 1")
+        return v
+
+
+class Recipe(_Section):
+    """A resolved recipe: everything one run needs, nothing implicit."""
+
+    model: ModelSection
+    data: DataSection = Field(default_factory=DataSection)
+    parallel: ParallelSection = Field(default_factory=ParallelSection)
+    optim: OptimSection = Field(default_factory=OptimSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    tracking: TrackingSection = Field(default_factory=TrackingSection)
+    run: RunSection = Field(default_factory=RunSection)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")

@@ -1,0 +1,163 @@
+"""The tokenizer of a data section: a locally trained byte-level BPE, or a local tokenizer directory.
+
+``tokenizer: bpe`` trains a small byte-level BPE on the corpus itself (no hub, works for any text) and
+caches it under ``<cache_dir>/tokenizers/<key>/`` where the key covers the corpus content hash, the
+vocabulary size and the ``tokenizers`` version: the same recipe on the same files reuses it, any change
+trains a new one. Otherwise ``tokenizer`` names a local directory (a tokenizer or a pretrained model).
+
+The returned hash is over the saved files, not over the key, so two machines that trained "the same"
+tokenizer can prove it and a run manifest pins exactly what was used.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tessera.config.schema import DataSection
+from tessera.data._cache import build_lock, publish_dir, sha256_dir, sha256_json, temp_dir_beside
+from tessera.data.corpus import Corpus
+from tessera.errors import DataError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+
+# Files of a tokenizer / pretrained directory that decide how text is tokenized. Weights are left out on
+# purpose: hashing a multi-GB checkpoint to fingerprint its tokenizer would dominate start-up.
+_TOKENIZER_PREFIXES = (
+    "tokenizer",
+    "vocab",
+    "merges",
+    "special_tokens_map",
+    "added_tokens",
+    "spiece",
+    "sentencepiece",
+    "chat_template",
+)
+_TOKENIZER_NAMES = ("config.json",)
+_TOKENIZER_SUFFIXES = (".model", ".tiktoken")
+
+
+@dataclass
+class TokenizerInfo:
+    """A ready tokenizer with ``eos`` and ``pad`` set, where it lives, and a hash of its files."""
+
+    tokenizer: PreTrainedTokenizerBase
+    tokenizer_dir: Path
+    tokenizer_hash: str
+
+
+def load_tokenizer(section: DataSection, corpus: Corpus, *, root: Path, cache_dir: Path) -> TokenizerInfo:
+    """The tokenizer a data section asks for (trained and cached, or loaded from a local directory)."""
+    if section.tokenizer == "bpe":
+        return _cached_bpe(corpus, section.vocab_size, cache_dir)
+    return _local_tokenizer(section.tokenizer, root)
+
+
+def bpe_cache_key(content_hash: str, vocab_size: int) -> str:
+    """Cache key of a trained BPE; the library version is in it because merges may differ across versions."""
+    import tokenizers
+
+    return sha256_json(
+        {"corpus": content_hash, "vocab_size": vocab_size, "tokenizers": tokenizers.__version__}
+    )
+
+
+def _cached_bpe(corpus: Corpus, vocab_size: int, cache_dir: Path) -> TokenizerInfo:
+    """Reuse ``<cache>/tokenizers/<key>`` if present, else train it under a lock and publish atomically."""
+    target = cache_dir / "tokenizers" / bpe_cache_key(corpus.content_hash, vocab_size)
+    if not target.is_dir():
+        with build_lock(target):
+            if not target.is_dir():  # another rank may have built it while we waited for the lock
+                tmp = temp_dir_beside(target)
+                try:
+                    _train_bpe(corpus.documents, vocab_size).save_pretrained(str(tmp))
+                except BaseException:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    raise
+                publish_dir(tmp, target)
+    # Always load what is on disk, never the in-memory trained object: every rank then uses the winner
+    # of any race, byte for byte, and the hash below describes exactly what is used.
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast.from_pretrained(str(target), local_files_only=True)
+    return TokenizerInfo(tok, target, sha256_dir(target))
+
+
+def _train_bpe(documents: list[str], vocab_size: int) -> PreTrainedTokenizerBase:
+    """Train a GPT-2 style byte-level BPE: any byte sequence encodes, so no ``<unk>`` is ever needed."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN, PAD_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(documents, trainer=trainer, length=len(documents))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN)
+
+
+def _tokenizer_files(path: Path) -> list[str]:
+    """Names of the files in ``path`` that define tokenization (see ``_TOKENIZER_PREFIXES``)."""
+    names = []
+    for p in path.iterdir():
+        if not p.is_file():
+            continue
+        n = p.name
+        if n.startswith(_TOKENIZER_PREFIXES) or n in _TOKENIZER_NAMES or n.endswith(_TOKENIZER_SUFFIXES):
+            names.append(n)
+    return names
+
+
+def _local_tokenizer(spec: str, root: Path) -> TokenizerInfo:
+    """Load a local tokenizer directory offline; a tokenizer without a pad token pads with eos."""
+    path = Path(spec).expanduser()
+    if not path.is_absolute():
+        path = root / path
+    if not path.is_dir():
+        raise DataError(
+            "tokenizer directory not found",
+            field="data.tokenizer",
+            value=spec,
+            fix=f"use 'bpe' (train one on the corpus) or a local tokenizer / model directory "
+            f"(relative paths are resolved against {root})",
+        )
+    names = _tokenizer_files(path)
+    if not names:
+        raise DataError(
+            "no tokenizer files (tokenizer.json, tokenizer_config.json, vocab/merges, *.model) in the directory",
+            field="data.tokenizer",
+            value=spec,
+            fix="point data.tokenizer at a directory written by save_pretrained(), or use 'bpe'",
+        )
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as exc:  # transformers raises OSError, ValueError, KeyError... for broken dirs
+        raise DataError(
+            f"could not load the tokenizer: {type(exc).__name__}: {exc}",
+            field="data.tokenizer",
+            value=spec,
+            fix="point data.tokenizer at a directory written by save_pretrained(), or use 'bpe'",
+        ) from exc
+    if tok.eos_token_id is None:
+        raise DataError(
+            "the tokenizer has no eos token (needed to separate documents)",
+            field="data.tokenizer",
+            value=spec,
+            fix="set eos_token in its tokenizer_config.json, or use 'bpe'",
+        )
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return TokenizerInfo(tok, path, sha256_dir(path, names))

@@ -1,0 +1,55 @@
+"""Rank-0 live status: a rich progress bar on a terminal, one plain line per step otherwise (logs, CI)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import Progress as RichProgress
+
+
+class Progress:
+    def __init__(self, *, enabled: bool, total: int, start: int = 0):
+        self.enabled = enabled
+        self.total = total
+        self.console = Console(file=sys.stdout)
+        self._bar: RichProgress | None = None
+        if enabled and self.console.is_terminal:
+            self._bar = RichProgress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("{task.fields[status]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                console=self.console,
+            )
+            self._task = self._bar.add_task("train", total=total, completed=start, status="")
+            self._bar.start()
+
+    @staticmethod
+    def status(rec: dict[str, Any]) -> str:
+        parts = [f"loss {rec['loss']:.4f}", f"{rec['tokens_per_s']:,.0f} tok/s", f"lr {rec['lr']:.2e}"]
+        if "comm_fraction" in rec:
+            parts.append(f"comm {100 * rec['comm_fraction']:.0f}%")
+        return "  ".join(parts)
+
+    def update(self, step: int, rec: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.update(self._task, completed=step, status=self.status(rec))
+        else:
+            print(f"[tessera] step {step}/{self.total}  {self.status(rec)}  "
+                  f"gnorm {rec['grad_norm']:.3f}  {rec['step_time_s'] * 1000:.0f} ms", flush=True)
+
+    def note(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.console.log(text)
+        else:
+            print(f"[tessera] {text}", flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None

@@ -1,0 +1,294 @@
+"""One rank of a run: ``python -m tessera.train.worker --run-dir DIR [--resume]``.
+
+Started by the ``deepspeed`` launcher or ``torchrun`` (which set RANK / LOCAL_RANK / WORLD_SIZE /
+MASTER_ADDR / MASTER_PORT), or by the test helper with the same variables. Reads
+``DIR/recipe.resolved.yaml`` written by ``tessera run`` and trains: data -> engine -> loop ->
+checkpoints -> manifest / metrics / W&B on rank 0.
+
+Each rank writes ``logs/rank_NNNNN.pid`` when it starts and ``logs/rank_NNNNN.exit`` when it ends, so
+that the launcher side can tell which rank died (a SIGKILLed rank leaves no exit file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import yaml
+
+from tessera.config.loader import recipe_hash, validate_recipe
+from tessera.config.schema import Recipe
+from tessera.errors import EXIT_USER_ERROR, TesseraError
+
+RECIPE_FILE = "recipe.resolved.yaml"
+EXIT_DIVERGED = 3
+TERMINATED = 143  # what a rank stopped by SIGTERM reports (128 + 15)
+
+
+class TrainingDiverged(RuntimeError):
+    """Loss or grad norm became NaN / Inf; the last good checkpoint is kept."""
+
+
+def resolve_device(requested: str) -> str:
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise TesseraError("no CUDA device is visible", field="run.device", value=requested,
+                           fix="use run.device: cpu or auto")
+    return requested
+
+
+def load_run_recipe(run_dir: Path) -> Recipe:
+    return validate_recipe(yaml.safe_load((run_dir / RECIPE_FILE).read_text()))
+
+
+def write_run_recipe(recipe: Recipe, run_dir: Path) -> Path:
+    from tessera.checkpoint.manager import write_text_atomic
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / RECIPE_FILE
+    write_text_atomic(path, yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+    return path
+
+
+def _rank_env() -> tuple[int, int, int]:
+    return (int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)),
+            int(os.environ.get("WORLD_SIZE", 1)))
+
+
+def _init_distributed(device: str) -> None:
+    import deepspeed
+
+    # DS picks gloo for the CPU accelerator and nccl for CUDA; the timeout bounds a hang on a dead peer
+    deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo",
+                               timeout=datetime.timedelta(minutes=5))
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _gather_int(value: int) -> list[int]:
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return [int(v) for v in out]
+
+
+def train(run_dir: Path, *, resume: bool = False) -> list[dict[str, Any]]:
+    """Train this rank; returns the per-step records (complete on rank 0)."""
+    from tessera.checkpoint.manager import CheckpointManager, write_json_atomic
+    from tessera.data import StepSampler, prepare_data
+    from tessera.engines.deepspeed_engine import DeepSpeedEngine
+    from tessera.evidence.manifest import capture_manifest, diff_manifests
+    from tessera.models.hf import build_model
+    from tessera.plan.layout import layout_from_recipe
+    from tessera.train.metrics import MetricsWriter, peak_memory_bytes, plot_run
+    from tessera.train.progress import Progress
+
+    recipe = load_run_recipe(run_dir)
+    rank, local_rank, world = _rank_env()
+    device = resolve_device(recipe.run.device)
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+    layout = layout_from_recipe(recipe)
+    if layout.world_size != world:
+        raise TesseraError(f"the launcher started {world} ranks", field="run.world_size",
+                           value=layout.world_size, fix="launch through `tessera run` or match the world size")
+    _init_distributed(device)
+
+    # data: rank 0 builds (or finds) the cache first, the others then read it
+    root = Path.cwd()
+    if rank == 0:
+        data = prepare_data(recipe.data, root=root)
+    _barrier()
+    if rank != 0:
+        data = prepare_data(recipe.data, root=root)
+
+    # DeepSpeed casts to bf16 itself and keeps fp32 masters; build in fp32 so every layout starts equal
+    model = build_model(recipe.model, seed=recipe.train.seed, vocab_size=data.vocab_size)
+    engine = DeepSpeedEngine(model, recipe, layout, device=device)
+    dp_rank = rank  # the deepspeed engine is data-parallel over the whole world
+    sampler = StepSampler(len(data), global_batch=layout.global_batch, micro_batch=layout.micro_batch,
+                          grad_accum=layout.grad_accum, dp_rank=dp_rank, dp_size=layout.dp,
+                          seed=recipe.train.seed)
+    ckpt = CheckpointManager(run_dir / "checkpoints", keep=recipe.checkpoint.keep, rank=rank, world_size=world)
+
+    launch_info = {}
+    if (run_dir / "launch.json").is_file():
+        launch_info = json.loads((run_dir / "launch.json").read_text())
+    manifest = capture_manifest(
+        recipe=recipe.to_dict(), recipe_hash=recipe_hash(recipe), layout=layout.to_dict(),
+        data_fingerprint=data.fingerprint, tokenizer_hash=data.tokenizer_hash,
+        launcher_command=launch_info.get("command"), world_size=world, seed=recipe.train.seed, device=device,
+    )
+
+    start_step = 0
+    resumed_from = None
+    if resume:
+        latest = ckpt.latest()
+        if latest is None:
+            raise TesseraError("--resume found no complete checkpoint", field="run.out_dir", value=str(run_dir),
+                               fix="run without --resume to start fresh")
+        meta = ckpt.load(latest, engine)
+        start_step = int(meta["step"])
+        sampler.load_state_dict(meta["client_state"]["sampler"])
+        resumed_from = str(latest)
+        old = json.loads((latest / "manifest.json").read_text())
+        changed = diff_manifests(old, manifest)
+        if rank == 0 and changed:
+            print(f"[tessera] resuming with {len(changed)} manifest difference(s): "
+                  + "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changed[:8]), flush=True)
+    manifest["resumed_from"] = resumed_from
+
+    tracker = None
+    writer = None
+    if rank == 0:
+        write_json_atomic(run_dir / "manifest.json", manifest)
+        from tessera.track.wandb_tracker import WandbTracker
+
+        tracker = WandbTracker(recipe.tracking.wandb, run_dir=run_dir, manifest=manifest, resume=resume)
+        writer = MetricsWriter(run_dir / "metrics.jsonl", resume_step=start_step if resume else None)
+
+    records: list[dict[str, Any]] = []
+    total = recipe.train.steps
+    every = recipe.checkpoint.every
+    progress = Progress(enabled=rank == 0, total=total, start=start_step)
+    last_saved = start_step if resume else None
+    try:
+        for step in range(start_step + 1, total + 1):
+            micro = [{"input_ids": data.input_ids[idx], "labels": data.labels[idx]} for idx in sampler.next_step()]
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            res = engine.train_step(micro)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            if not math.isfinite(res.loss) or math.isinf(res.grad_norm):
+                raise TrainingDiverged(f"step {step}: loss {res.loss}, grad norm {res.grad_norm}")
+            rec = {
+                "step": step,
+                "loss": res.loss,
+                "lr": res.lr,
+                "grad_norm": res.grad_norm,
+                "tokens": res.tokens,
+                "tokens_per_s": res.input_tokens / dt if dt > 0 else float("nan"),
+                "step_time_s": dt,
+                "peak_memory_bytes": peak_memory_bytes(engine.device),
+                "samples": layout.global_batch * step,
+            }
+            records.append(rec)
+            if rank == 0:
+                writer.write(rec)  # type: ignore[union-attr]
+                tracker.log(rec, step)  # type: ignore[union-attr]
+                progress.update(step, rec)
+            if (every and step % every == 0) or (step == total and recipe.checkpoint.at_end):
+                state = {"step": step, "sampler": sampler.state_dict()}
+                manifest["checkpoint_step"] = step
+                ckpt.save(step, engine, client_state=state, manifest=manifest)
+                last_saved = step
+                progress.note(f"checkpoint step {step}")
+    finally:
+        progress.close()
+    peaks = _gather_int(peak_memory_bytes(engine.device))
+    if rank == 0:
+        writer.close()  # type: ignore[union-attr]
+        from tessera.train.metrics import read_metrics
+
+        all_records = read_metrics(run_dir / "metrics.jsonl")
+        pngs = plot_run(run_dir, all_records, peaks)
+        summary = {
+            "run_dir": str(run_dir),
+            "last_checkpoint": str(ckpt.latest()) if last_saved is not None else None,
+            "wandb_dir": tracker.dir if tracker else None,
+            "final_loss": all_records[-1]["loss"] if all_records else None,
+            "steps": total,
+            "peak_memory_bytes_per_rank": peaks,
+            "plots": [str(p) for p in pngs],
+        }
+        write_json_atomic(run_dir / "summary.json", summary)
+        tracker.summary({"final_loss": summary["final_loss"]})  # type: ignore[union-attr]
+        tracker.finish()  # type: ignore[union-attr]
+    return records
+
+
+def _status_file(run_dir: Path, rank: int, kind: str) -> Path:
+    return run_dir / "logs" / f"rank_{rank:05d}.{kind}"
+
+
+def run_rank(run_dir: str | Path, resume: bool = False) -> int:
+    """Entry of one rank with status files and a log; returns the exit code."""
+    run_dir = Path(run_dir)
+    rank, _, _ = _rank_env()
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    _status_file(run_dir, rank, "pid").write_text(f"{os.getpid()}\n")
+    log_path = logs / f"rank_{rank:05d}.log"
+    log = open(log_path, "a", buffering=1)
+    if rank != 0:  # rank 0 keeps the console (progress bar); the others log to their file only
+        os.dup2(log.fileno(), sys.stdout.fileno())
+        os.dup2(log.fileno(), sys.stderr.fileno())
+    code = 0
+
+    def _on_term(signum, frame):  # the launcher stops the survivors when a peer failed
+        raise SystemExit(TERMINATED)
+
+    signal.signal(signal.SIGTERM, _on_term)
+    try:
+        train(run_dir, resume=resume)
+    except SystemExit as e:
+        code = int(e.code) if isinstance(e.code, int) else 1
+    except TesseraError as e:
+        code = EXIT_USER_ERROR
+        msg = f"[rank {rank}] error: {e.render()}\n"
+        log.write(msg)
+        if rank == 0:
+            sys.stderr.write(msg)
+    except TrainingDiverged as e:
+        code = EXIT_DIVERGED
+        msg = f"[rank {rank}] training diverged: {e}; the last good checkpoint is kept\n"
+        log.write(msg)
+        if rank == 0:
+            sys.stderr.write(msg)
+    except Exception:
+        code = 1
+        tb = traceback.format_exc()
+        log.write(f"[rank {rank}] failed:\n{tb}")
+        if rank == 0:
+            sys.stderr.write(tb)
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # a peer already gone; the exit code says what happened
+                pass
+        _status_file(run_dir, rank, "exit").write_text(f"{code}\n")
+        log.close()
+    return code
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m tessera.train.worker")
+    ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
+    args = ap.parse_args(argv)
+    sys.exit(run_rank(args.run_dir, resume=args.resume))
+
+
+if __name__ == "__main__":
+    main()
