@@ -19,7 +19,7 @@ from tessera.config.schema import Recipe
 from tessera.engines.base import StepResult, label_tokens, summed_token_loss
 from tessera.errors import RecipeError
 from tessera.plan.layout import ParallelLayout
-from tessera.train.schedule import build_scheduler
+from tessera.train.schedule import lr_factor
 
 # recipe field -> (DeepSpeed JSON path, how the recipe value reads in DeepSpeed terms)
 _CONFLICT_KEYS: list[tuple[str, tuple[str, ...]]] = [
@@ -150,9 +150,11 @@ class DeepSpeedEngine:
         optimizer = _build_optimizer(
             recipe, model.named_parameters(), device=device, offload=layout.offload_optimizer
         )
-        scheduler = build_scheduler(optimizer, recipe.optim, recipe.train.steps)
-        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config
+        # the LR is a pure function of the step (set before each update), so a resumed run - even one
+        # whose train.steps was raised - follows exactly the schedule of an uninterrupted run
+        self._optim_cfg, self._total_steps = recipe.optim, recipe.train.steps
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=self.ds_config
         )
         self.dp_group = None  # the whole world: the deepspeed engine is data-parallel only
 
@@ -166,9 +168,16 @@ class DeepSpeedEngine:
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.dp_group)
         return t.tolist()
 
-    def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
+    def set_lr(self, step: int) -> float:
+        lr = self._optim_cfg.lr * lr_factor(step - 1, optim=self._optim_cfg, total_steps=self._total_steps)
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]], step: int) -> StepResult:
+        """One optimizer step (``step`` is 1-based and sets the LR)."""
         assert len(micro_batches) == self.layout.grad_accum, "sampler and layout disagree"  # internal
-        lr = float(self.scheduler.get_last_lr()[0])
+        lr = self.set_lr(step)
         local_tokens = float(sum(label_tokens(mb["labels"]) for mb in micro_batches))
         local_inputs = float(sum(mb["input_ids"].numel() for mb in micro_batches))
         global_tokens, global_inputs = self._all_reduce_sum([local_tokens, local_inputs])
@@ -177,16 +186,21 @@ class DeepSpeedEngine:
         scale = self.layout.grad_accum * self.layout.dp / max(global_tokens, 1.0)
         loss_sum = 0.0
         self.engine.train()
-        for mb in micro_batches:
+        manual_norm = None
+        for i, mb in enumerate(micro_batches):
             ids = mb["input_ids"].to(self.device, non_blocking=True)
             labels = mb["labels"].to(self.device, non_blocking=True)
             logits = self.engine(input_ids=ids, use_cache=False).logits
             token_loss = summed_token_loss(logits, labels)
             loss_sum += float(token_loss.detach())
             self.engine.backward(token_loss * scale)
+            if i == len(micro_batches) - 1 and self.layout.zero == 0:
+                # without ZeRO, DeepSpeed clips but does not keep the norm; gradients are all-reduced
+                # by now (backward at the boundary), so the pre-clip norm is the same on every rank
+                manual_norm = self._grad_norm()
             self.engine.step()
         (global_loss_sum,) = self._all_reduce_sum([loss_sum])
-        grad_norm = self.engine.get_global_grad_norm()
+        grad_norm = self.engine.get_global_grad_norm() if manual_norm is None else manual_norm
         grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
         return StepResult(
             loss=global_loss_sum / max(global_tokens, 1.0),
@@ -196,12 +210,19 @@ class DeepSpeedEngine:
             input_tokens=int(global_inputs),
         )
 
+    def _grad_norm(self) -> float:
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        for p in self.engine.module.parameters():
+            if p.grad is not None:
+                sq += p.grad.detach().double().pow(2).sum()
+        return float(sq.sqrt())
+
     def save(self, root: Path, tag: str, client_state: dict[str, Any]) -> None:
         self.engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
 
     def load(self, root: Path, tag: str) -> dict[str, Any]:
         path, client_state = self.engine.load_checkpoint(
-            str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+            str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False
         )
         if path is None:
             from tessera.errors import CheckpointError

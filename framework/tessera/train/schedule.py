@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-
-import torch
-
 from tessera.config.schema import OptimSection
 
 
@@ -22,9 +18,3 @@ def lr_factor(step: int, *, optim: OptimSection, total_steps: int) -> float:
     if optim.schedule == "linear":
         return floor + (1.0 - floor) * (1.0 - progress)
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def build_scheduler(optimizer: torch.optim.Optimizer, optim: OptimSection, total_steps: int):
-    """A LambdaLR, so the engine checkpoints its position with the optimizer."""
-    fn: Callable[[int], float] = lambda s: lr_factor(s, optim=optim, total_steps=total_steps)  # noqa: E731
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)

@@ -174,7 +174,7 @@ def train(run_dir: Path, *, resume: bool = False) -> list[dict[str, Any]]:
             if device == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            res = engine.train_step(micro)
+            res = engine.train_step(micro, step)
             if device == "cuda":
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
