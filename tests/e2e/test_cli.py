@@ -1,0 +1,132 @@
+"""The `tessera` command end to end: real launchers, real ranks, real failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import REPO, free_port, read_metrics
+
+TESSERA = [sys.executable, "-m", "tessera.cli"]
+RECIPE = "recipes/tiny-llama-cpu.yaml"
+
+
+def tessera(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([*TESSERA, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def test_dry_run_prints_command_and_layout(tmp_path):
+    p = tessera("run", RECIPE, f"run.out_dir={tmp_path}", "--dry-run")
+    assert p.returncode == 0, p.stderr
+    assert "--num_gpus 2 --bind_cores_to_rank" in p.stdout
+    assert "--module tessera.train.worker" in p.stdout
+    assert "dp=2" in p.stdout and "zero=2" in p.stdout and "grad_accum=2" in p.stdout
+    assert not (tmp_path / "logs").exists()  # nothing started
+
+
+def test_dry_run_torchrun_and_hostfile(tmp_path):
+    p = tessera("run", RECIPE, "run.launcher=torchrun", "--dry-run")
+    assert p.returncode == 0 and "--nproc_per_node=2" in p.stdout and "-m tessera.train.worker" in p.stdout
+    hf = tmp_path / "hostfile"
+    hf.write_text("localhost slots=2\n")
+    p = tessera("run", RECIPE, f"run.hostfile={hf}", "--dry-run")
+    assert p.returncode == 0 and f"--hostfile {hf} --no_ssh_check" in p.stdout
+    hf.write_text("localhost slots=4\n")
+    p = tessera("run", RECIPE, f"run.hostfile={hf}", "--dry-run")
+    assert p.returncode == 2 and "run.world_size" in p.stderr and "4 slots" in p.stderr
+
+
+@pytest.mark.slow
+def test_run_resume_through_deepspeed_launcher(tmp_path):
+    out = tmp_path / "run"
+    common = [f"run.out_dir={out}", f"run.master_port={free_port()}", "train.steps=6", "checkpoint.every=3"]
+    p = tessera("run", RECIPE, *common)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "run dir:" in p.stdout and "last checkpoint:" in p.stdout and "W&B offline run:" in p.stdout
+    ck = out / "checkpoints"
+    assert (ck / "latest").read_text().strip() == "step_000006"
+    assert sorted(x.name for x in ck.glob("step_*")) == ["step_000003", "step_000006"]
+    assert not list(ck.glob(".tmp-*"))
+    manifest = json.loads((out / "manifest.json").read_text())
+    for key in ("recipe", "recipe_hash", "git", "versions", "hardware", "layout", "seed", "data",
+                "tokenizer_hash", "launcher_command", "world_size"):
+        assert key in manifest, key
+    assert manifest["versions"]["deepspeed"] and manifest["layout"]["zero"] == 2
+    assert "--bind_cores_to_rank" in manifest["launcher_command"]
+    assert json.loads((ck / "step_000006" / "manifest.json").read_text())["recipe_hash"] == manifest["recipe_hash"]
+    for png in ("loss.png", "step_time.png", "memory.png"):
+        assert (out / png).stat().st_size > 1000
+    wandb_runs = list((out / "wandb").glob("offline-run-*"))
+    assert len(wandb_runs) == 1
+    first = read_metrics(out)
+    assert [r["step"] for r in first] == list(range(1, 7))
+    # a fresh run on a dir with checkpoints is refused (never mixes or overwrites)
+    p = tessera("run", RECIPE, *common)
+    assert p.returncode == 2 and "--resume" in p.stderr
+    # resume to 9 steps through the launcher again
+    p = tessera("run", RECIPE, *common[:-2], "train.steps=9", "checkpoint.every=3", "--resume")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    after = read_metrics(out)
+    assert [r["step"] for r in after] == list(range(1, 10))
+    assert [r["loss"] for r in after[:6]] == [r["loss"] for r in first]
+    assert (ck / "latest").read_text().strip() == "step_000009"
+
+
+@pytest.mark.slow
+def test_torchrun_launcher(tmp_path):
+    out = tmp_path / "run"
+    p = tessera("run", RECIPE, f"run.out_dir={out}", f"run.master_port={free_port()}", "run.launcher=torchrun",
+                "train.steps=3", "tracking.wandb.mode=disabled")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_hostfile_launch(tmp_path):
+    out = tmp_path / "run"
+    hf = tmp_path / "hostfile"
+    hf.write_text("localhost slots=2\n")
+    p = tessera("run", RECIPE, f"run.out_dir={out}", f"run.master_port={free_port()}", f"run.hostfile={hf}",
+                "train.steps=3", "tracking.wandb.mode=disabled")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert len(read_metrics(out)) == 3
+
+
+@pytest.mark.slow
+def test_sigkill_of_one_rank_fails_fast_and_names_it(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [*TESSERA, "run", RECIPE, f"run.out_dir={out}", f"run.master_port={free_port()}", "train.steps=100000",
+         "checkpoint.every=0", "checkpoint.at_end=false", "tracking.wandb.mode=disabled"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        metrics = out / "metrics.jsonl"
+        while time.monotonic() < deadline:
+            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
+                break
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.5)
+        else:
+            pytest.fail("run never reached step 3")
+        victim = int((out / "logs" / "rank_00001.pid").read_text())
+        t0 = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        output, _ = proc.communicate(timeout=90)
+        elapsed = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert elapsed < 60, elapsed
+    assert "rank 1 died" in output, output[-3000:]
+    # no rank survives the run
+    rank0 = int((out / "logs" / "rank_00000.pid").read_text())
+    assert not Path(f"/proc/{rank0}").exists() or "Z" in Path(f"/proc/{rank0}/stat").read_text().split()[2]
