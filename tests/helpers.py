@@ -21,9 +21,16 @@ def free_port() -> int:
 
 
 def _rank_main(rank: int, world: int, port: int, run_dir: str, resume: bool) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                      DS_ACCELERATOR="cpu")
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+        DS_ACCELERATOR="cpu",
+    )
     import torch
 
     torch.set_num_threads(1)
@@ -48,7 +55,9 @@ def spawn_ranks(run_dir: Path, world: int, *, resume: bool = False, timeout: flo
     """Start ``world`` processes, wait, return their exit codes (killing all on timeout)."""
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, str(run_dir), resume)) for r in range(world)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world, port, str(run_dir), resume)) for r in range(world)
+    ]
     cwd = os.getcwd()
     os.chdir(REPO)  # data.cache_dir is relative to the working directory
     try:
@@ -65,8 +74,9 @@ def spawn_ranks(run_dir: Path, world: int, *, resume: bool = False, timeout: flo
     return [p.exitcode for p in procs]
 
 
-def train_run(run_dir: Path, overrides: list[str], *, world: int, resume: bool = False,
-              recipe: Path = DEFAULT_RECIPE) -> list[dict]:
+def train_run(
+    run_dir: Path, overrides: list[str], *, world: int, resume: bool = False, recipe: Path = DEFAULT_RECIPE
+) -> list[dict]:
     """prepare + spawn + read metrics.jsonl; fails with the ranks' log tails if a rank failed."""
     if not resume:
         prepare_run(run_dir, [f"run.world_size={world}", *overrides], recipe)

@@ -37,8 +37,12 @@ def _validate(path: str, overrides: list[str]):
 
     device = resolve_device(recipe.run.device)
     if recipe.train.precision == "fp16" and device == "cpu":
-        raise RecipeError("fp16 does not exist on the CPU", field="train.precision", value="fp16",
-                          fix="use train.precision: bf16 or fp32 on CPU")
+        raise RecipeError(
+            "fp16 does not exist on the CPU",
+            field="train.precision",
+            value="fp16",
+            fix="use train.precision: bf16 or fp32 on CPU",
+        )
     from tessera.engines.deepspeed_engine import build_ds_config
 
     build_ds_config(recipe, layout, device=device)  # user JSON conflicts are errors before launch
@@ -79,12 +83,17 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0
     ckpts = CheckpointManager(run_dir / "checkpoints", keep=recipe.checkpoint.keep, rank=0, world_size=1)
     if args.resume and ckpts.latest() is None:
-        raise TesseraError("--resume found no complete checkpoint", field="run.out_dir", value=str(run_dir),
-                           fix="run without --resume to start fresh")
+        raise TesseraError(
+            "--resume found no complete checkpoint",
+            field="run.out_dir",
+            value=str(run_dir),
+            fix="run without --resume to start fresh",
+        )
     if not args.resume and ckpts.complete():
         raise TesseraError(
             "this run directory already holds checkpoints; a fresh run would mix with them",
-            field="run.out_dir", value=str(run_dir),
+            field="run.out_dir",
+            value=str(run_dir),
             fix="pass --resume to continue it, or set run.out_dir (or run.name) to a new directory",
         )
     # data is tokenised and cached here, once, before any rank starts (errors surface before launch)
@@ -94,12 +103,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         data = prepare_data(recipe.data, root=Path.cwd())
     con.print(f"data: {len(data)} samples x {recipe.data.seq_len} tokens, vocab {data.vocab_size}")
     write_run_recipe(recipe, run_dir)
-    write_json_atomic(run_dir / "launch.json", {"command": printable, "argv": sys.argv, "resume": args.resume})
+    write_json_atomic(
+        run_dir / "launch.json", {"command": printable, "argv": sys.argv, "resume": args.resume}
+    )
     con.print(f"[bold]launch[/] {printable}")
     rc, failure = run_and_monitor(cmd, env, run_dir, recipe.run.world_size)
     if failure is not None:
-        con.print(f"[bold red]rank {failure.rank} {failure.how}[/]; last log lines "
-                  f"({run_dir}/logs/rank_{failure.rank:05d}.log):")
+        con.print(
+            f"[bold red]rank {failure.rank} {failure.how}[/]; last log lines "
+            f"({run_dir}/logs/rank_{failure.rank:05d}.log):"
+        )
         for line in failure.log_tail:
             print(f"  | {line}")
         print(f"tessera: run failed: rank {failure.rank} {failure.how} (exit code {rc})", file=sys.stderr)
@@ -113,8 +126,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         con.print(f"[bold green]done[/]  final loss {s['final_loss']:.4f}")
         con.print(f"run dir:          {s['run_dir']}")
         con.print(f"last checkpoint:  {s['last_checkpoint']}")
-        con.print(f"W&B offline run:  {s['wandb_dir']}" + (
-            f"   (sync with: wandb sync {s['wandb_dir']})" if s.get("wandb_dir") else ""))
+        con.print(
+            f"W&B offline run:  {s['wandb_dir']}"
+            + (f"   (sync with: wandb sync {s['wandb_dir']})" if s.get("wandb_dir") else "")
+        )
         con.print(f"plots:            {', '.join(s['plots'])}")
     return 0
 
@@ -147,8 +162,11 @@ def cmd_config_show(args: argparse.Namespace) -> int:
         src = resolved.source_of(k)
         table.add_row(k, _fmt(v), src if src != "default" else "[dim]default[/]")
     for k in ("dp", "grad_accum", "global_batch"):
-        table.add_row(f"parallel.{k} (derived)", str(getattr(layout, k)),
-                      "[cyan]derived: global_batch = micro_batch x grad_accum x dp[/]")
+        table.add_row(
+            f"parallel.{k} (derived)",
+            str(getattr(layout, k)),
+            "[cyan]derived: global_batch = micro_batch x grad_accum x dp[/]",
+        )
     con = _console()
     con.width = max(con.width, 140)
     con.print(table)

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from helpers import REPO, free_port, read_metrics
 
 TESSERA = [sys.executable, "-m", "tessera.cli"]
@@ -54,12 +55,26 @@ def test_run_resume_through_deepspeed_launcher(tmp_path):
     assert sorted(x.name for x in ck.glob("step_*")) == ["step_000003", "step_000006"]
     assert not list(ck.glob(".tmp-*"))
     manifest = json.loads((out / "manifest.json").read_text())
-    for key in ("recipe", "recipe_hash", "git", "versions", "hardware", "layout", "seed", "data",
-                "tokenizer_hash", "launcher_command", "world_size"):
+    for key in (
+        "recipe",
+        "recipe_hash",
+        "git",
+        "versions",
+        "hardware",
+        "layout",
+        "seed",
+        "data",
+        "tokenizer_hash",
+        "launcher_command",
+        "world_size",
+    ):
         assert key in manifest, key
     assert manifest["versions"]["deepspeed"] and manifest["layout"]["zero"] == 2
     assert "--bind_cores_to_rank" in manifest["launcher_command"]
-    assert json.loads((ck / "step_000006" / "manifest.json").read_text())["recipe_hash"] == manifest["recipe_hash"]
+    assert (
+        json.loads((ck / "step_000006" / "manifest.json").read_text())["recipe_hash"]
+        == manifest["recipe_hash"]
+    )
     for png in ("loss.png", "step_time.png", "memory.png"):
         assert (out / png).stat().st_size > 1000
     wandb_runs = list((out / "wandb").glob("offline-run-*"))
@@ -81,8 +96,15 @@ def test_run_resume_through_deepspeed_launcher(tmp_path):
 @pytest.mark.slow
 def test_torchrun_launcher(tmp_path):
     out = tmp_path / "run"
-    p = tessera("run", RECIPE, f"run.out_dir={out}", f"run.master_port={free_port()}", "run.launcher=torchrun",
-                "train.steps=3", "tracking.wandb.mode=disabled")
+    p = tessera(
+        "run",
+        RECIPE,
+        f"run.out_dir={out}",
+        f"run.master_port={free_port()}",
+        "run.launcher=torchrun",
+        "train.steps=3",
+        "tracking.wandb.mode=disabled",
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
 
@@ -92,8 +114,15 @@ def test_hostfile_launch(tmp_path):
     out = tmp_path / "run"
     hf = tmp_path / "hostfile"
     hf.write_text("localhost slots=2\n")
-    p = tessera("run", RECIPE, f"run.out_dir={out}", f"run.master_port={free_port()}", f"run.hostfile={hf}",
-                "train.steps=3", "tracking.wandb.mode=disabled")
+    p = tessera(
+        "run",
+        RECIPE,
+        f"run.out_dir={out}",
+        f"run.master_port={free_port()}",
+        f"run.hostfile={hf}",
+        "train.steps=3",
+        "tracking.wandb.mode=disabled",
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert len(read_metrics(out)) == 3
 
@@ -102,9 +131,21 @@ def test_hostfile_launch(tmp_path):
 def test_sigkill_of_one_rank_fails_fast_and_names_it(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.Popen(
-        [*TESSERA, "run", RECIPE, f"run.out_dir={out}", f"run.master_port={free_port()}", "train.steps=100000",
-         "checkpoint.every=0", "checkpoint.at_end=false", "tracking.wandb.mode=disabled"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            *TESSERA,
+            "run",
+            RECIPE,
+            f"run.out_dir={out}",
+            f"run.master_port={free_port()}",
+            "train.steps=100000",
+            "checkpoint.every=0",
+            "checkpoint.at_end=false",
+            "tracking.wandb.mode=disabled",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         deadline = time.monotonic() + 240

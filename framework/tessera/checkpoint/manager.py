@@ -119,9 +119,7 @@ class CheckpointManager:
         _barrier()
         if self.rank == 0:
             write_json_atomic(tmp / "manifest.json", manifest)
-            files = sorted(
-                (str(p.relative_to(tmp)), p.stat().st_size) for p in tmp.rglob("*") if p.is_file()
-            )
+            files = sorted((str(p.relative_to(tmp)), p.stat().st_size) for p in tmp.rglob("*") if p.is_file())
             meta = {
                 "step": step,
                 "world_size": self.world_size,
@@ -151,20 +149,29 @@ class CheckpointManager:
         """Restore engine state, this rank's RNG, and return the checkpoint's meta (client state)."""
         meta_path = path / META
         if not meta_path.is_file():
-            raise CheckpointError("checkpoint is incomplete (no meta.json)", field="checkpoint",
-                                  value=str(path), fix="resume from an earlier step_* directory")
+            raise CheckpointError(
+                "checkpoint is incomplete (no meta.json)",
+                field="checkpoint",
+                value=str(path),
+                fix="resume from an earlier step_* directory",
+            )
         meta = json.loads(meta_path.read_text())
         if meta["world_size"] != self.world_size:
             raise CheckpointError(
                 f"checkpoint was written by {meta['world_size']} ranks, this run has {self.world_size}",
-                field="run.world_size", value=self.world_size,
+                field="run.world_size",
+                value=self.world_size,
                 fix=f"resume with run.world_size={meta['world_size']} (resharding is `tessera convert`)",
             )
         for entry in meta["files"]:
             f = path / entry["path"]
             if not f.is_file() or f.stat().st_size != entry["bytes"]:
-                raise CheckpointError("checkpoint file missing or truncated", field="checkpoint",
-                                      value=str(f), fix="resume from an earlier step_* directory")
+                raise CheckpointError(
+                    "checkpoint file missing or truncated",
+                    field="checkpoint",
+                    value=str(f),
+                    fix="resume from an earlier step_* directory",
+                )
         engine.load(path.parent, path.name)
         rng_file = path / f"rng_rank{self.rank:05d}.pt"
         set_rng_state(torch.load(rng_file, weights_only=False))

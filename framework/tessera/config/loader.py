@@ -74,14 +74,26 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except FileNotFoundError:
-        raise RecipeError("recipe file not found", field="recipe", value=str(path),
-                          fix="check the path (recipes live in recipes/)") from None
+        raise RecipeError(
+            "recipe file not found",
+            field="recipe",
+            value=str(path),
+            fix="check the path (recipes live in recipes/)",
+        ) from None
     except yaml.YAMLError as e:
-        raise RecipeError(f"not valid YAML: {e}", field="recipe", value=str(path),
-                          fix="fix the YAML syntax at the position shown") from None
+        raise RecipeError(
+            f"not valid YAML: {e}",
+            field="recipe",
+            value=str(path),
+            fix="fix the YAML syntax at the position shown",
+        ) from None
     if not isinstance(data, dict):
-        raise RecipeError("a recipe must be a mapping of sections", field="recipe", value=str(path),
-                          fix="start the file with sections such as 'model:' and 'parallel:'")
+        raise RecipeError(
+            "a recipe must be a mapping of sections",
+            field="recipe",
+            value=str(path),
+            fix="start the file with sections such as 'model:' and 'parallel:'",
+        )
     return data
 
 
@@ -97,7 +109,9 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _merge(dst: dict[str, Any], src: dict[str, Any], label: str, sources: dict[str, str], pre: str = "") -> None:
+def _merge(
+    dst: dict[str, Any], src: dict[str, Any], label: str, sources: dict[str, str], pre: str = ""
+) -> None:
     """Deep-merge ``src`` into ``dst`` (hf_config is replaced whole), recording ``label`` per leaf."""
     for k, v in src.items():
         key = f"{pre}{k}"
@@ -119,8 +133,12 @@ def _record(sources: dict[str, str], key: str, value: Any, label: str) -> None:
 def _load_layers(path: Path, sources: dict[str, str], seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     rp = path.resolve()
     if rp in seen:
-        raise RecipeError("include cycle", field="include", value=str(path),
-                          fix="remove the include that points back at " + " -> ".join(map(str, seen)))
+        raise RecipeError(
+            "include cycle",
+            field="include",
+            value=str(path),
+            fix="remove the include that points back at " + " -> ".join(map(str, seen)),
+        )
     raw = _read_yaml(path)
     includes = raw.pop("include", None) or []
     if isinstance(includes, str):
@@ -144,8 +162,12 @@ def _label(path: Path) -> str:
 def parse_override(text: str) -> tuple[str, Any]:
     """``parallel.zero=3`` -> ("parallel.zero", 3); the value is parsed as YAML (numbers, lists, null)."""
     if "=" not in text:
-        raise RecipeError("an override must look like section.field=value", field="override", value=text,
-                          fix="e.g. parallel.zero=3 or optim.lr=3e-4")
+        raise RecipeError(
+            "an override must look like section.field=value",
+            field="override",
+            value=text,
+            fix="e.g. parallel.zero=3 or optim.lr=3e-4",
+        )
     key, _, val = text.partition("=")
     key = key.strip()
     if not key or key.startswith(".") or key.endswith("."):
@@ -157,7 +179,9 @@ def parse_override(text: str) -> tuple[str, Any]:
     # YAML reads 3e-4 as a string (no dot); users mean a float.
     if isinstance(parsed, str):
         try:
-            parsed = float(parsed) if any(c in parsed for c in "eE.") and parsed[0] in "0123456789.-+" else parsed
+            parsed = (
+                float(parsed) if any(c in parsed for c in "eE.") and parsed[0] in "0123456789.-+" else parsed
+            )
         except ValueError:
             pass
     return key, parsed
@@ -209,9 +233,9 @@ def _known_fields(model: type[BaseModel], prefix: str = "") -> list[str]:
 def _get(data: dict[str, Any], loc: tuple[Any, ...]) -> Any:
     cur: Any = data
     for p in loc:
-        if isinstance(cur, dict) and p in cur:
-            cur = cur[p]
-        elif isinstance(cur, list | tuple) and isinstance(p, int) and p < len(cur):
+        if (isinstance(cur, dict) and p in cur) or (
+            isinstance(cur, list | tuple) and isinstance(p, int) and p < len(cur)
+        ):
             cur = cur[p]
         else:
             return None
@@ -240,12 +264,18 @@ def _friendly(e: ValidationError, data: dict[str, Any]) -> RecipeError:
     lines: list[str] = []
     first_field, first_value = None, None
     for err in e.errors():
-        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith(("function-", "literal["))))
+        loc = tuple(
+            p for p in err["loc"] if not (isinstance(p, str) and p.startswith(("function-", "literal[")))
+        )
         dotted = ".".join(str(p) for p in loc if not isinstance(p, int)) or "recipe"
         value = err.get("input") if err["type"] != "missing" else None
         if err["type"] == "extra_forbidden":
             close = difflib.get_close_matches(dotted, known, n=1, cutoff=0.6)
-            fix = f"did you mean '{close[0]}'?" if close else "remove it; see `tessera config show` for the fields"
+            fix = (
+                f"did you mean '{close[0]}'?"
+                if close
+                else "remove it; see `tessera config show` for the fields"
+            )
             msg = f"{dotted} = {value!r}: unknown field\n  fix: {fix}"
         elif err["type"] == "missing":
             msg = f"{dotted}: required field is missing\n  fix: add it to the recipe ({field_description(dotted) or ''})"

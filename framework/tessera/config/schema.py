@@ -23,7 +23,9 @@ class ModelSection(_Section):
     hf_config: dict[str, Any] | None = Field(
         None, description="inline Hugging Face config dict (must contain model_type)"
     )
-    path: str | None = Field(None, description="local HF config.json, config directory or pretrained directory")
+    path: str | None = Field(
+        None, description="local HF config.json, config directory or pretrained directory"
+    )
     pretrained: bool = Field(False, description="load the weights found in model.path (else random init)")
     attn_implementation: Literal["eager", "sdpa"] = Field(
         "eager", description="HF attention kernel; eager is bit-stable on CPU"
@@ -49,12 +51,20 @@ class DataSection(_Section):
         "auto", description="file format; auto picks by extension"
     )
     text_field: str = Field("text", description="column holding the text in jsonl / parquet files")
-    tokenizer: str = Field("bpe", description="'bpe' (train a byte-level BPE on the corpus) or a local tokenizer dir")
+    tokenizer: str = Field(
+        "bpe", description="'bpe' (train a byte-level BPE on the corpus) or a local tokenizer dir"
+    )
     vocab_size: int = Field(512, ge=260, description="vocabulary size of the locally trained BPE")
     seq_len: int = Field(128, ge=8, description="tokens per training sample")
-    packing: bool = Field(True, description="pack documents into full rows; false pads each document (labels -100)")
-    max_docs: int | None = Field(400, ge=1, description="cap on documents read (keeps CPU runs small); null = all")
-    cache_dir: str = Field(".cache/tessera", description="where tokenizers and tokenized data are cached by hash")
+    packing: bool = Field(
+        True, description="pack documents into full rows; false pads each document (labels -100)"
+    )
+    max_docs: int | None = Field(
+        400, ge=1, description="cap on documents read (keeps CPU runs small); null = all"
+    )
+    cache_dir: str = Field(
+        ".cache/tessera", description="where tokenizers and tokenized data are cached by hash"
+    )
 
     @model_validator(mode="after")
     def _files_given(self) -> DataSection:
@@ -78,7 +88,9 @@ class ParallelSection(_Section):
     grad_accum: int | None = Field(None, ge=1, description="micro-batches per step; default derived")
     offload_optimizer: bool = Field(False, description="ZeRO optimizer-state offload to CPU (stages 1-3)")
     offload_params: bool = Field(False, description="ZeRO parameter offload to CPU (stage 3 only)")
-    deepspeed_config: str | None = Field(None, description="path of a user DeepSpeed JSON merged under the recipe")
+    deepspeed_config: str | None = Field(
+        None, description="path of a user DeepSpeed JSON merged under the recipe"
+    )
 
     @field_validator("zero")
     @classmethod
@@ -105,7 +117,8 @@ class ParallelSection(_Section):
 
 class OptimSection(_Section):
     name: Literal["adamw", "deepspeed_adam"] = Field(
-        "adamw", description="adamw = torch.optim.AdamW; deepspeed_adam = DeepSpeed's fused / CPU Adam (JIT-built)"
+        "adamw",
+        description="adamw = torch.optim.AdamW; deepspeed_adam = DeepSpeed's fused / CPU Adam (JIT-built)",
     )
     lr: float = Field(3e-4, gt=0, description="peak learning rate")
     min_lr: float = Field(0.0, ge=0, description="floor of the cosine schedule")
@@ -151,7 +164,9 @@ class RunSection(_Section):
     master_addr: str = Field("127.0.0.1", description="rendezvous address")
     master_port: int = Field(29500, ge=1024, le=65535, description="rendezvous port")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda if available else cpu")
-    bind_cores_to_rank: bool = Field(True, description="deepspeed --bind_cores_to_rank on CPU (needs numactl)")
+    bind_cores_to_rank: bool = Field(
+        True, description="deepspeed --bind_cores_to_rank on CPU (needs numactl)"
+    )
 
     @field_validator("world_size")
     @classmethod

@@ -82,16 +82,25 @@ def build_ds_config(recipe: Recipe, layout: ParallelLayout, *, device: str) -> d
     try:
         user = json.loads(Path(user_path).read_text())
     except FileNotFoundError:
-        raise RecipeError("DeepSpeed config file not found", field="parallel.deepspeed_config",
-                          value=user_path, fix="give the path of an existing JSON file") from None
+        raise RecipeError(
+            "DeepSpeed config file not found",
+            field="parallel.deepspeed_config",
+            value=user_path,
+            fix="give the path of an existing JSON file",
+        ) from None
     except json.JSONDecodeError as e:
-        raise RecipeError(f"not valid JSON: {e}", field="parallel.deepspeed_config", value=user_path,
-                          fix="fix the JSON syntax") from None
+        raise RecipeError(
+            f"not valid JSON: {e}",
+            field="parallel.deepspeed_config",
+            value=user_path,
+            fix="fix the JSON syntax",
+        ) from None
     for section, owner in _OWNED_SECTIONS.items():
         if section in user:
             raise RecipeError(
                 f"'{section}' in {user_path} conflicts with the recipe, which builds it from {owner}",
-                field="parallel.deepspeed_config", value=user_path,
+                field="parallel.deepspeed_config",
+                value=user_path,
                 fix=f"remove '{section}' from the JSON and set {owner} in the recipe",
             )
     for field, path in _CONFLICT_KEYS:
@@ -103,9 +112,9 @@ def build_ds_config(recipe: Recipe, layout: ParallelLayout, *, device: str) -> d
             ours, theirs = ours is not None, theirs != "none"
         if theirs != ours:
             raise RecipeError(
-                f"conflicts with {'.'.join(path)} = {theirs!r} in {user_path} "
-                f"(the recipe gives {ours!r})",
-                field=field, value=ours,
+                f"conflicts with {'.'.join(path)} = {theirs!r} in {user_path} (the recipe gives {ours!r})",
+                field=field,
+                value=ours,
                 fix=f"remove {'.'.join(path)} from the JSON or set {field} to match it",
             )
     return _deep_merge(cfg, user)
@@ -227,6 +236,10 @@ class DeepSpeedEngine:
         if path is None:
             from tessera.errors import CheckpointError
 
-            raise CheckpointError("DeepSpeed found no checkpoint to load", field="checkpoint",
-                                  value=str(Path(root) / tag), fix="check the run directory's checkpoints/")
+            raise CheckpointError(
+                "DeepSpeed found no checkpoint to load",
+                field="checkpoint",
+                value=str(Path(root) / tag),
+                fix="check the run directory's checkpoints/",
+            )
         return client_state or {}

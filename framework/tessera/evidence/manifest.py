@@ -15,7 +15,16 @@ from pathlib import Path
 from typing import Any
 
 MANIFEST_VERSION = 1
-_PACKAGES = ("torch", "deepspeed", "megatron-core", "transformers", "datasets", "tokenizers", "wandb", "numpy")
+_PACKAGES = (
+    "torch",
+    "deepspeed",
+    "megatron-core",
+    "transformers",
+    "datasets",
+    "tokenizers",
+    "wandb",
+    "numpy",
+)
 
 
 def _version(pkg: str) -> str | None:
@@ -29,10 +38,19 @@ def git_state(cwd: Path | None = None) -> dict[str, Any]:
     """Commit and dirty flag of the checkout Tessera runs from (None outside a git work tree)."""
     where = cwd or Path(__file__).resolve().parent
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True,
-                                timeout=10, check=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=where,
-                                    capture_output=True, text=True, timeout=10, check=True).stdout.strip())
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = bool(
+            subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no"],
+                cwd=where,
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=True,
+            ).stdout.strip()
+        )
         return {"commit": commit, "dirty": dirty}
     except (OSError, subprocess.SubprocessError):
         return {"commit": None, "dirty": None}

@@ -35,8 +35,12 @@ def parse_hostfile(path: str) -> list[tuple[str, int]]:
     """``host slots=N`` lines (DeepSpeed's format); comments and blank lines ignored."""
     p = Path(path)
     if not p.is_file():
-        raise RecipeError("hostfile not found", field="run.hostfile", value=path,
-                          fix="give a file of lines like 'node1 slots=8'")
+        raise RecipeError(
+            "hostfile not found",
+            field="run.hostfile",
+            value=path,
+            fix="give a file of lines like 'node1 slots=8'",
+        )
     hosts: list[tuple[str, int]] = []
     for i, line in enumerate(p.read_text().splitlines(), 1):
         line = line.split("#", 1)[0].strip()
@@ -45,16 +49,26 @@ def parse_hostfile(path: str) -> list[tuple[str, int]]:
         parts = line.split()
         slots = [x for x in parts[1:] if x.startswith("slots=")]
         if len(parts) < 2 or not slots or not slots[0][6:].isdigit():
-            raise RecipeError(f"line {i} is not 'host slots=N': {line!r}", field="run.hostfile",
-                              value=path, fix="write one 'hostname slots=N' per line")
+            raise RecipeError(
+                f"line {i} is not 'host slots=N': {line!r}",
+                field="run.hostfile",
+                value=path,
+                fix="write one 'hostname slots=N' per line",
+            )
         hosts.append((parts[0], int(slots[0][6:])))
     if not hosts:
-        raise RecipeError("hostfile lists no hosts", field="run.hostfile", value=path,
-                          fix="add lines like 'localhost slots=2'")
+        raise RecipeError(
+            "hostfile lists no hosts",
+            field="run.hostfile",
+            value=path,
+            fix="add lines like 'localhost slots=2'",
+        )
     return hosts
 
 
-def build_command(recipe: Recipe, run_dir: Path, *, resume: bool, device: str) -> tuple[list[str], dict[str, str]]:
+def build_command(
+    recipe: Recipe, run_dir: Path, *, resume: bool, device: str
+) -> tuple[list[str], dict[str, str]]:
     """The exact launcher command and the environment additions for this run."""
     r = recipe.run
     env: dict[str, str] = {}
@@ -63,11 +77,20 @@ def build_command(recipe: Recipe, run_dir: Path, *, resume: bool, device: str) -
         env["DS_ACCELERATOR"] = "cpu"
     if r.launcher == "torchrun":
         if r.hostfile:
-            raise RecipeError("torchrun runs are single-node here; multi-node goes through the deepspeed launcher",
-                              field="run.launcher", value=r.launcher,
-                              fix="set run.launcher: deepspeed to use run.hostfile")
-        cmd = [_venv_bin("torchrun"), f"--nproc_per_node={r.world_size}", f"--master_addr={r.master_addr}",
-               f"--master_port={r.master_port}", "-m", *worker]
+            raise RecipeError(
+                "torchrun runs are single-node here; multi-node goes through the deepspeed launcher",
+                field="run.launcher",
+                value=r.launcher,
+                fix="set run.launcher: deepspeed to use run.hostfile",
+            )
+        cmd = [
+            _venv_bin("torchrun"),
+            f"--nproc_per_node={r.world_size}",
+            f"--master_addr={r.master_addr}",
+            f"--master_port={r.master_port}",
+            "-m",
+            *worker,
+        ]
         if device == "cpu":
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // r.world_size))
         return cmd, env
@@ -76,20 +99,30 @@ def build_command(recipe: Recipe, run_dir: Path, *, resume: bool, device: str) -
         hosts = parse_hostfile(r.hostfile)
         slots = sum(n for _, n in hosts)
         if slots != r.world_size:
-            raise LayoutError(f"the hostfile has {slots} slots in all", field="run.world_size",
-                              value=r.world_size, fix=f"set run.world_size: {slots} or edit {r.hostfile}")
+            raise LayoutError(
+                f"the hostfile has {slots} slots in all",
+                field="run.world_size",
+                value=r.world_size,
+                fix=f"set run.world_size: {slots} or edit {r.hostfile}",
+            )
         cmd += ["--hostfile", r.hostfile, "--no_ssh_check"]
     else:
         cmd += ["--num_gpus", str(r.world_size)]
     if device == "cpu" and r.bind_cores_to_rank:
         if shutil.which("numactl") is None:
-            raise RecipeError("deepspeed --bind_cores_to_rank needs numactl, which is not installed",
-                              field="run.bind_cores_to_rank", value=True,
-                              fix="apt-get install numactl (make setup does), or set run.bind_cores_to_rank: false")
+            raise RecipeError(
+                "deepspeed --bind_cores_to_rank needs numactl, which is not installed",
+                field="run.bind_cores_to_rank",
+                value=True,
+                fix="apt-get install numactl (make setup does), or set run.bind_cores_to_rank: false",
+            )
         if (os.cpu_count() or 1) < r.world_size:
-            raise LayoutError(f"cannot bind {r.world_size} ranks to {os.cpu_count()} cores",
-                              field="run.bind_cores_to_rank", value=True,
-                              fix="set run.bind_cores_to_rank: false or use fewer ranks")
+            raise LayoutError(
+                f"cannot bind {r.world_size} ranks to {os.cpu_count()} cores",
+                field="run.bind_cores_to_rank",
+                value=True,
+                fix="set run.bind_cores_to_rank: false or use fewer ranks",
+            )
         cmd.append("--bind_cores_to_rank")
     cmd += ["--master_addr", r.master_addr, "--master_port", str(r.master_port), "--module", *worker]
     return cmd, env
@@ -147,8 +180,11 @@ def _scan(logs: Path, world: int, pids: dict[int, int], dead_seen: dict[int, flo
                 vanished.append((dead_seen[rank], rank))
     if vanished:
         rank = min(vanished)[1]
-        return RankFailure(rank, "died without exiting (killed by a signal, e.g. SIGKILL or the OOM killer)",
-                           _tail(logs / f"rank_{rank:05d}.log"))
+        return RankFailure(
+            rank,
+            "died without exiting (killed by a signal, e.g. SIGKILL or the OOM killer)",
+            _tail(logs / f"rank_{rank:05d}.log"),
+        )
     if exited:
         _, _, rank, code = min(exited)
         how = "was terminated" if code == str(TERMINATED) else f"exited with code {code}"
@@ -173,7 +209,9 @@ def _stop_group(proc: subprocess.Popen, pids: dict[int, int]) -> None:
             continue
 
 
-def run_and_monitor(cmd: list[str], env_add: dict[str, str], run_dir: Path, world: int) -> tuple[int, RankFailure | None]:
+def run_and_monitor(
+    cmd: list[str], env_add: dict[str, str], run_dir: Path, world: int
+) -> tuple[int, RankFailure | None]:
     """Run the launcher; returns (exit code, the failed rank if one failed)."""
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)

@@ -28,8 +28,9 @@ class Family:
 _REGISTRY: dict[str, Family] = {}
 
 
-def register_family(name: str, *, model_types: tuple[str, ...], moe: bool = False,
-                    defaults: dict[str, Any] | None = None) -> Callable[[type], type]:
+def register_family(
+    name: str, *, model_types: tuple[str, ...], moe: bool = False, defaults: dict[str, Any] | None = None
+) -> Callable[[type], type]:
     """Class decorator: ``@register_family("llama", model_types=("llama",))`` on an adapter class."""
 
     def deco(cls: type) -> type:
@@ -88,18 +89,30 @@ def load_hf_config(section: ModelSection, *, vocab_size: int | None = None):
         try:
             cfg = AutoConfig.for_model(model_type, **cfg_dict)
         except (TypeError, ValueError) as e:
-            raise RecipeError(f"transformers rejects this config: {e}", field="model.hf_config",
-                              value=model_type, fix="fix the named key of model.hf_config") from None
+            raise RecipeError(
+                f"transformers rejects this config: {e}",
+                field="model.hf_config",
+                value=model_type,
+                fix="fix the named key of model.hf_config",
+            ) from None
     else:
         path = Path(section.path)  # type: ignore[arg-type]
         if not path.exists():
-            raise RecipeError("model path not found", field="model.path", value=str(path),
-                              fix="give a local config.json or a directory holding one")
+            raise RecipeError(
+                "model path not found",
+                field="model.path",
+                value=str(path),
+                fix="give a local config.json or a directory holding one",
+            )
         try:
             cfg = AutoConfig.from_pretrained(str(path), local_files_only=True)
         except (OSError, ValueError) as e:
-            raise RecipeError(f"cannot read an HF config there: {e}", field="model.path", value=str(path),
-                              fix="point at a directory with config.json") from None
+            raise RecipeError(
+                f"cannot read an HF config there: {e}",
+                field="model.path",
+                value=str(path),
+                fix="point at a directory with config.json",
+            ) from None
         family_of(cfg.model_type)
     return cfg
 
@@ -114,8 +127,9 @@ def check_vocab(cfg, tokenizer_vocab: int) -> None:
         )
 
 
-def build_model(section: ModelSection, *, seed: int, vocab_size: int | None = None,
-                dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def build_model(
+    section: ModelSection, *, seed: int, vocab_size: int | None = None, dtype: torch.dtype = torch.float32
+) -> torch.nn.Module:
     """The HF causal LM, initialised from ``seed`` (same weights on every rank and every layout)."""
     from transformers import AutoModelForCausalLM
 

@@ -110,8 +110,12 @@ def layout_from_recipe(recipe: Recipe) -> ParallelLayout:
                 fix=f"set parallel.{name}: 1 (tensor / pipeline / expert parallelism needs the megatron engine)",
             )
     if p.vpp > 1 and p.pp == 1:
-        raise LayoutError("virtual pipeline stages need pipeline parallelism", field="parallel.vpp",
-                          value=p.vpp, fix="set parallel.vpp: 1 or parallel.pp > 1")
+        raise LayoutError(
+            "virtual pipeline stages need pipeline parallelism",
+            field="parallel.vpp",
+            value=p.vpp,
+            fix="set parallel.vpp: 1 or parallel.pp > 1",
+        )
     model_par = p.tp * p.pp
     if ws % model_par:
         raise LayoutError(

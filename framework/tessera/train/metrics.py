@@ -25,7 +25,9 @@ class MetricsWriter:
     def __init__(self, path: Path, *, resume_step: int | None):
         self.path = path
         if resume_step is not None and path.is_file():
-            kept = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= resume_step]
+            kept = [
+                ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= resume_step
+            ]
             path.write_text("".join(ln + "\n" for ln in kept))
         elif resume_step is None and path.exists():
             path.unlink()
@@ -43,7 +45,9 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln.strip()]
 
 
-def plot_run(run_dir: Path, records: list[dict[str, Any]], memory_per_rank: list[int] | None = None) -> list[Path]:
+def plot_run(
+    run_dir: Path, records: list[dict[str, Any]], memory_per_rank: list[int] | None = None
+) -> list[Path]:
     """loss.png, step_time.png (distribution), memory.png (peak per rank); returns the files written."""
     if not records:
         return []

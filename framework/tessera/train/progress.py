@@ -18,8 +18,12 @@ class Progress:
         self._bar: RichProgress | None = None
         if enabled and self.console.is_terminal:
             self._bar = RichProgress(
-                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("{task.fields[status]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[status]}"),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
                 console=self.console,
             )
             self._task = self._bar.add_task("train", total=total, completed=start, status="")
@@ -38,8 +42,11 @@ class Progress:
         if self._bar is not None:
             self._bar.update(self._task, completed=step, status=self.status(rec))
         else:
-            print(f"[tessera] step {step}/{self.total}  {self.status(rec)}  "
-                  f"gnorm {rec['grad_norm']:.3f}  {rec['step_time_s'] * 1000:.0f} ms", flush=True)
+            print(
+                f"[tessera] step {step}/{self.total}  {self.status(rec)}  "
+                f"gnorm {rec['grad_norm']:.3f}  {rec['step_time_s'] * 1000:.0f} ms",
+                flush=True,
+            )
 
     def note(self, text: str) -> None:
         if not self.enabled:

@@ -44,8 +44,12 @@ def resolve_device(requested: str) -> str:
     if requested == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if requested == "cuda" and not torch.cuda.is_available():
-        raise TesseraError("no CUDA device is visible", field="run.device", value=requested,
-                           fix="use run.device: cpu or auto")
+        raise TesseraError(
+            "no CUDA device is visible",
+            field="run.device",
+            value=requested,
+            fix="use run.device: cpu or auto",
+        )
     return requested
 
 
@@ -63,16 +67,20 @@ def write_run_recipe(recipe: Recipe, run_dir: Path) -> Path:
 
 
 def _rank_env() -> tuple[int, int, int]:
-    return (int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)),
-            int(os.environ.get("WORLD_SIZE", 1)))
+    return (
+        int(os.environ.get("RANK", 0)),
+        int(os.environ.get("LOCAL_RANK", 0)),
+        int(os.environ.get("WORLD_SIZE", 1)),
+    )
 
 
 def _init_distributed(device: str) -> None:
     import deepspeed
 
     # DS picks gloo for the CPU accelerator and nccl for CUDA; the timeout bounds a hang on a dead peer
-    deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo",
-                               timeout=datetime.timedelta(minutes=5))
+    deepspeed.init_distributed(
+        dist_backend="nccl" if device == "cuda" else "gloo", timeout=datetime.timedelta(minutes=5)
+    )
 
 
 def _barrier() -> None:
@@ -106,8 +114,12 @@ def train(run_dir: Path, *, resume: bool = False) -> list[dict[str, Any]]:
         torch.cuda.set_device(local_rank)
     layout = layout_from_recipe(recipe)
     if layout.world_size != world:
-        raise TesseraError(f"the launcher started {world} ranks", field="run.world_size",
-                           value=layout.world_size, fix="launch through `tessera run` or match the world size")
+        raise TesseraError(
+            f"the launcher started {world} ranks",
+            field="run.world_size",
+            value=layout.world_size,
+            fix="launch through `tessera run` or match the world size",
+        )
     _init_distributed(device)
 
     # data: rank 0 builds (or finds) the cache first, the others then read it
@@ -122,18 +134,32 @@ def train(run_dir: Path, *, resume: bool = False) -> list[dict[str, Any]]:
     model = build_model(recipe.model, seed=recipe.train.seed, vocab_size=data.vocab_size)
     engine = DeepSpeedEngine(model, recipe, layout, device=device)
     dp_rank = rank  # the deepspeed engine is data-parallel over the whole world
-    sampler = StepSampler(len(data), global_batch=layout.global_batch, micro_batch=layout.micro_batch,
-                          grad_accum=layout.grad_accum, dp_rank=dp_rank, dp_size=layout.dp,
-                          seed=recipe.train.seed)
-    ckpt = CheckpointManager(run_dir / "checkpoints", keep=recipe.checkpoint.keep, rank=rank, world_size=world)
+    sampler = StepSampler(
+        len(data),
+        global_batch=layout.global_batch,
+        micro_batch=layout.micro_batch,
+        grad_accum=layout.grad_accum,
+        dp_rank=dp_rank,
+        dp_size=layout.dp,
+        seed=recipe.train.seed,
+    )
+    ckpt = CheckpointManager(
+        run_dir / "checkpoints", keep=recipe.checkpoint.keep, rank=rank, world_size=world
+    )
 
     launch_info = {}
     if (run_dir / "launch.json").is_file():
         launch_info = json.loads((run_dir / "launch.json").read_text())
     manifest = capture_manifest(
-        recipe=recipe.to_dict(), recipe_hash=recipe_hash(recipe), layout=layout.to_dict(),
-        data_fingerprint=data.fingerprint, tokenizer_hash=data.tokenizer_hash,
-        launcher_command=launch_info.get("command"), world_size=world, seed=recipe.train.seed, device=device,
+        recipe=recipe.to_dict(),
+        recipe_hash=recipe_hash(recipe),
+        layout=layout.to_dict(),
+        data_fingerprint=data.fingerprint,
+        tokenizer_hash=data.tokenizer_hash,
+        launcher_command=launch_info.get("command"),
+        world_size=world,
+        seed=recipe.train.seed,
+        device=device,
     )
 
     start_step = 0
@@ -141,8 +167,12 @@ def train(run_dir: Path, *, resume: bool = False) -> list[dict[str, Any]]:
     if resume:
         latest = ckpt.latest()
         if latest is None:
-            raise TesseraError("--resume found no complete checkpoint", field="run.out_dir", value=str(run_dir),
-                               fix="run without --resume to start fresh")
+            raise TesseraError(
+                "--resume found no complete checkpoint",
+                field="run.out_dir",
+                value=str(run_dir),
+                fix="run without --resume to start fresh",
+            )
         meta = ckpt.load(latest, engine)
         start_step = int(meta["step"])
         sampler.load_state_dict(meta["client_state"]["sampler"])
@@ -150,8 +180,11 @@ def train(run_dir: Path, *, resume: bool = False) -> list[dict[str, Any]]:
         old = json.loads((latest / "manifest.json").read_text())
         changed = diff_manifests(old, manifest)
         if rank == 0 and changed:
-            print(f"[tessera] resuming with {len(changed)} manifest difference(s): "
-                  + "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changed[:8]), flush=True)
+            print(
+                f"[tessera] resuming with {len(changed)} manifest difference(s): "
+                + "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changed[:8]),
+                flush=True,
+            )
     manifest["resumed_from"] = resumed_from
 
     tracker = None
@@ -170,7 +203,9 @@ def train(run_dir: Path, *, resume: bool = False) -> list[dict[str, Any]]:
     last_saved = start_step if resume else None
     try:
         for step in range(start_step + 1, total + 1):
-            micro = [{"input_ids": data.input_ids[idx], "labels": data.labels[idx]} for idx in sampler.next_step()]
+            micro = [
+                {"input_ids": data.input_ids[idx], "labels": data.labels[idx]} for idx in sampler.next_step()
+            ]
             if device == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
