@@ -124,13 +124,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     if summary_path.is_file():
         s = json.loads(summary_path.read_text())
         con.print(f"[bold green]done[/]  final loss {s['final_loss']:.4f}")
-        con.print(f"run dir:          {s['run_dir']}")
-        con.print(f"last checkpoint:  {s['last_checkpoint']}")
-        con.print(
-            f"W&B offline run:  {s['wandb_dir']}"
-            + (f"   (sync with: wandb sync {s['wandb_dir']})" if s.get("wandb_dir") else "")
-        )
-        con.print(f"plots:            {', '.join(s['plots'])}")
+        # plain prints: paths must stay copy-pasteable (rich would wrap them)
+        print(f"run dir:          {s['run_dir']}")
+        print(f"last checkpoint:  {s['last_checkpoint']}")
+        print(f"W&B offline run:  {s['wandb_dir']}")
+        if s.get("wandb_dir"):
+            print(f"                  (upload with: wandb sync {s['wandb_dir']})")
+        print(f"plots:            {', '.join(s['plots'])}")
     return 0
 
 

@@ -1,0 +1,137 @@
+"""Tessera's deepspeed engine vs a raw DeepSpeed training loop, side by side in one run.
+
+Both run on the same ranks, the same tiny model (same seed) and the same batches, alternating in blocks
+so that machine drift hits both equally. Prints the median step time of each and their ratio (the
+orchestration overhead Tessera adds: token-normalised loss, its all-reduces, LR setting) and writes JSON.
+
+    python tools/bench/bench_zero_vs_raw.py [--zero 2] [--world 2] [--steps 30] [--out bench-results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _rank(rank: int, world: int, port: int, args: argparse.Namespace, q) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        DS_ACCELERATOR="cpu",
+    )
+    import deepspeed
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    from tessera.config.loader import load_recipe
+    from tessera.data import StepSampler, prepare_data
+    from tessera.engines.deepspeed_engine import DeepSpeedEngine, build_ds_config
+    from tessera.models.hf import build_model
+    from tessera.plan.layout import layout_from_recipe
+
+    recipe = load_recipe(
+        REPO / "recipes" / "tiny-llama-cpu.yaml",
+        [f"parallel.zero={args.zero}", f"run.world_size={world}", "run.device=cpu"],
+    ).recipe
+    layout = layout_from_recipe(recipe)
+    deepspeed.init_distributed(dist_backend="gloo")
+    data = prepare_data(recipe.data, root=REPO)
+    sampler = StepSampler(
+        len(data),
+        global_batch=layout.global_batch,
+        micro_batch=layout.micro_batch,
+        grad_accum=layout.grad_accum,
+        dp_rank=rank,
+        dp_size=world,
+        seed=0,
+    )
+    batches = [[(data.input_ids[i], data.labels[i]) for i in sampler.next_step()] for _ in range(args.steps)]
+
+    tess = DeepSpeedEngine(
+        build_model(recipe.model, seed=1, vocab_size=data.vocab_size), recipe, layout, device="cpu"
+    )
+    raw_model = build_model(recipe.model, seed=1, vocab_size=data.vocab_size)
+    raw, _, _, _ = deepspeed.initialize(
+        model=raw_model,
+        optimizer=torch.optim.AdamW(raw_model.parameters(), lr=1e-3, foreach=False),
+        config=build_ds_config(recipe, layout, device="cpu"),
+    )
+
+    def raw_step(step: list) -> None:
+        for ids, labels in step:
+            loss = raw(input_ids=ids, labels=labels, use_cache=False).loss  # HF mean loss, per micro-batch
+            raw.backward(loss)
+            raw.step()
+
+    def tess_step(step: list, n: int) -> None:
+        tess.train_step([{"input_ids": i, "labels": lab} for i, lab in step], n)
+
+    times: dict[str, list[float]] = {"raw": [], "tessera": []}
+    block = 5
+    for start in range(0, args.steps, block):
+        for name in ("raw", "tessera"):
+            for k in range(start, min(start + block, args.steps)):
+                torch.distributed.barrier()
+                t0 = time.perf_counter()
+                raw_step(batches[k]) if name == "raw" else tess_step(batches[k], k + 1)
+                times[name].append(time.perf_counter() - t0)
+    torch.distributed.destroy_process_group()
+    if rank == 0:
+        q.put(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--zero", type=int, default=2)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--out", default=str(REPO / "bench-results"))
+    args = ap.parse_args()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_rank, args=(r, args.world, port, args, q)) for r in range(args.world)]
+    for p in procs:
+        p.start()
+    times = q.get(timeout=900)
+    for p in procs:
+        p.join()
+    warm = {k: v[5:] if len(v) > 10 else v for k, v in times.items()}  # first block includes warm-up
+    med = {k: statistics.median(v) for k, v in warm.items()}
+    result = {
+        "benchmark": "tessera_deepspeed_engine_vs_raw_deepspeed",
+        "zero": args.zero,
+        "world_size": args.world,
+        "steps": args.steps,
+        "median_step_s": med,
+        "ratio_tessera_over_raw": med["tessera"] / med["raw"],
+        "step_times_s": times,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"zero{args.zero}_vs_raw_ws{args.world}.json"
+    path.write_text(json.dumps(result, indent=2))
+    print(
+        f"ZeRO-{args.zero}, {args.world} ranks, median step: raw DeepSpeed {med['raw'] * 1e3:.1f} ms, "
+        f"Tessera {med['tessera'] * 1e3:.1f} ms, ratio Tessera/raw = {result['ratio_tessera_over_raw']:.3f}"
+    )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
