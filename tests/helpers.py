@@ -6,7 +6,6 @@ import json
 import multiprocessing as mp
 import os
 import socket
-import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -21,22 +20,15 @@ def free_port() -> int:
 
 
 def _rank_main(rank: int, world: int, port: int, run_dir: str, resume: bool) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS="1",
-        DS_ACCELERATOR="cpu",
-    )
+    from tessera.launch.local import set_rank_env
+
+    set_rank_env(rank, world, port)
     import torch
 
     torch.set_num_threads(1)
-    from tessera.train.worker import run_rank
+    from tessera.train.worker import exit_process, run_rank
 
-    sys.exit(run_rank(run_dir, resume))
+    exit_process(run_rank(run_dir, resume))
 
 
 def prepare_run(run_dir: Path, overrides: list[str], recipe: Path = DEFAULT_RECIPE):

@@ -107,3 +107,23 @@ def test_family_trains_under_zero2(tmp_path, family):
                     world=2, recipe=recipe)
     ls = losses(rec)
     assert len(ls) == 5 and ls[-1] < ls[0], ls
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["parallel.zero=2", "parallel.offload_optimizer=true"],
+        ["parallel.zero=3", "parallel.offload_optimizer=true", "parallel.offload_params=true"],
+    ],
+    ids=["zero2-offload-opt", "zero3-offload-opt-params"],
+)
+def test_offload_matches_the_reference(tmp_path, zero_runs, overrides):
+    rec = train_run(tmp_path / "offload", [f"train.steps={STEPS}", *overrides], world=2)
+    assert_close_rel(losses(rec), losses(zero_runs["ref"]), 1e-5)
+
+
+def test_bf16_trains(tmp_path, zero_runs):
+    rec = train_run(tmp_path / "bf16", ["train.steps=8", "parallel.zero=2", "train.precision=bf16"], world=2)
+    ls, ref = losses(rec), losses(zero_runs["ref"])[:8]
+    assert ls[-1] < ls[0]
+    assert_close_rel(ls, ref, 2e-2)  # bf16 compute stays near the fp32 curve

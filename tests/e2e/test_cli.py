@@ -79,6 +79,9 @@ def test_run_resume_through_deepspeed_launcher(tmp_path):
         assert (out / png).stat().st_size > 1000
     wandb_runs = list((out / "wandb").glob("offline-run-*"))
     assert len(wandb_runs) == 1
+    blob = b"".join(f.read_bytes() for f in wandb_runs[0].glob("*.wandb"))
+    for key in (b"recipe_hash", b"tokens_per_s", b"grad_norm", b"step_time_s", b"peak_memory_bytes"):
+        assert key in blob, key  # the manifest is the run config; every metric is logged
     first = read_metrics(out)
     assert [r["step"] for r in first] == list(range(1, 7))
     # a fresh run on a dir with checkpoints is refused (never mixes or overwrites)

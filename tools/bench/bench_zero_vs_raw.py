@@ -23,15 +23,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace, q) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        DS_ACCELERATOR="cpu",
-    )
+    from tessera.launch.local import set_rank_env
+
+    set_rank_env(rank, world, port, threads=max(1, (os.cpu_count() or 1) // world))
     import deepspeed
     import torch
 
@@ -91,6 +85,11 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, q) -> None
     torch.distributed.destroy_process_group()
     if rank == 0:
         q.put(times)
+        q.close()
+        q.join_thread()
+    from tessera.train.worker import exit_process
+
+    exit_process(0)
 
 
 def main() -> None:

@@ -56,38 +56,42 @@ def plot_run(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    def figure(name: str, title: str, xlabel: str, ylabel: str, draw) -> None:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        draw(ax)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        fig.tight_layout()
+        fig.savefig(run_dir / name, dpi=110)
+        plt.close(fig)
+        out.append(run_dir / name)
+
     out: list[Path] = []
     steps = [r["step"] for r in records]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(steps, [r["loss"] for r in records], marker=".")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title(f"loss — {run_dir.name}")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(run_dir / "loss.png", dpi=110)
-    plt.close(fig)
-    out.append(run_dir / "loss.png")
-
+    losses = [r["loss"] for r in records]
+    figure(
+        "loss.png",
+        f"loss — {run_dir.name}",
+        "step",
+        "loss",
+        lambda ax: (ax.plot(steps, losses, marker="."), ax.grid(alpha=0.3)),
+    )
     times = [r["step_time_s"] for r in records[1:]] or [records[0]["step_time_s"]]  # step 1 includes warmup
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.hist(times, bins=min(30, max(5, len(times) // 2)))
-    ax.set_xlabel("step time (s)")
-    ax.set_ylabel("steps")
-    ax.set_title("step-time distribution (first step excluded)")
-    fig.tight_layout()
-    fig.savefig(run_dir / "step_time.png", dpi=110)
-    plt.close(fig)
-    out.append(run_dir / "step_time.png")
-
+    figure(
+        "step_time.png",
+        "step-time distribution (first step excluded)",
+        "step time (s)",
+        "steps",
+        lambda ax: ax.hist(times, bins=min(30, max(5, len(times) // 2))),
+    )
     if memory_per_rank:
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.bar(range(len(memory_per_rank)), [m / 2**20 for m in memory_per_rank])
-        ax.set_xlabel("rank")
-        ax.set_ylabel("peak memory (MiB)")
-        ax.set_title("peak memory per rank")
-        fig.tight_layout()
-        fig.savefig(run_dir / "memory.png", dpi=110)
-        plt.close(fig)
-        out.append(run_dir / "memory.png")
+        mib = [m / 2**20 for m in memory_per_rank]
+        figure(
+            "memory.png",
+            "peak memory per rank",
+            "rank",
+            "peak memory (MiB)",
+            lambda ax: ax.bar(range(len(mib)), mib),
+        )
     return out

@@ -316,13 +316,22 @@ def run_rank(run_dir: str | Path, resume: bool = False) -> int:
     return code
 
 
+def exit_process(code: int) -> None:
+    """Leave without interpreter teardown: every file is written and flushed by now, and C++ threads of
+    the comm backends (gloo, DeepSpeed's shm op) intermittently abort the process ("terminate called
+    without an active exception") while static destructors run, turning a finished rank into a crash."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m tessera.train.worker")
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     args = ap.parse_args(argv)
-    sys.exit(run_rank(args.run_dir, resume=args.resume))
+    exit_process(run_rank(args.run_dir, resume=args.resume))
 
 
 if __name__ == "__main__":
