@@ -34,12 +34,10 @@ def _rank_main(rank: int, world: int, port: int, run_dir: str, resume: bool) -> 
 def prepare_run(run_dir: Path, overrides: list[str], recipe: Path = DEFAULT_RECIPE):
     """Resolve the recipe with overrides, write it into run_dir and warm the data cache (as the CLI does)."""
     from tessera.config.loader import load_recipe
-    from tessera.data import prepare_data
-    from tessera.train.worker import write_run_recipe
+    from tessera.train.worker import prepare_run_dir
 
     r = load_recipe(recipe, [*TEST_OVERRIDES, *overrides]).recipe
-    write_run_recipe(r, run_dir)
-    prepare_data(r.data, root=REPO)
+    prepare_run_dir(r, run_dir, root=REPO)
     return r
 
 

@@ -26,7 +26,9 @@ def _console():
 
 
 def _validate(path: str, overrides: list[str]):
-    """Everything that can be checked before launch, cheaply; returns (resolved, layout, device)."""
+    """Everything about the recipe that can be checked before launch, cheaply (the data files are checked
+    where they are read: by ``load_corpus`` on a dry run, by ``prepare_run_dir`` otherwise); returns
+    (resolved, layout, device)."""
     from tessera.config.loader import load_recipe
     from tessera.plan.layout import layout_from_recipe
 
@@ -51,9 +53,6 @@ def _validate(path: str, overrides: list[str]):
     cfg = load_hf_config(recipe.model)
     if recipe.data.tokenizer == "bpe":
         check_vocab(cfg, recipe.data.vocab_size)
-    from tessera.data import load_corpus
-
-    load_corpus(recipe.data, root=Path.cwd())  # missing files / empty globs fail here
     return resolved, layout, device
 
 
@@ -65,7 +64,7 @@ def run_dir_of(recipe, recipe_path: str) -> Path:
 def cmd_run(args: argparse.Namespace) -> int:
     from tessera.checkpoint.manager import CheckpointManager, write_json_atomic
     from tessera.launch.launcher import build_command, run_and_monitor
-    from tessera.train.worker import write_run_recipe
+    from tessera.train.worker import prepare_run_dir
 
     resolved, layout, device = _validate(args.recipe, args.overrides)
     recipe = resolved.recipe
@@ -75,12 +74,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     env_txt = " ".join(f"{k}={v}" for k, v in env.items())
     printable = (env_txt + " " if env_txt else "") + shlex.join(cmd)
     if args.dry_run:
+        from tessera.data import load_corpus
+
+        load_corpus(recipe.data, root=Path.cwd())  # missing files / empty globs fail here
         con.print(f"[bold]layout[/]  {layout.describe()}")
         con.print(f"[bold]device[/]  {device}")
         con.print(f"[bold]run dir[/] {run_dir}")
         con.print("[bold]command[/]")
         print(printable)
         return 0
+    if run_dir.exists() and not run_dir.is_dir():
+        raise TesseraError(
+            "the run directory is an existing file",
+            field="run.out_dir",
+            value=str(run_dir),
+            fix="point run.out_dir at a directory (new or an earlier run of this recipe)",
+        )
     ckpts = CheckpointManager(run_dir / "checkpoints", keep=recipe.checkpoint.keep, rank=0, world_size=1)
     if args.resume and ckpts.latest() is None:
         raise TesseraError(
@@ -96,13 +105,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             value=str(run_dir),
             fix="pass --resume to continue it, or set run.out_dir (or run.name) to a new directory",
         )
-    # data is tokenised and cached here, once, before any rank starts (errors surface before launch)
-    from tessera.data import prepare_data
-
     with con.status("preparing data (tokenizer + packing, cached by content hash)"):
-        data = prepare_data(recipe.data, root=Path.cwd())
+        data = prepare_run_dir(recipe, run_dir, root=Path.cwd())
     con.print(f"data: {len(data)} samples x {recipe.data.seq_len} tokens, vocab {data.vocab_size}")
-    write_run_recipe(recipe, run_dir)
     write_json_atomic(
         run_dir / "launch.json", {"command": printable, "argv": sys.argv, "resume": args.resume}
     )
@@ -143,12 +148,12 @@ def _fmt(v: Any) -> str:
 def cmd_config_show(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from tessera.config.loader import _flatten, load_recipe
+    from tessera.config.loader import flatten, load_recipe
     from tessera.plan.layout import layout_from_recipe
 
     resolved = load_recipe(args.recipe, args.overrides)
     layout = layout_from_recipe(resolved.recipe)
-    flat = _flatten(resolved.recipe.to_dict())
+    flat = flatten(resolved.recipe.to_dict())
     if args.json:
         out = {k: {"value": v, "source": resolved.source_of(k)} for k, v in flat.items()}
         out["derived"] = layout.to_dict()  # type: ignore[assignment]

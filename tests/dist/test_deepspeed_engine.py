@@ -89,10 +89,11 @@ def test_grad_accum_is_token_normalised(tmp_path):
     # the test means something only if micro-batches really carry different token counts
     from tessera.config.loader import load_recipe
     from tessera.data import StepSampler, prepare_data
+    from tessera.plan.layout import layout_from_recipe
 
     r = load_recipe(DEFAULT_RECIPE, [*common, "run.world_size=1"]).recipe
     data = prepare_data(r.data)
-    s = StepSampler(len(data), global_batch=4, micro_batch=2, grad_accum=2, dp_rank=0, dp_size=1, seed=r.train.seed)
+    s = StepSampler.for_layout(len(data), layout_from_recipe(r), rank=0, seed=r.train.seed)
     per_step = [[int((data.labels[mb][:, 1:] != -100).sum()) for mb in s.next_step()] for _ in range(6)]
     assert sum(a != b for a, b in per_step) >= 3, per_step
 

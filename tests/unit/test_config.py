@@ -107,6 +107,13 @@ def test_bad_input_has_no_traceback_in_a_real_process(tmp_path):
     assert "parallel.zero = 7" in p.stderr and "Traceback" not in p.stderr
 
 
+def test_run_dir_that_is_a_file_is_refused(tmp_path, capsys):
+    f = tmp_path / "not-a-dir"
+    f.write_text("x")
+    code, _, err = _run_cli(capsys, "run", str(DEFAULT_RECIPE), f"run.out_dir={f}")
+    assert code == 2 and "run.out_dir" in err and "existing file" in err
+
+
 def test_user_deepspeed_json_conflict_names_both(tmp_path, capsys):
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "reduce_bucket_size": 1000}}))

@@ -43,15 +43,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, q) -> None
     layout = layout_from_recipe(recipe)
     deepspeed.init_distributed(dist_backend="gloo")
     data = prepare_data(recipe.data, root=REPO)
-    sampler = StepSampler(
-        len(data),
-        global_batch=layout.global_batch,
-        micro_batch=layout.micro_batch,
-        grad_accum=layout.grad_accum,
-        dp_rank=rank,
-        dp_size=world,
-        seed=0,
-    )
+    sampler = StepSampler.for_layout(len(data), layout, rank=rank, seed=0)
     batches = [[(data.input_ids[i], data.labels[i]) for i in sampler.next_step()] for _ in range(args.steps)]
 
     tess = DeepSpeedEngine(

@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
+from tessera.comm.groups import barrier
 from tessera.errors import CheckpointError
 
 STEP_RE = re.compile(r"^step_(\d{6,})$")
@@ -71,11 +71,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
 class CheckpointManager:
     """Save / find / load checkpoints of one run directory (``<run_dir>/checkpoints``)."""
 
@@ -112,11 +107,11 @@ class CheckpointManager:
             self.root.mkdir(parents=True, exist_ok=True)
             for stale in self.root.glob(".tmp-*"):
                 shutil.rmtree(stale, ignore_errors=True)
-        _barrier()
+        barrier()
         engine.save(self.root, tmp_name, client_state)
         tmp.mkdir(parents=True, exist_ok=True)
         torch.save(rng_state(), tmp / f"rng_rank{self.rank:05d}.pt")
-        _barrier()
+        barrier()
         if self.rank == 0:
             write_json_atomic(tmp / "manifest.json", manifest)
             files = sorted((str(p.relative_to(tmp)), p.stat().st_size) for p in tmp.rglob("*") if p.is_file())
@@ -136,7 +131,7 @@ class CheckpointManager:
                 os.rename(tmp, final)
             write_text_atomic(self.root / LATEST, name + "\n")
             self._prune()
-        _barrier()
+        barrier()
         return final
 
     def _prune(self) -> None:

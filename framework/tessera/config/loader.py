@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from tessera.config.schema import Recipe
 from tessera.errors import RecipeError
 
 DEFAULT = "default"
+_FLOAT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 
 
 @dataclass
@@ -97,13 +99,18 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def _is_section(key: str, value: Any) -> bool:
+    """A nested mapping of recipe fields; ``model.hf_config`` is one value (an HF config dict), not a section."""
+    return isinstance(value, dict) and not key.endswith("hf_config")
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``, the dotted keys that provenance is recorded under."""
     out: dict[str, Any] = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
-        # hf_config is one value (an HF config dict), not a section of the recipe
-        if isinstance(v, dict) and v and not key.endswith("hf_config"):
-            out.update(_flatten(v, key + "."))
+        if _is_section(key, v) and v:
+            out.update(flatten(v, key + "."))
         else:
             out[key] = v
     return out
@@ -115,7 +122,7 @@ def _merge(
     """Deep-merge ``src`` into ``dst`` (hf_config is replaced whole), recording ``label`` per leaf."""
     for k, v in src.items():
         key = f"{pre}{k}"
-        if isinstance(v, dict) and isinstance(dst.get(k), dict) and not key.endswith("hf_config"):
+        if _is_section(key, v) and isinstance(dst.get(k), dict):
             _merge(dst[k], v, label, sources, key + ".")
         else:
             dst[k] = v
@@ -123,11 +130,9 @@ def _merge(
 
 
 def _record(sources: dict[str, str], key: str, value: Any, label: str) -> None:
-    if isinstance(value, dict) and not key.endswith("hf_config"):
-        for sub, _ in _flatten(value, key + ".").items():
-            sources[sub] = label
-    else:
-        sources[key] = label
+    leaves = flatten(value, key + ".") if _is_section(key, value) else {key: value}
+    for leaf in leaves:
+        sources[leaf] = label
 
 
 def _load_layers(path: Path, sources: dict[str, str], seen: tuple[Path, ...] = ()) -> dict[str, Any]:
@@ -176,14 +181,9 @@ def parse_override(text: str) -> tuple[str, Any]:
         parsed = yaml.safe_load(val) if val.strip() else ""
     except yaml.YAMLError:
         parsed = val
-    # YAML reads 3e-4 as a string (no dot); users mean a float.
-    if isinstance(parsed, str):
-        try:
-            parsed = (
-                float(parsed) if any(c in parsed for c in "eE.") and parsed[0] in "0123456789.-+" else parsed
-            )
-        except ValueError:
-            pass
+    # YAML 1.1 reads 3e-4 (no dot) as a string; users mean a float.
+    if isinstance(parsed, str) and _FLOAT.match(parsed):
+        parsed = float(parsed)
     return key, parsed
 
 

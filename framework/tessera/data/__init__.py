@@ -8,7 +8,7 @@ consumes, the same set per step whatever the layout.
 from __future__ import annotations
 
 from tessera.data.corpus import Corpus, load_corpus, load_documents
-from tessera.data.dataset import IGNORE_INDEX, PreparedData, prepare_data
+from tessera.data.dataset import IGNORE_INDEX, PreparedData, load_prepared, prepare_data
 from tessera.data.sampler import StepSampler
 from tessera.data.tokenizer import TokenizerInfo, load_tokenizer
 
@@ -20,6 +20,7 @@ __all__ = [
     "TokenizerInfo",
     "load_corpus",
     "load_documents",
+    "load_prepared",
     "load_tokenizer",
     "prepare_data",
 ]

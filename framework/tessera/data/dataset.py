@@ -49,9 +49,38 @@ class PreparedData:
     tokenizer_hash: str
     fingerprint: dict[str, Any]
     """files, content_hash, data_hash, num_docs, num_tokens, num_samples, seq_len, packing."""
+    cache_file: str
+    """the cached tensors these rows were read from"""
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
+
+    def record(self) -> dict[str, Any]:
+        """Everything but the tensors, as JSON: what :func:`load_prepared` needs to skip the hashing."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("input_ids", "labels")}
+
+
+def load_prepared(record: dict[str, Any]) -> PreparedData:
+    """The data that :meth:`PreparedData.record` describes, read straight from its cache file.
+
+    ``tessera run`` prepares the data once before launch and hands this record to the ranks, so that N
+    ranks do not each re-hash every data file and reload the tokenizer.
+    """
+    payload = _read_cache(Path(record["cache_file"]))
+    if payload is None:
+        raise DataError(
+            "the prepared data cache file is gone",
+            field="data.cache_dir",
+            value=record["cache_file"],
+            fix="run `tessera run` again (it rebuilds the cache)",
+        )
+    input_ids, labels = _tensors(payload)
+    return PreparedData(input_ids=input_ids, labels=labels, **record)
+
+
+def _tensors(payload: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    input_ids = payload["input_ids"]
+    return input_ids, input_ids.clone() if payload["labels"] is None else payload["labels"]
 
 
 def prepare_data(section: DataSection, *, root: Path | None = None) -> PreparedData:
@@ -82,8 +111,7 @@ def prepare_data(section: DataSection, *, root: Path | None = None) -> PreparedD
             if payload is None:
                 payload = _build(section, corpus, tokenizer, eos_id=eos_id, pad_id=pad_id)
                 atomic_torch_save(payload, target)
-    input_ids = payload["input_ids"]
-    labels = input_ids.clone() if payload["labels"] is None else payload["labels"]
+    input_ids, labels = _tensors(payload)
     fingerprint = {
         "source": corpus.fingerprint["source"],
         "files": corpus.fingerprint["files"],
@@ -104,6 +132,7 @@ def prepare_data(section: DataSection, *, root: Path | None = None) -> PreparedD
         tokenizer_dir=str(tok.tokenizer_dir),
         tokenizer_hash=tok.tokenizer_hash,
         fingerprint=fingerprint,
+        cache_file=str(target),
     )
 
 

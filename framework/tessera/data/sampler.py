@@ -15,11 +15,14 @@ exactly, mid-epoch or at an epoch boundary.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tessera.errors import CheckpointError, DataError, LayoutError
+
+if TYPE_CHECKING:
+    from tessera.plan.layout import ParallelLayout
 
 
 class StepSampler:
@@ -69,6 +72,19 @@ class StepSampler:
         self.step_in_epoch = 0
         self.consumed_samples = 0
         self._perm: tuple[int, torch.Tensor] | None = None  # (epoch, permutation), the one in use
+
+    @classmethod
+    def for_layout(cls, num_samples: int, layout: ParallelLayout, *, rank: int, seed: int) -> StepSampler:
+        """The sampler of global ``rank`` in ``layout`` (batch split and dp rank come from the layout)."""
+        return cls(
+            num_samples,
+            global_batch=layout.global_batch,
+            micro_batch=layout.micro_batch,
+            grad_accum=layout.grad_accum,
+            dp_rank=layout.dp_rank(rank),
+            dp_size=layout.dp,
+            seed=seed,
+        )
 
     @property
     def steps_per_epoch(self) -> int:

@@ -15,9 +15,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tessera.comm.groups import multi_rank
 from tessera.config.schema import Recipe
 from tessera.engines.base import StepResult, label_tokens, summed_token_loss
-from tessera.errors import RecipeError
+from tessera.errors import CheckpointError, RecipeError
 from tessera.plan.layout import ParallelLayout
 from tessera.train.schedule import lr_factor
 
@@ -171,11 +172,11 @@ class DeepSpeedEngine:
     def module(self) -> torch.nn.Module:
         return self.engine.module
 
-    def _all_reduce_sum(self, values: list[float]) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
+    def _dp_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` in place over the data-parallel group."""
+        if multi_rank():
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.dp_group)
-        return t.tolist()
+        return t
 
     def set_lr(self, step: int) -> float:
         lr = self._optim_cfg.lr * lr_factor(step - 1, optim=self._optim_cfg, total_steps=self._total_steps)
@@ -189,11 +190,12 @@ class DeepSpeedEngine:
         lr = self.set_lr(step)
         local_tokens = float(sum(label_tokens(mb["labels"]) for mb in micro_batches))
         local_inputs = float(sum(mb["input_ids"].numel() for mb in micro_batches))
-        global_tokens, global_inputs = self._all_reduce_sum([local_tokens, local_inputs])
+        counts = torch.tensor([local_tokens, local_inputs], dtype=torch.float64, device=self.device)
+        global_tokens, global_inputs = self._dp_sum(counts).tolist()
         # DeepSpeed divides by grad_accum (scale_wrt_gas) and averages over dp: undo both so that the
         # gradient is d(sum of token losses)/d(theta) / (tokens in the global batch).
         scale = self.layout.grad_accum * self.layout.dp / max(global_tokens, 1.0)
-        loss_sum = 0.0
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self.engine.train()
         manual_norm = None
         for i, mb in enumerate(micro_batches):
@@ -201,18 +203,18 @@ class DeepSpeedEngine:
             labels = mb["labels"].to(self.device, non_blocking=True)
             logits = self.engine(input_ids=ids, use_cache=False).logits
             token_loss = summed_token_loss(logits, labels)
-            loss_sum += float(token_loss.detach())
+            loss_sum += token_loss.detach()  # stays on the device: no sync per micro-batch
             self.engine.backward(token_loss * scale)
             if i == len(micro_batches) - 1 and self.layout.zero == 0:
                 # without ZeRO, DeepSpeed clips but does not keep the norm; gradients are all-reduced
                 # by now (backward at the boundary), so the pre-clip norm is the same on every rank
                 manual_norm = self._grad_norm()
             self.engine.step()
-        (global_loss_sum,) = self._all_reduce_sum([loss_sum])
+        self._dp_sum(loss_sum)
         grad_norm = self.engine.get_global_grad_norm() if manual_norm is None else manual_norm
         grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
         return StepResult(
-            loss=global_loss_sum / max(global_tokens, 1.0),
+            loss=float(loss_sum) / max(global_tokens, 1.0),
             grad_norm=grad_norm,
             lr=lr,
             tokens=int(global_tokens),
@@ -234,8 +236,6 @@ class DeepSpeedEngine:
             str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False
         )
         if path is None:
-            from tessera.errors import CheckpointError
-
             raise CheckpointError(
                 "DeepSpeed found no checkpoint to load",
                 field="checkpoint",

@@ -1,15 +1,14 @@
 """Hugging Face causal LMs from an inline config dict or a local directory, one registered family each.
 
-A family entry says which HF ``model_type`` values it covers and the config keys that its recipes may
-leave out. The megatron adapters (issue 3) hang off the same registry.
+A family entry says which HF ``model_type`` values it covers. The megatron adapters (issue 3) hang off
+the same registry.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -21,20 +20,16 @@ from tessera.errors import RecipeError
 class Family:
     name: str
     model_types: tuple[str, ...]
-    moe: bool = False
-    defaults: dict[str, Any] = field(default_factory=dict)
 
 
 _REGISTRY: dict[str, Family] = {}
 
 
-def register_family(
-    name: str, *, model_types: tuple[str, ...], moe: bool = False, defaults: dict[str, Any] | None = None
-) -> Callable[[type], type]:
+def register_family(name: str, *, model_types: tuple[str, ...]) -> Callable[[type], type]:
     """Class decorator: ``@register_family("llama", model_types=("llama",))`` on an adapter class."""
 
     def deco(cls: type) -> type:
-        _REGISTRY[name] = Family(name=name, model_types=model_types, moe=moe, defaults=defaults or {})
+        _REGISTRY[name] = Family(name=name, model_types=model_types)
         cls.family = _REGISTRY[name]
         return cls
 
@@ -57,7 +52,7 @@ class MistralFamily: ...
 class GPT2Family: ...
 
 
-@register_family("mixtral", model_types=("mixtral",), moe=True)
+@register_family("mixtral", model_types=("mixtral",))
 class MixtralFamily: ...
 
 
@@ -145,12 +140,3 @@ def build_model(
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation=section.attn_implementation)
         model.to(dtype)
     return model
-
-
-def count_parameters(cfg) -> int:
-    """Parameters of the model that ``cfg`` describes, counted on the meta device (no memory)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
-    return sum(p.numel() for p in model.parameters())

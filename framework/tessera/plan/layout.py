@@ -15,8 +15,8 @@ from tessera.errors import LayoutError, RecipeError
 
 #: What each engine can run today. One table, read by validation and (later) the planner.
 ENGINE_SUPPORT: dict[str, dict[str, Any]] = {
-    "deepspeed": {"tp": False, "pp": False, "ep": False, "zero": (0, 1, 2, 3), "available": True},
-    "megatron": {"tp": True, "pp": True, "ep": True, "zero": (0, 1, 2, 3), "available": False},
+    "deepspeed": {"tp": False, "pp": False, "ep": False, "available": True},
+    "megatron": {"tp": True, "pp": True, "ep": True, "available": False},
 }
 
 
@@ -77,6 +77,12 @@ class ParallelLayout:
     @property
     def pp_enabled(self) -> bool:
         return self.pp > 1
+
+    def dp_rank(self, rank: int) -> int:
+        """The data-parallel rank of global ``rank`` (the deepspeed engine: data-parallel over the world)."""
+        if self.tp * self.pp != 1:
+            raise NotImplementedError("rank order with model parallelism comes with the megatron engine")
+        return rank
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -27,11 +27,13 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from tessera.comm.groups import all_gather_int
 from tessera.config.loader import recipe_hash, validate_recipe
 from tessera.config.schema import Recipe
 from tessera.errors import EXIT_USER_ERROR, TesseraError
 
 RECIPE_FILE = "recipe.resolved.yaml"
+DATA_RECORD = "data.json"  # the prepared data the ranks read (written by prepare_run_dir)
 EXIT_DIVERGED = 3
 TERMINATED = 143  # what a rank stopped by SIGTERM reports (128 + 15)
 
@@ -66,6 +68,18 @@ def write_run_recipe(recipe: Recipe, run_dir: Path) -> Path:
     return path
 
 
+def prepare_run_dir(recipe: Recipe, run_dir: Path, *, root: Path):
+    """What every launch does before any rank starts: the resolved recipe and the prepared data
+    (tokenised and cached once, here; data errors surface before launch). Returns the data."""
+    from tessera.checkpoint.manager import write_json_atomic
+    from tessera.data import prepare_data
+
+    write_run_recipe(recipe, run_dir)
+    data = prepare_data(recipe.data, root=root)
+    write_json_atomic(run_dir / DATA_RECORD, data.record())
+    return data
+
+
 def _rank_env() -> tuple[int, int, int]:
     return (
         int(os.environ.get("RANK", 0)),
@@ -83,23 +97,10 @@ def _init_distributed(device: str) -> None:
     )
 
 
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
-def _gather_int(value: int) -> list[int]:
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return [value]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return [int(v) for v in out]
-
-
 def train(run_dir: Path, *, resume: bool = False) -> list[dict[str, Any]]:
     """Train this rank; returns the per-step records (complete on rank 0)."""
     from tessera.checkpoint.manager import CheckpointManager, write_json_atomic
-    from tessera.data import StepSampler, prepare_data
+    from tessera.data import StepSampler, load_prepared, prepare_data
     from tessera.engines.deepspeed_engine import DeepSpeedEngine
     from tessera.evidence.manifest import capture_manifest, diff_manifests
     from tessera.models.hf import build_model
@@ -122,27 +123,18 @@ def train(run_dir: Path, *, resume: bool = False) -> list[dict[str, Any]]:
         )
     _init_distributed(device)
 
-    # data: rank 0 builds (or finds) the cache first, the others then read it
-    root = Path.cwd()
-    if rank == 0:
-        data = prepare_data(recipe.data, root=root)
-    _barrier()
-    if rank != 0:
-        data = prepare_data(recipe.data, root=root)
+    # `tessera run` prepared the data once before launch; without it, every rank prepares (the data
+    # cache's lock lets one build while the others wait)
+    record = run_dir / DATA_RECORD
+    if record.is_file():
+        data = load_prepared(json.loads(record.read_text()))
+    else:
+        data = prepare_data(recipe.data, root=Path.cwd())
 
     # DeepSpeed casts to bf16 itself and keeps fp32 masters; build in fp32 so every layout starts equal
     model = build_model(recipe.model, seed=recipe.train.seed, vocab_size=data.vocab_size)
     engine = DeepSpeedEngine(model, recipe, layout, device=device)
-    dp_rank = rank  # the deepspeed engine is data-parallel over the whole world
-    sampler = StepSampler(
-        len(data),
-        global_batch=layout.global_batch,
-        micro_batch=layout.micro_batch,
-        grad_accum=layout.grad_accum,
-        dp_rank=dp_rank,
-        dp_size=layout.dp,
-        seed=recipe.train.seed,
-    )
+    sampler = StepSampler.for_layout(len(data), layout, rank=rank, seed=recipe.train.seed)
     ckpt = CheckpointManager(
         run_dir / "checkpoints", keep=recipe.checkpoint.keep, rank=rank, world_size=world
     )
@@ -239,7 +231,7 @@ def train(run_dir: Path, *, resume: bool = False) -> list[dict[str, Any]]:
                 progress.note(f"checkpoint step {step}")
     finally:
         progress.close()
-    peaks = _gather_int(peak_memory_bytes(engine.device))
+    peaks = all_gather_int(peak_memory_bytes(engine.device))
     if rank == 0:
         writer.close()  # type: ignore[union-attr]
         from tessera.train.metrics import read_metrics
