@@ -80,7 +80,16 @@ class ParallelSection(_Section):
     pp: int = Field(1, ge=1, description="pipeline-parallel degree")
     vpp: int = Field(1, ge=1, description="virtual pipeline stages per rank (interleaved schedule)")
     ep: int = Field(1, ge=1, description="expert-parallel degree (MoE families)")
-    zero: int = Field(0, description="DeepSpeed ZeRO stage 0-3")
+    zero: int = Field(0, description="ZeRO stage 0-3 (sharding of optimizer state / grads / params over dp)")
+    zero_impl: Literal["auto", "megatron", "deepspeed"] = Field(
+        "auto",
+        description="engine megatron: who shards over dp - megatron's DistributedOptimizer (zero 0-1) or "
+        "DeepSpeed ZeRO over the dp group (zero 1-3, pp = 1); auto = megatron for 0-1, deepspeed for 2-3",
+    )
+    sequence_parallel: bool | Literal["auto"] = Field(
+        "auto", description="engine megatron: sequence parallelism in the TP regions; auto = on when tp > 1 "
+        "and megatron shards over dp"
+    )
     micro_batch: int = Field(1, ge=1, description="samples per rank per forward/backward")
     global_batch: int | None = Field(
         None, ge=1, description="samples per optimizer step over all ranks; default micro*grad_accum*dp"

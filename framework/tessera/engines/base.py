@@ -31,13 +31,15 @@ class StepResult:
 
 
 class Engine(Protocol):
-    """build (constructor), train_step, save, load."""
+    """build (constructor), train_step, save, load, close."""
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]], step: int) -> StepResult: ...
 
     def save(self, root: Path, tag: str, client_state: dict[str, Any]) -> None: ...
 
     def load(self, root: Path, tag: str) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
 
 
 def label_tokens(labels: torch.Tensor) -> int:

@@ -228,6 +228,9 @@ class DeepSpeedEngine:
                 sq += p.grad.detach().double().pow(2).sum()
         return float(sq.sqrt())
 
+    def close(self) -> None:
+        """Nothing to release: the process group belongs to the worker."""
+
     def save(self, root: Path, tag: str, client_state: dict[str, Any]) -> None:
         self.engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
 

@@ -16,7 +16,7 @@ from tessera.errors import LayoutError, RecipeError
 #: What each engine can run today. One table, read by validation and (later) the planner.
 ENGINE_SUPPORT: dict[str, dict[str, Any]] = {
     "deepspeed": {"tp": False, "pp": False, "ep": False, "available": True},
-    "megatron": {"tp": True, "pp": True, "ep": True, "available": False},
+    "megatron": {"tp": True, "pp": True, "ep": True, "available": True},
 }
 
 
@@ -40,6 +40,8 @@ class ParallelLayout:
     global_batch: int = 1
     offload_optimizer: bool = False
     offload_params: bool = False
+    sequence_parallel: bool = False
+    zero_impl: str = "deepspeed"  # engine megatron: "megatron" (DistributedOptimizer) or "deepspeed"
 
     def __post_init__(self) -> None:
         if self.dp * self.tp * self.pp != self.world_size:
@@ -78,11 +80,14 @@ class ParallelLayout:
     def pp_enabled(self) -> bool:
         return self.pp > 1
 
+    def coords(self, rank: int) -> dict[str, int]:
+        """Position of global ``rank`` in the grid. Order (fastest first) tp, dp, pp: megatron-core's
+        default "tp-cp-ep-dp-pp" without context parallelism (ep groups are carved out of dp x tp)."""
+        return {"tp": rank % self.tp, "dp": (rank // self.tp) % self.dp, "pp": rank // (self.tp * self.dp)}
+
     def dp_rank(self, rank: int) -> int:
-        """The data-parallel rank of global ``rank`` (the deepspeed engine: data-parallel over the world)."""
-        if self.tp * self.pp != 1:
-            raise NotImplementedError("rank order with model parallelism comes with the megatron engine")
-        return rank
+        """The data-parallel rank of global ``rank``: which slice of the global batch it reads."""
+        return self.coords(rank)["dp"]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -150,7 +155,13 @@ def layout_from_recipe(recipe: Recipe) -> ParallelLayout:
             ga = gb // (mb * dp)
         else:
             ga = p.grad_accum
-    return ParallelLayout(
+    zero_impl = "deepspeed"
+    if p.engine == "megatron":
+        zero_impl = p.zero_impl if p.zero_impl != "auto" else ("megatron" if p.zero <= 1 else "deepspeed")
+    sp = p.sequence_parallel
+    if sp == "auto":
+        sp = p.engine == "megatron" and p.tp > 1 and zero_impl == "megatron"
+    layout = ParallelLayout(
         engine=p.engine,
         world_size=ws,
         dp=dp,
@@ -164,4 +175,66 @@ def layout_from_recipe(recipe: Recipe) -> ParallelLayout:
         global_batch=gb,
         offload_optimizer=p.offload_optimizer,
         offload_params=p.offload_params,
+        sequence_parallel=bool(sp),
+        zero_impl=zero_impl,
     )
+    if p.engine == "megatron":
+        from tessera.models.hf import load_hf_config
+        from tessera.models.megatron import adapter_for
+
+        hf_cfg = load_hf_config(recipe.model, vocab_size=recipe.data.vocab_size)
+        check_megatron_layout(layout, adapter_for(hf_cfg.model_type).shape(hf_cfg))
+    return layout
+
+
+def check_megatron_layout(layout: ParallelLayout, shape: Any) -> None:
+    """Every combination the megatron engine cannot run, with its reason: the one place that decides.
+
+    ``shape`` is the model's :class:`tessera.models.megatron.ModelShape`.
+    """
+    L, tp, pp, vpp, ep = layout, layout.tp, layout.pp, layout.vpp, layout.ep  # noqa: N806
+    rules: list[tuple[bool, str, Any, str, str]] = [
+        (shape.num_heads % tp != 0, "parallel.tp", tp,
+         f"num_attention_heads={shape.num_heads} is not divisible by tp={tp}",
+         "set parallel.tp to a divisor of the head count"),
+        (shape.num_query_groups % tp != 0, "parallel.tp", tp,
+         f"num_key_value_heads={shape.num_query_groups} is not divisible by tp={tp} (each TP rank needs "
+         "whole KV heads)", "set parallel.tp to a divisor of the KV head count"),
+        (shape.num_layers % (pp * vpp) != 0, "parallel.pp", pp,
+         f"num_hidden_layers={shape.num_layers} is not divisible by pp*vpp={pp}*{vpp}={pp * vpp}",
+         "choose pp and vpp whose product divides the layer count"),
+        (ep > 1 and shape.num_experts == 0, "parallel.ep", ep,
+         "expert parallelism needs a mixture-of-experts model", "set parallel.ep: 1"),
+        (ep > 1 and shape.num_experts % ep != 0, "parallel.ep", ep,
+         f"num_local_experts={shape.num_experts} is not divisible by ep={ep}",
+         "set parallel.ep to a divisor of the expert count"),
+        (L.zero >= 2 and pp > 1, "parallel.zero", L.zero,
+         f"ZeRO-{L.zero} shards gradients across micro-batches, which pipeline parallelism (pp={pp}) "
+         "accumulates per stage; no engine composes them",
+         "use parallel.zero: 1 (megatron's distributed optimizer) with pp > 1, or pp: 1"),
+        (L.zero_impl == "deepspeed" and pp > 1, "parallel.zero_impl", "deepspeed",
+         "DeepSpeed ZeRO is composed with megatron-core only without pipeline parallelism",
+         "set parallel.zero_impl: megatron (or auto) with parallel.zero 0 or 1"),
+        (L.zero_impl == "megatron" and L.zero >= 2, "parallel.zero", L.zero,
+         "megatron-core's distributed optimizer shards optimizer state only (ZeRO-1)",
+         "use parallel.zero_impl: deepspeed (or auto) for ZeRO-2/3, or parallel.zero: 1"),
+        (L.zero_impl == "deepspeed" and L.zero == 0, "parallel.zero_impl", "deepspeed",
+         "DeepSpeed without ZeRO adds nothing to megatron's own data parallelism",
+         "set parallel.zero_impl: auto (megatron DDP for zero 0)"),
+        (L.sequence_parallel and tp == 1, "parallel.sequence_parallel", True,
+         "sequence parallelism splits the TP regions, and tp=1 has none", "set it to auto or false"),
+        (L.sequence_parallel and L.zero_impl == "deepspeed", "parallel.sequence_parallel", True,
+         "DeepSpeed does not all-reduce the sequence-parallel norm gradients across TP ranks",
+         "set parallel.sequence_parallel: false (or auto) with DeepSpeed ZeRO"),
+        (ep > 1 and tp > 1 and not L.sequence_parallel, "parallel.sequence_parallel", False,
+         "megatron-core's MoE layers with tp > 1 and ep > 1 need sequence parallelism",
+         "set parallel.sequence_parallel: auto (and zero_impl megatron)"),
+        (vpp > 1 and L.grad_accum % pp != 0, "parallel.grad_accum", L.grad_accum,
+         f"the interleaved schedule needs the micro-batch count ({L.grad_accum}) divisible by pp={pp}",
+         f"use a grad_accum multiple of {pp} (raise parallel.global_batch)"),
+        (L.offload_optimizer or L.offload_params, "parallel.offload_optimizer", True,
+         "CPU offload is wired for the deepspeed engine only", "use parallel.engine: deepspeed for offload"),
+    ]
+    for broken, field, value, why, fix in rules:
+        if broken:
+            raise LayoutError(why, field=field, value=value, fix=fix)

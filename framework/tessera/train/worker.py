@@ -97,11 +97,20 @@ def _init_distributed(device: str) -> None:
     )
 
 
+def build_engine(model: torch.nn.Module, recipe: Recipe, layout, *, device: str):
+    if layout.engine == "megatron":
+        from tessera.engines.megatron_engine import MegatronEngine
+
+        return MegatronEngine(model, recipe, layout, device=device, seq_len=recipe.data.seq_len)
+    from tessera.engines.deepspeed_engine import DeepSpeedEngine
+
+    return DeepSpeedEngine(model, recipe, layout, device=device)
+
+
 def train(run_dir: Path, *, resume: bool = False) -> list[dict[str, Any]]:
     """Train this rank; returns the per-step records (complete on rank 0)."""
     from tessera.checkpoint.manager import CheckpointManager, write_json_atomic
     from tessera.data import StepSampler, load_prepared, prepare_data
-    from tessera.engines.deepspeed_engine import DeepSpeedEngine
     from tessera.evidence.manifest import capture_manifest, diff_manifests
     from tessera.models.hf import build_model
     from tessera.plan.layout import layout_from_recipe
@@ -131,9 +140,10 @@ def train(run_dir: Path, *, resume: bool = False) -> list[dict[str, Any]]:
     else:
         data = prepare_data(recipe.data, root=Path.cwd())
 
-    # DeepSpeed casts to bf16 itself and keeps fp32 masters; build in fp32 so every layout starts equal
+    # built in fp32 from the seed on every rank, so every layout and both engines start equal (DeepSpeed
+    # casts to bf16 itself; the megatron engine converts this model into its shards)
     model = build_model(recipe.model, seed=recipe.train.seed, vocab_size=data.vocab_size)
-    engine = DeepSpeedEngine(model, recipe, layout, device=device)
+    engine = build_engine(model, recipe, layout, device=device)
     sampler = StepSampler.for_layout(len(data), layout, rank=rank, seed=recipe.train.seed)
     ckpt = CheckpointManager(
         run_dir / "checkpoints", keep=recipe.checkpoint.keep, rank=rank, world_size=world
@@ -231,6 +241,7 @@ def train(run_dir: Path, *, resume: bool = False) -> list[dict[str, Any]]:
                 progress.note(f"checkpoint step {step}")
     finally:
         progress.close()
+    engine.close()
     peaks = all_gather_int(peak_memory_bytes(engine.device))
     if rank == 0:
         writer.close()  # type: ignore[union-attr]

@@ -1,0 +1,443 @@
+"""Engine `megatron`: megatron-core ``GPTModel`` with TP / SP / PP (1F1B, interleaved) / EP, and
+data-parallel sharding by megatron-core's DistributedOptimizer or by DeepSpeed ZeRO (pp = 1).
+
+The model is the HF model converted: every rank builds the HF model from the recipe's seed (exactly
+what the deepspeed engine trains) and loads its own shard of it through the declarative weight map in
+:mod:`tessera.models.megatron`, so runs of the two engines start from identical weights and are
+comparable step by step. megatron-core's global ``parallel_state`` is initialised here, once, from the
+:class:`~tessera.plan.layout.ParallelLayout`, and checked against the layout's own rank arithmetic.
+
+Loss normalisation is the foundation's (see :mod:`tessera.engines.base`): the gradient is that of the
+sum of token losses of the global batch divided by its token count, whatever the split.
+"""
+
+from __future__ import annotations
+
+import queue
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tessera.config.schema import Recipe
+from tessera.engines.base import IGNORE_INDEX, StepResult, label_tokens
+from tessera.errors import CheckpointError
+from tessera.models.megatron import COL, REPL, ROW, VOCAB, Shard, adapter_for, hf_to_mcore
+from tessera.plan.layout import ParallelLayout
+from tessera.train.schedule import lr_factor
+
+CPU_CONFIG = dict(  # megatron-core's fused CUDA kernels off: the pure-torch paths run anywhere
+    use_cpu_initialization=True,
+    gradient_accumulation_fusion=False,
+    bias_dropout_fusion=False,
+    bias_activation_fusion=False,
+    masked_softmax_fusion=False,
+    apply_rope_fusion=False,
+    persist_layer_norm=False,
+    batch_p2p_sync=False,
+)
+
+
+class MpuAdapter:
+    """The model-parallel unit DeepSpeed asks for (``deepspeed.initialize(mpu=...)``), from megatron's
+    groups. megatron-core 0.16.1's ``parallel_state`` lacks ``get_model_parallel_*``, so it cannot be
+    passed itself. Deliberately no ``initialize_sequence_parallel``: DeepSpeed would then ignore these
+    groups. Model parallel = tensor parallel here (DeepSpeed ZeRO is only composed with pp = 1)."""
+
+    def __init__(self, ps: Any) -> None:
+        self._ps = ps
+
+    def get_data_parallel_group(self):
+        return self._ps.get_data_parallel_group()
+
+    def get_data_parallel_world_size(self) -> int:
+        return self._ps.get_data_parallel_world_size()
+
+    def get_data_parallel_rank(self) -> int:
+        return self._ps.get_data_parallel_rank()
+
+    def get_model_parallel_group(self):
+        return self._ps.get_tensor_model_parallel_group()
+
+    def get_model_parallel_world_size(self) -> int:
+        return self._ps.get_tensor_model_parallel_world_size()
+
+    def get_model_parallel_rank(self) -> int:
+        return self._ps.get_tensor_model_parallel_rank()
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        return self._ps.get_tensor_model_parallel_rank()
+
+
+def init_parallel_state(layout: ParallelLayout, *, seed: int, device: str) -> Any:
+    """megatron-core's process groups from the layout (rank order tp, then dp, then pp)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    if device == "cpu":
+        from tessera.engines import cpu_shim
+
+        cpu_shim.apply()
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+        expert_model_parallel_size=layout.ep,
+    )
+    rank = dist.get_rank()
+    coords = layout.coords(rank)
+    got = {
+        "tp": ps.get_tensor_model_parallel_rank(),
+        "pp": ps.get_pipeline_model_parallel_rank(),
+        "dp": ps.get_data_parallel_rank(),
+    }
+    if got != {k: coords[k] for k in got}:  # internal: our rank arithmetic must be megatron's
+        raise RuntimeError(f"rank {rank}: megatron-core placed it at {got}, the layout says {coords}")
+    if device == "cpu":
+        from tessera.engines import cpu_shim
+
+        cpu_shim.seed_model_parallel_rng(
+            seed, tp_rank=got["tp"], ep_rank=ps.get_expert_model_parallel_rank(),
+            etp_rank=ps.get_expert_tensor_parallel_rank(),
+        )
+    else:
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return ps
+
+
+def transformer_config(hf_cfg: Any, layout: ParallelLayout, *, seq_len: int, precision: str, device: str):
+    """The ``TransformerConfig``: the family adapter's model shape plus the layout and the device."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    adapter = adapter_for(hf_cfg.model_type)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    kw = adapter.transformer(hf_cfg, seq_len)
+    kw.update(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+        expert_model_parallel_size=layout.ep,
+        sequence_parallel=layout.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=precision == "bf16",
+        attention_softmax_in_fp32=True,
+        # the schedules scale by 1/num_microbatches and DDP averages over dp; the loss function
+        # passes scale = grad_accum * dp / global_tokens, so the product is 1 / global_tokens
+        calculate_per_token_loss=False,
+    )
+    if device == "cpu":
+        kw.update(CPU_CONFIG)
+    return TransformerConfig(**kw)
+
+
+def build_model_chunks(hf_cfg: Any, hf_state: dict[str, torch.Tensor], config: Any, layout: ParallelLayout,
+                       ps: Any) -> list[torch.nn.Module]:
+    """One ``GPTModel`` per virtual stage of this rank, each loaded with its shard of ``hf_state``."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    adapter = adapter_for(hf_cfg.model_type)
+    shape = adapter.shape(hf_cfg)
+    spec = get_gpt_layer_local_spec(
+        num_experts=shape.num_experts or None, normalization=config.normalization
+    )
+    from tessera.models.megatron import padded_vocab
+
+    chunks = []
+    for vp in range(layout.vpp):
+        shard = shard_of(ps, layout, vp)
+        model = GPTModel(
+            config,
+            spec,
+            vocab_size=padded_vocab(shape.vocab_size, layout.tp),
+            max_sequence_length=hf_cfg.max_position_embeddings,
+            pre_process=shard.first_stage,
+            post_process=shard.last_stage,
+            parallel_output=True,
+            vp_stage=vp if layout.vpp > 1 else None,
+            **adapter.gpt(hf_cfg),
+        )
+        local = hf_to_mcore(hf_state, adapter, hf_cfg, shard)
+        missing, unexpected = model.load_state_dict(local, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:  # internal: the weight map and megatron's modules disagree
+            raise RuntimeError(f"weight map mismatch for {shard}: missing {missing}, unexpected {unexpected}")
+        check_tp_attributes(model, adapter.rules(hf_cfg), hf_cfg, shard)
+        chunks.append(model)
+    return chunks
+
+
+def shard_of(ps: Any, layout: ParallelLayout, vp_stage: int) -> Shard:
+    return Shard(
+        tp=layout.tp, tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp=layout.pp, pp_rank=ps.get_pipeline_model_parallel_rank(),
+        vpp=layout.vpp, vp_stage=vp_stage,
+        ep=layout.ep, ep_rank=ps.get_expert_model_parallel_rank(),
+        etp=ps.get_expert_tensor_parallel_world_size(), etp_rank=ps.get_expert_tensor_parallel_rank(),
+    )
+
+
+def check_tp_attributes(model: torch.nn.Module, rules: list, hf_cfg: Any, shard: Shard) -> None:
+    """Guard against a silent failure: a TP-sharded parameter without ``tensor_model_parallel=True`` is
+    counted once per TP rank in the clipping norm (DeepSpeed and megatron both read the attribute), and
+    a replicated one with it is counted once instead of tp times. Each parameter's flag must match
+    the weight map's split."""
+    from tessera.models.megatron import _instances
+
+    adapter = adapter_for(hf_cfg.model_type)
+    shape = adapter.shape(hf_cfg)
+    split = {key: r.split for r in rules for key, _, _ in _instances(r, shape, shard)}
+    wrong = []
+    for name, p in model.named_parameters():
+        want = split.get(name, REPL) in (COL, ROW, VOCAB)
+        if bool(getattr(p, "tensor_model_parallel", False)) != want:
+            wrong.append(name)
+    if wrong:
+        raise RuntimeError(
+            "tensor_model_parallel attribute disagrees with the weight map (clipping norm would be wrong): "
+            + ", ".join(wrong[:6])
+        )
+
+
+def _shifted(mb: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """megatron's loss at position t is against the label at t (no shift inside): shift here, mask the
+    last position and the ignored labels."""
+    ids = mb["input_ids"].to(device, non_blocking=True)
+    labels = mb["labels"].to(device, non_blocking=True)
+    target = torch.full_like(labels, IGNORE_INDEX)
+    target[:, :-1] = labels[:, 1:]
+    mask = target != IGNORE_INDEX
+    target = torch.where(mask, target, torch.zeros_like(target))
+    pos = torch.arange(ids.shape[1], device=device).unsqueeze(0).expand_as(ids)
+    return ids, pos, target, mask
+
+
+class MegatronEngine:
+    """megatron-core GPTModel chunks + (DistributedOptimizer | DeepSpeed ZeRO); one train_step = one update."""
+
+    def __init__(self, hf_model: torch.nn.Module, recipe: Recipe, layout: ParallelLayout, *, device: str,
+                 seq_len: int) -> None:
+        self.layout = layout
+        self.device = torch.device(device if device == "cpu" else f"cuda:{torch.cuda.current_device()}")
+        self._optim_cfg, self._total_steps = recipe.optim, recipe.train.steps
+        self.seq_len = seq_len
+        self.ps = ps = init_parallel_state(layout, seed=recipe.train.seed, device=device)
+        hf_cfg = hf_model.config
+        self.config = transformer_config(hf_cfg, layout, seq_len=seq_len, precision=recipe.train.precision,
+                                         device=device)
+        hf_state = {k: v.detach().float() for k, v in hf_model.state_dict().items()}
+        chunks = build_model_chunks(hf_cfg, hf_state, self.config, layout, ps)
+        del hf_state
+        if device == "cuda":
+            chunks = [c.cuda() for c in chunks]
+        self.dp_group = ps.get_data_parallel_group()
+        self.uses_deepspeed = layout.zero_impl == "deepspeed"
+        if self.uses_deepspeed:
+            self._init_deepspeed(chunks[0], recipe, device)
+        else:
+            self._init_megatron(chunks, recipe)
+
+    # ---- setup -------------------------------------------------------------------------------------
+    def _init_megatron(self, chunks: list[torch.nn.Module], recipe: Recipe) -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        distopt = self.layout.zero == 1
+        ddp_cfg = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distopt,
+            check_for_nan_in_grad=False,
+        )
+        # bucketing only for the first chunk, as Megatron-LM does: later chunks' grads are ready later
+        self.chunks = [
+            DistributedDataParallel(self.config, ddp_cfg, c, disable_bucketing=i > 0) for i, c in enumerate(chunks)
+        ]
+        o = recipe.optim
+        opt_cfg = OptimizerConfig(
+            optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+            adam_beta1=o.betas[0], adam_beta2=o.betas[1], adam_eps=o.eps, clip_grad=o.grad_clip or 0.0,
+            use_distributed_optimizer=distopt, bf16=recipe.train.precision == "bf16",
+            params_dtype=self.config.params_dtype, decoupled_weight_decay=True,
+        )
+        self.optimizer = get_megatron_optimizer(opt_cfg, self.chunks)
+        self.config.finalize_model_grads_func = finalize_model_grads
+        no_sync = [c.no_sync for c in self.chunks]
+        self.config.no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
+        self.forward_backward = get_forward_backward_func()
+
+    def _init_deepspeed(self, model: torch.nn.Module, recipe: Recipe, device: str) -> None:
+        import deepspeed
+
+        from tessera.engines.deepspeed_engine import _build_optimizer, build_ds_config
+
+        ds_cfg = build_ds_config(recipe, self.layout, device=device)
+        optimizer = _build_optimizer(recipe, model.named_parameters(), device=device, offload=False)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_cfg,
+                                               mpu=MpuAdapter(self.ps))
+        verify_deepspeed_groups(engine, self.layout)
+        self.ds = engine
+        self.chunks = [engine.module]
+        self.optimizer = engine.optimizer
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.chunks[0]
+
+    # ---- the step ----------------------------------------------------------------------------------
+    def set_lr(self, step: int) -> float:
+        lr = self._optim_cfg.lr * lr_factor(step - 1, optim=self._optim_cfg, total_steps=self._total_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def _dp_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.layout.dp > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.dp_group)
+        return t
+
+    def _loss_sum(self, model: torch.nn.Module, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Summed token loss of one micro-batch (vocab-parallel cross-entropy on this TP shard)."""
+        ids, pos, target, mask = _shifted(mb, self.device)
+        per_token = model(ids, pos, None, labels=target)  # [b, s], fp32 cross-entropy
+        return (per_token.float() * mask).sum()
+
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]], step: int) -> StepResult:
+        assert len(micro_batches) == self.layout.grad_accum, "sampler and layout disagree"  # internal
+        lr = self.set_lr(step)
+        local = [float(sum(label_tokens(mb["labels"]) for mb in micro_batches)),
+                 float(sum(mb["input_ids"].numel() for mb in micro_batches))]
+        global_tokens, global_inputs = self._dp_sum(
+            torch.tensor(local, dtype=torch.float64, device=self.device)).tolist()
+        scale = self.layout.grad_accum * self.layout.dp / max(global_tokens, 1.0)
+        for c in self.chunks:
+            c.train()
+        if self.uses_deepspeed:
+            loss_sum, grad_norm = self._step_deepspeed(micro_batches, scale)
+        else:
+            loss_sum, grad_norm = self._step_megatron(micro_batches, scale)
+        return StepResult(
+            loss=float(loss_sum) / max(global_tokens, 1.0),
+            grad_norm=grad_norm,
+            lr=lr,
+            tokens=int(global_tokens),
+            input_tokens=int(global_inputs),
+        )
+
+    def _step_megatron(self, micro_batches: list[dict[str, torch.Tensor]], scale: float) -> tuple[float, float]:
+        for c in self.chunks:
+            c.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+        def loss_func(loss_sum: torch.Tensor):
+            return loss_sum * scale, {"loss_sum": loss_sum.detach()}
+
+        def forward_step(data_iterator, model):
+            ids, pos, target, mask = _shifted(next(data_iterator), self.device)
+            out = model(ids, pos, None, labels=target)
+            if out.dim() == 3:  # not the last stage: the hidden states go to the next stage
+                return out, None
+            return (out.float() * mask).sum(), loss_func
+
+        iters = [iter(micro_batches) for _ in self.chunks]
+        reported = self.forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=iters if len(iters) > 1 else iters[0],
+            model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
+            num_microbatches=len(micro_batches),
+            seq_length=self.seq_len,
+            micro_batch_size=self.layout.micro_batch,
+            forward_only=False,
+        )
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok:  # only fp16 loss scaling skips a step, and fp16 is refused before launch
+            raise RuntimeError("megatron optimizer skipped the step")
+        # the loss lives on the last stage; tp ranks hold copies: count one rank per dp replica
+        mine = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.ps.is_pipeline_last_stage(ignore_virtual=True) and self.ps.get_tensor_model_parallel_rank() == 0:
+            for d in reported:
+                mine += d["loss_sum"].double()
+        if dist.get_world_size() > 1:
+            dist.all_reduce(mine)
+        return float(mine), float(grad_norm) if grad_norm is not None else float("nan")
+
+    def _step_deepspeed(self, micro_batches: list[dict[str, torch.Tensor]], scale: float) -> tuple[float, float]:
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for mb in micro_batches:
+            token_loss = self._loss_sum(self.ds, mb)
+            loss_sum += token_loss.detach()
+            self.ds.backward(token_loss * scale)
+            self.ds.step()
+        self._dp_sum(loss_sum)
+        norm = self.ds.get_global_grad_norm()
+        return float(loss_sum), float(norm) if norm is not None else float("nan")
+
+    # ---- checkpoints -------------------------------------------------------------------------------
+    def save(self, root: Path, tag: str, client_state: dict[str, Any]) -> None:
+        if self.uses_deepspeed:
+            self.ds.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
+            return
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+        # Saves here are synchronous, so the writer's results never leave this process; without this,
+        # megatron starts a spawn-context multiprocessing Manager just to carry them (a fresh Python
+        # process: seconds per run on CPU, and a server left orphaned when a rank exits fast)
+        if filesystem_async._results_queue is None:
+            filesystem_async._results_queue = queue.Queue()
+        path = Path(root) / tag / "megatron"
+        if dist.get_rank() == 0:
+            path.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save(self._sharded_state_dict(), str(path))
+        dist.barrier()
+
+    def load(self, root: Path, tag: str) -> dict[str, Any]:
+        if self.uses_deepspeed:
+            path, client_state = self.ds.load_checkpoint(
+                str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False
+            )
+            if path is None:
+                raise CheckpointError("DeepSpeed found no checkpoint to load", field="checkpoint",
+                                      value=str(Path(root) / tag), fix="check the run directory's checkpoints/")
+            return client_state or {}
+        from megatron.core import dist_checkpointing
+
+        path = Path(root) / tag / "megatron"
+        if not path.is_dir():
+            raise CheckpointError("no megatron dist_checkpointing directory in this checkpoint",
+                                  field="checkpoint", value=str(path),
+                                  fix="resume with the engine and layout that wrote it")
+        state = dist_checkpointing.load(self._sharded_state_dict(), str(path))
+        for i, c in enumerate(self.chunks):
+            c.load_state_dict(state[f"model{i}"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        return {}
+
+    def _sharded_state_dict(self) -> dict[str, Any]:
+        model_sd: dict[str, Any] = {}
+        for i, c in enumerate(self.chunks):
+            model_sd[f"model{i}"] = c.sharded_state_dict()
+        # the optimizer finds each parameter's sharded key in the nested model dicts (as Megatron-LM does)
+        return {**model_sd, "optimizer": self.optimizer.sharded_state_dict(model_sd)}
+
+    def close(self) -> None:
+        if self.ps.model_parallel_is_initialized():
+            self.ps.destroy_model_parallel()
+
+
+def verify_deepspeed_groups(engine: Any, layout: ParallelLayout) -> None:
+    """Guard against the silent failure of ``mpu=None`` (or an mpu DeepSpeed ignored): DeepSpeed then
+    treats all ranks as data-parallel and broadcasts rank 0's TP shard to every rank, and training runs
+    "fine" with wrong numbers. Its data-parallel group must be the layout's."""
+    # ZeRO reduces over the sequence-data-parallel group (= the dp group without sequence parallelism)
+    got_dp, got_seq_dp, got_mp = engine.dp_world_size, engine.seq_dp_world_size, engine.mp_world_size
+    if not got_dp == got_seq_dp == layout.dp or got_mp != layout.tp:
+        raise RuntimeError(
+            f"DeepSpeed sees dp={got_dp} mp={got_mp}, the layout is dp={layout.dp} tp={layout.tp}: "
+            "it was initialised without the model-parallel groups (mpu)"
+        )

@@ -1,0 +1,526 @@
+"""HF families on megatron-core: config adapters and the declarative HF <-> megatron weight map.
+
+One adapter per family, registered by decorator. An adapter turns the HF config into the model-shape
+part of a megatron-core ``TransformerConfig`` plus ``GPTModel`` arguments, refuses what megatron-core's
+local (non-TransformerEngine) layer spec cannot express, and lists its weight :class:`Rule` s. The
+conversion itself (:func:`hf_to_mcore`, :func:`mcore_to_hf`) is one generic function pair driven by
+those rules; no family has conversion code of its own.
+
+Layouts inside a rule, for tensor-parallel degree tp:
+- ``qkv``: megatron's fused QKV interleaves per query group: for each group g, the rows of its
+  ``heads/groups`` query heads, then its key head, then its value head. A TP rank owns groups
+  ``[r*G/tp, (r+1)*G/tp)``, i.e. a contiguous slice of the interleaved tensor.
+- ``gate_up``: the gated MLP's fc1 is ``[gate_r; up_r]`` on rank r (each half split separately), so
+  the full tp=1 tensor is ``[gate; up]`` but a TP shard is not a slice of it.
+- ``vocab``: embedding / output rows padded with zeros to a multiple of tp (removed on the way back).
+- layers: chunk (pp_rank, vp_stage) holds global layers ``vp*L/vpp + pp_rank*L/(pp*vpp)`` onward,
+  renumbered from 0; experts: EP rank e holds global experts ``[e*E/ep, (e+1)*E/ep)``, renumbered.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from tessera.errors import RecipeError
+
+# split kinds
+REPL, COL, ROW, VOCAB = "repl", "col", "row", "vocab"
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GPT-2's "gelu_new" (tanh approximation)."""
+    return F.gelu(x, approximate="tanh")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One megatron tensor and where it comes from in HF.
+
+    ``mcore`` / ``hf`` are key patterns: ``*`` is the layer index, ``#`` the expert index. ``hf`` is a
+    tuple when several HF tensors fuse into one (qkv: q, k, v; gate_up: gate, up). ``fuse`` is
+    ``None``, ``"qkv"``, ``"gate_up"`` (from two tensors) or ``"gate_up_fused"`` (HF already stores
+    ``[gate; up]``). ``hf_expert_dim``: HF keeps all experts in one tensor, indexed on dim 0.
+    ``transpose``: HF stores the weight as ``(in, out)`` (GPT-2's Conv1D). ``stage``: where the tensor
+    lives in a pipeline: ``"first"``, ``"last"``, ``"layer"`` or ``"output"`` (the LM head: last stage,
+    and with tied embeddings only when the last stage is not also the first).
+    """
+
+    mcore: str
+    hf: str | tuple[str, ...]
+    split: str = REPL
+    fuse: str | None = None
+    transpose: bool = False
+    hf_expert_dim: bool = False
+    stage: str = "layer"
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Which part of the model one megatron model chunk holds."""
+
+    tp: int = 1
+    tp_rank: int = 0
+    pp: int = 1
+    pp_rank: int = 0
+    vpp: int = 1
+    vp_stage: int = 0
+    ep: int = 1
+    ep_rank: int = 0
+    etp: int = 1  # expert tensor parallelism (megatron's default: = tp)
+    etp_rank: int = 0
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0 and self.vp_stage == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1 and self.vp_stage == self.vpp - 1
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What conversion needs to know of the model."""
+
+    num_layers: int
+    num_heads: int
+    num_query_groups: int
+    head_dim: int
+    vocab_size: int
+    num_experts: int = 0
+    tied: bool = False
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    return int(math.ceil(vocab_size / tp) * tp)
+
+
+def layer_range(shape: ModelShape, shard: Shard) -> range:
+    """Global layer indices of the chunk (megatron's even split, virtual stages interleaved)."""
+    per_chunk = shape.num_layers // (shard.pp * shard.vpp)
+    start = shard.vp_stage * (shape.num_layers // shard.vpp) + shard.pp_rank * per_chunk
+    return range(start, start + per_chunk)
+
+
+def expert_range(shape: ModelShape, shard: Shard) -> range:
+    per = shape.num_experts // shard.ep
+    return range(shard.ep_rank * per, (shard.ep_rank + 1) * per)
+
+
+# ---- the adapters --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """HF config -> megatron-core config and weight rules, for one family."""
+
+    family: str
+    transformer: Callable[[Any, int], dict[str, Any]]  # (hf_cfg, seq_len) -> TransformerConfig kwargs
+    gpt: Callable[[Any], dict[str, Any]]  # hf_cfg -> GPTModel kwargs
+    rules: Callable[[Any], list[Rule]]
+    shape: Callable[[Any], ModelShape]
+
+
+ADAPTERS: dict[str, Adapter] = {}
+
+
+def register_adapter(family: str) -> Callable[[Callable[[], Adapter]], Callable[[], Adapter]]:
+    """Decorator on a zero-argument factory returning the family's :class:`Adapter`."""
+
+    def deco(factory: Callable[[], Adapter]) -> Callable[[], Adapter]:
+        ADAPTERS[family] = factory()
+        return factory
+
+    return deco
+
+
+def adapter_for(model_type: str) -> Adapter:
+    from tessera.models.hf import family_of
+
+    fam = family_of(model_type).name
+    if fam not in ADAPTERS:
+        raise RecipeError(
+            "this family has no megatron-core adapter",
+            field="model.hf_config.model_type",
+            value=model_type,
+            fix="use parallel.engine: deepspeed, or one of " + ", ".join(sorted(ADAPTERS)),
+        )
+    return ADAPTERS[fam]
+
+
+def _refuse(key: str, value: Any, why: str, fix: str) -> None:
+    raise RecipeError(f"megatron-core cannot express this: {why}", field=key, value=value, fix=fix)
+
+
+def _rope(cfg: Any) -> dict[str, Any]:
+    """RoPE theta and scaling from ``rope_parameters`` (transformers v5) or the legacy fields."""
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    theta = params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    out: dict[str, Any] = {"position_embedding_type": "rope", "rotary_base": int(theta)}
+    if float(int(theta)) != float(theta):
+        _refuse("model.hf_config.rope_theta", theta, "GPTModel takes an integer rotary base", "use an integer")
+    if kind == "llama3":
+        # megatron-core applies the Llama-3.x rule with its fixed constants; accept exactly those
+        fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        for k, v in fixed.items():
+            if float(params.get(k, v)) != v:
+                _refuse(f"model.hf_config.rope_scaling.{k}", params.get(k), f"megatron-core fixes {k}={v}",
+                        f"set {k}: {v} or use parallel.engine: deepspeed")
+        out.update(rope_scaling=True, rope_scaling_factor=float(params.get("factor", 8.0)))
+    elif kind != "default":
+        _refuse("model.hf_config.rope_scaling.rope_type", kind, "only default and llama3 RoPE are mapped",
+                "use parallel.engine: deepspeed for this RoPE variant")
+    return out
+
+
+def _llama_like(family: str, *, qkv_bias: bool = False, moe: bool = False) -> Adapter:
+    """Llama, Qwen2, Mistral, Mixtral: RMSNorm, SwiGLU, RoPE, GQA; optional qkv bias / MoE."""
+
+    def shape(c: Any) -> ModelShape:
+        heads = c.num_attention_heads
+        return ModelShape(
+            num_layers=c.num_hidden_layers,
+            num_heads=heads,
+            num_query_groups=getattr(c, "num_key_value_heads", None) or heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+            vocab_size=c.vocab_size,
+            num_experts=getattr(c, "num_local_experts", 0) if moe else 0,
+            tied=bool(c.tie_word_embeddings),
+        )
+
+    def transformer(c: Any, seq_len: int) -> dict[str, Any]:
+        if getattr(c, "hidden_act", "silu") != "silu":
+            _refuse("model.hf_config.hidden_act", c.hidden_act, "the gated MLP is mapped with SiLU only",
+                    "use hidden_act: silu")
+        if getattr(c, "attention_bias", False) and not qkv_bias:
+            _refuse("model.hf_config.attention_bias", True, "o_proj bias is not mapped", "set attention_bias: false")
+        if getattr(c, "mlp_bias", False):
+            _refuse("model.hf_config.mlp_bias", True, "MLP biases are not mapped", "set mlp_bias: false")
+        s = shape(c)
+        kw: dict[str, Any] = dict(
+            num_layers=s.num_layers,
+            hidden_size=c.hidden_size,
+            ffn_hidden_size=c.intermediate_size,
+            num_attention_heads=s.num_heads,
+            num_query_groups=s.num_query_groups,
+            kv_channels=s.head_dim,
+            normalization="RMSNorm",
+            layernorm_epsilon=c.rms_norm_eps,
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            add_bias_linear=False,
+            add_qkv_bias=qkv_bias,
+            hidden_dropout=0.0,
+            attention_dropout=float(getattr(c, "attention_dropout", 0.0)),
+        )
+        window = getattr(c, "sliding_window", None)
+        use_window = getattr(c, "use_sliding_window", True)
+        if window is not None and use_window and window < seq_len:
+            if getattr(c, "max_window_layers", None) not in (None, s.num_layers) and family == "qwen2":
+                _refuse("model.hf_config.max_window_layers", c.max_window_layers,
+                        "per-layer windows are not mapped", "set use_sliding_window: false")
+            # HF: a query attends the `window` most recent keys, itself included; megatron: (left, right)
+            kw["window_size"] = (int(window) - 1, 0)
+        if moe:
+            kw.update(
+                num_moe_experts=s.num_experts,
+                moe_ffn_hidden_size=c.intermediate_size,
+                moe_router_topk=c.num_experts_per_tok,
+                moe_router_score_function="softmax",
+                moe_router_pre_softmax=False,  # top-k on logits then softmax == HF's softmax, top-k, renorm
+                moe_router_load_balancing_type="none",  # HF adds the aux loss only with output_router_logits
+                moe_aux_loss_coeff=0.0,
+                moe_token_dispatcher_type="alltoall",
+                moe_router_dtype="fp32",
+                moe_grouped_gemm=False,
+            )
+        return kw
+
+    def gpt(c: Any) -> dict[str, Any]:
+        return {"share_embeddings_and_output_weights": bool(c.tie_word_embeddings), **_rope(c)}
+
+    def rules(c: Any) -> list[Rule]:
+        L, A = "decoder.layers.*.", "model.layers.*."  # noqa: N806
+        out = [
+            Rule("embedding.word_embeddings.weight", "model.embed_tokens.weight", VOCAB, stage="first"),
+            Rule("decoder.final_layernorm.weight", "model.norm.weight", stage="last"),
+            Rule("output_layer.weight", "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight",
+                 VOCAB, stage="output"),
+            Rule(L + "input_layernorm.weight", A + "input_layernorm.weight"),
+            Rule(L + "self_attention.linear_qkv.weight",
+                 tuple(A + f"self_attn.{x}_proj.weight" for x in "qkv"), COL, fuse="qkv"),
+            Rule(L + "self_attention.linear_proj.weight", A + "self_attn.o_proj.weight", ROW),
+            Rule(L + "pre_mlp_layernorm.weight", A + "post_attention_layernorm.weight"),
+        ]
+        if qkv_bias:
+            out.append(Rule(L + "self_attention.linear_qkv.bias",
+                            tuple(A + f"self_attn.{x}_proj.bias" for x in "qkv"), COL, fuse="qkv"))
+        if moe:
+            E = L + "mlp.experts.local_experts.#."  # noqa: N806
+            out += [
+                Rule(L + "mlp.router.weight", A + "mlp.gate.weight"),
+                Rule(E + "linear_fc1.weight", A + "mlp.experts.gate_up_proj", COL, fuse="gate_up_fused",
+                     hf_expert_dim=True),
+                Rule(E + "linear_fc2.weight", A + "mlp.experts.down_proj", ROW, hf_expert_dim=True),
+            ]
+        else:
+            out += [
+                Rule(L + "mlp.linear_fc1.weight", (A + "mlp.gate_proj.weight", A + "mlp.up_proj.weight"), COL,
+                     fuse="gate_up"),
+                Rule(L + "mlp.linear_fc2.weight", A + "mlp.down_proj.weight", ROW),
+            ]
+        return out
+
+    return Adapter(family=family, transformer=transformer, gpt=gpt, rules=rules, shape=shape)
+
+
+@register_adapter("llama")
+def _llama() -> Adapter:
+    return _llama_like("llama")
+
+
+@register_adapter("mistral")
+def _mistral() -> Adapter:
+    return _llama_like("mistral")
+
+
+@register_adapter("qwen2")
+def _qwen2() -> Adapter:
+    return _llama_like("qwen2", qkv_bias=True)
+
+
+@register_adapter("mixtral")
+def _mixtral() -> Adapter:
+    return _llama_like("mixtral", moe=True)
+
+
+@register_adapter("gpt2")
+def _gpt2() -> Adapter:
+    """GPT-2: LayerNorm with bias, biases everywhere, GeLU (tanh), learned positions, tied head, Conv1D."""
+
+    def shape(c: Any) -> ModelShape:
+        return ModelShape(num_layers=c.n_layer, num_heads=c.n_head, num_query_groups=c.n_head,
+                          head_dim=c.n_embd // c.n_head, vocab_size=c.vocab_size, tied=bool(c.tie_word_embeddings))
+
+    def transformer(c: Any, seq_len: int) -> dict[str, Any]:
+        if c.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
+            _refuse("model.hf_config.activation_function", c.activation_function,
+                    "GPT-2 is mapped with the tanh GeLU", "use activation_function: gelu_new")
+        if getattr(c, "scale_attn_by_inverse_layer_idx", False) or getattr(c, "reorder_and_upcast_attn", False):
+            _refuse("model.hf_config.scale_attn_by_inverse_layer_idx", True, "per-layer attention scaling",
+                    "set it to false")
+        return dict(
+            num_layers=c.n_layer,
+            hidden_size=c.n_embd,
+            ffn_hidden_size=c.n_inner or 4 * c.n_embd,
+            num_attention_heads=c.n_head,
+            num_query_groups=c.n_head,
+            normalization="LayerNorm",
+            layernorm_epsilon=c.layer_norm_epsilon,
+            gated_linear_unit=False,
+            activation_func=gelu_tanh,
+            add_bias_linear=True,
+            add_qkv_bias=True,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            bias_activation_fusion=False,
+        )
+
+    def gpt(c: Any) -> dict[str, Any]:
+        return {"share_embeddings_and_output_weights": bool(c.tie_word_embeddings),
+                "position_embedding_type": "learned_absolute"}
+
+    def rules(c: Any) -> list[Rule]:
+        L, H = "decoder.layers.*.", "transformer.h.*."  # noqa: N806
+        out = [
+            Rule("embedding.word_embeddings.weight", "transformer.wte.weight", VOCAB, stage="first"),
+            Rule("embedding.position_embeddings.weight", "transformer.wpe.weight", stage="first"),
+            Rule("decoder.final_layernorm.weight", "transformer.ln_f.weight", stage="last"),
+            Rule("decoder.final_layernorm.bias", "transformer.ln_f.bias", stage="last"),
+            Rule("output_layer.weight", "transformer.wte.weight" if c.tie_word_embeddings else "lm_head.weight",
+                 VOCAB, stage="output"),
+        ]
+        for ln_m, ln_h in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
+            out += [Rule(L + f"{ln_m}.{p}", H + f"{ln_h}.{p}") for p in ("weight", "bias")]
+        out += [
+            Rule(L + "self_attention.linear_qkv.weight", H + "attn.c_attn.weight", COL, fuse="qkv", transpose=True),
+            Rule(L + "self_attention.linear_qkv.bias", H + "attn.c_attn.bias", COL, fuse="qkv"),
+            Rule(L + "self_attention.linear_proj.weight", H + "attn.c_proj.weight", ROW, transpose=True),
+            Rule(L + "self_attention.linear_proj.bias", H + "attn.c_proj.bias"),
+            Rule(L + "mlp.linear_fc1.weight", H + "mlp.c_fc.weight", COL, transpose=True),
+            Rule(L + "mlp.linear_fc1.bias", H + "mlp.c_fc.bias", COL),
+            Rule(L + "mlp.linear_fc2.weight", H + "mlp.c_proj.weight", ROW, transpose=True),
+            Rule(L + "mlp.linear_fc2.bias", H + "mlp.c_proj.bias"),
+        ]
+        return out
+
+    return Adapter(family="gpt2", transformer=transformer, gpt=gpt, rules=rules, shape=shape)
+
+
+# ---- conversion ----------------------------------------------------------------------------------
+
+
+def _qkv_interleave(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: ModelShape) -> torch.Tensor:
+    """HF separate q/k/v (rows = heads*d) -> megatron's per-group [q..., k, v] rows."""
+    g, d = s.num_query_groups, s.head_dim
+    rest = q.shape[1:]
+    q = q.reshape(g, (s.num_heads // g) * d, *rest)
+    return torch.cat([q, k.reshape(g, d, *rest), v.reshape(g, d, *rest)], dim=1).reshape(-1, *rest)
+
+
+def _qkv_split(fused: torch.Tensor, s: ModelShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g, d = s.num_query_groups, s.head_dim
+    per_q = (s.num_heads // g) * d
+    rest = fused.shape[1:]
+    x = fused.reshape(g, per_q + 2 * d, *rest)
+    q, k, v = x.split([per_q, d, d], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def _tp_of(rule: Rule, shard: Shard) -> tuple[int, int]:
+    expert = "#" in rule.mcore
+    return (shard.etp, shard.etp_rank) if expert else (shard.tp, shard.tp_rank)
+
+
+def _stage_has(rule: Rule, shard: Shard, shape: ModelShape) -> bool:
+    if rule.stage == "first":
+        return shard.first_stage
+    if rule.stage == "last":
+        return shard.last_stage
+    if rule.stage == "output":
+        return shard.last_stage and not (shape.tied and shard.first_stage)
+    return True
+
+
+def _instances(rule: Rule, shape: ModelShape, shard: Shard) -> Iterator[tuple[str, Callable[[str], str], int | None]]:
+    """(megatron key, HF pattern -> HF key) for every copy of ``rule`` in the chunk."""
+    layers = layer_range(shape, shard) if "*" in rule.mcore else [None]
+    experts = expert_range(shape, shard) if "#" in rule.mcore else [None]
+    for local_l, gl in enumerate(layers):
+        for local_e, ge in enumerate(experts):
+            key = rule.mcore
+            if gl is not None:
+                key = key.replace("*", str(local_l), 1)
+            if ge is not None:
+                key = key.replace("#", str(local_e), 1)
+
+            def hf_key(p: str, gl=gl, ge=ge) -> str:
+                p = p.replace("*", str(gl)) if gl is not None else p
+                return p.replace("#", str(ge)) if ge is not None else p
+
+            yield key, hf_key, ge
+
+
+def _full_mcore(rule: Rule, hf: dict[str, torch.Tensor], hf_key: Callable[[str], str], expert: int | None,
+                shape: ModelShape) -> list[torch.Tensor]:
+    """The tp=1 megatron tensor of one rule instance, as parts that are TP-split separately."""
+    names = rule.hf if isinstance(rule.hf, tuple) else (rule.hf,)
+    ts = [hf[hf_key(n)] for n in names]
+    if rule.hf_expert_dim:
+        ts = [t[expert] for t in ts]
+    if rule.transpose:
+        ts = [t.t() for t in ts]
+    if rule.fuse == "qkv":
+        if len(ts) == 1:  # GPT-2's c_attn: [q; k; v] in one tensor
+            ts = list(ts[0].chunk(3, dim=0))
+        return [_qkv_interleave(*ts, shape)]
+    if rule.fuse == "gate_up_fused":
+        return list(ts[0].chunk(2, dim=0))
+    if rule.split == VOCAB:
+        t = ts[0]
+        pad = padded_vocab(shape.vocab_size, 1) - t.shape[0]
+        return [t if pad == 0 else torch.cat([t, t.new_zeros(pad, *t.shape[1:])])]
+    return ts
+
+
+def hf_to_mcore(hf: dict[str, torch.Tensor], adapter: Adapter, hf_cfg: Any, shard: Shard) -> dict[str, torch.Tensor]:
+    """The megatron state dict of one model chunk (its TP / EP shard) from a full HF state dict."""
+    shape = adapter.shape(hf_cfg)
+    out: dict[str, torch.Tensor] = {}
+    for rule in adapter.rules(hf_cfg):
+        if not _stage_has(rule, shard, shape):
+            continue
+        tp, r = _tp_of(rule, shard)
+        for key, hf_key, expert in _instances(rule, shape, shard):
+            parts = _full_mcore(rule, hf, hf_key, expert, shape)
+            if rule.split == VOCAB:
+                v = parts[0]
+                pad = padded_vocab(shape.vocab_size, tp) - v.shape[0]
+                parts = [torch.cat([v, v.new_zeros(pad, *v.shape[1:])]) if pad else v]
+            if rule.split in (COL, VOCAB):
+                parts = [p.chunk(tp, dim=0)[r] for p in parts]
+            elif rule.split == ROW:
+                parts = [p.chunk(tp, dim=1)[r] for p in parts]
+            out[key] = torch.cat(parts, dim=0).clone().contiguous() if len(parts) > 1 else parts[0].clone().contiguous()
+    return out
+
+
+def mcore_to_hf(chunks: dict[Shard, dict[str, torch.Tensor]], adapter: Adapter, hf_cfg: Any) -> dict[str, torch.Tensor]:
+    """The full HF state dict from every chunk's megatron state dict (all TP / PP / VPP / EP shards)."""
+    shape = adapter.shape(hf_cfg)
+    gathered: dict[tuple[str, str, int | None], dict[int, torch.Tensor]] = {}
+    by_key: dict[tuple[str, str, int | None], tuple[Rule, Callable[[str], str]]] = {}
+    for shard, sd in chunks.items():
+        for rule in adapter.rules(hf_cfg):
+            if not _stage_has(rule, shard, shape):
+                continue
+            tp, r = _tp_of(rule, shard)
+            for key, hf_key, expert in _instances(rule, shape, shard):
+                ident = (rule.mcore, hf_key(rule.mcore), expert)
+                gathered.setdefault(ident, {})[r] = sd[key]
+                by_key[ident] = (rule, hf_key)
+    out: dict[str, torch.Tensor] = {}
+    stacked: dict[str, dict[int, torch.Tensor]] = {}
+    for ident, shards in gathered.items():
+        rule, hf_key = by_key[ident]
+        expert = ident[2]
+        ranks = [shards[i] for i in sorted(shards)]
+        if rule.split == ROW:
+            full = [torch.cat(ranks, dim=1)]
+        elif rule.fuse in ("gate_up", "gate_up_fused"):
+            halves = [t.chunk(2, dim=0) for t in ranks]
+            full = [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+        elif rule.split in (COL, VOCAB):
+            full = [torch.cat(ranks, dim=0)]
+        else:
+            full = [ranks[0]]
+        if rule.split == VOCAB:
+            full = [full[0][: shape.vocab_size]]
+        if rule.fuse == "qkv":
+            full = list(_qkv_split(full[0], shape))
+            if not isinstance(rule.hf, tuple):
+                full = [torch.cat(full, dim=0)]
+        if rule.fuse == "gate_up_fused":
+            full = [torch.cat(full, dim=0)]
+        if rule.transpose:
+            full = [t.t() for t in full]
+        names = rule.hf if isinstance(rule.hf, tuple) else (rule.hf,)
+        for name, t in zip(names, full, strict=True):
+            k = hf_key(name)
+            if rule.hf_expert_dim:
+                stacked.setdefault(k, {})[expert] = t
+            elif rule.stage == "output" and k in out:
+                continue  # tied head: the embedding already gave this tensor
+            else:
+                out[k] = t.clone().contiguous()
+    for k, per_expert in stacked.items():
+        out[k] = torch.stack([per_expert[e] for e in sorted(per_expert)]).contiguous()
+    return out
+
+
+def hf_keys_covered(adapter: Adapter, hf_cfg: Any) -> set[str]:
+    """Every HF key the rules read (the coverage check of a conversion)."""
+    shape = adapter.shape(hf_cfg)
+    keys: set[str] = set()
+    for rule in adapter.rules(hf_cfg):
+        names = rule.hf if isinstance(rule.hf, tuple) else (rule.hf,)
+        for _, hf_key, _ in _instances(rule, shape, Shard()):
+            keys.update(hf_key(n) for n in names)
+    return keys
