@@ -23,7 +23,7 @@ import torch.distributed as dist
 from tessera.config.schema import Recipe
 from tessera.engines.base import IGNORE_INDEX, StepResult, label_tokens
 from tessera.errors import CheckpointError
-from tessera.models.megatron import COL, REPL, ROW, VOCAB, Shard, adapter_for, hf_to_mcore
+from tessera.models.megatron import COL, REPL, ROW, VOCAB, Shard, adapter_for, hf_to_mcore, layer_range
 from tessera.plan.layout import ParallelLayout
 from tessera.train.schedule import lr_factor
 
@@ -36,6 +36,7 @@ CPU_CONFIG = dict(  # megatron-core's fused CUDA kernels off: the pure-torch pat
     apply_rope_fusion=False,
     persist_layer_norm=False,
     batch_p2p_sync=False,
+    batch_p2p_comm=False,
 )
 
 
@@ -161,6 +162,10 @@ def build_model_chunks(hf_cfg: Any, hf_state: dict[str, torch.Tensor], config: A
             vp_stage=vp if layout.vpp > 1 else None,
             **adapter.gpt(hf_cfg),
         )
+        placed = [layer.layer_number - 1 for layer in model.decoder.layers]
+        if placed != list(layer_range(shape, shard)):  # internal: megatron's split must be the map's
+            raise RuntimeError(f"{shard}: megatron placed layers {placed}, the weight map expects "
+                               f"{list(layer_range(shape, shard))}")
         local = hf_to_mcore(hf_state, adapter, hf_cfg, shard)
         missing, unexpected = model.load_state_dict(local, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
@@ -393,7 +398,7 @@ class MegatronEngine:
         if dist.get_rank() == 0:
             path.mkdir(parents=True, exist_ok=True)
         dist.barrier()
-        dist_checkpointing.save(self._sharded_state_dict(), str(path))
+        dist_checkpointing.save(self._sharded_state_dict(is_loading=False), str(path))
         dist.barrier()
 
     def load(self, root: Path, tag: str) -> dict[str, Any]:
@@ -412,18 +417,20 @@ class MegatronEngine:
             raise CheckpointError("no megatron dist_checkpointing directory in this checkpoint",
                                   field="checkpoint", value=str(path),
                                   fix="resume with the engine and layout that wrote it")
-        state = dist_checkpointing.load(self._sharded_state_dict(), str(path))
+        state = dist_checkpointing.load(self._sharded_state_dict(is_loading=True), str(path))
         for i, c in enumerate(self.chunks):
             c.load_state_dict(state[f"model{i}"])
         self.optimizer.load_state_dict(state["optimizer"])
         return {}
 
-    def _sharded_state_dict(self) -> dict[str, Any]:
-        model_sd: dict[str, Any] = {}
-        for i, c in enumerate(self.chunks):
-            model_sd[f"model{i}"] = c.sharded_state_dict()
+    def _sharded_state_dict(self, *, is_loading: bool) -> dict[str, Any]:
+        # the distributed optimizer's state as saved by each dp rank (no gather on rank 0): fully
+        # parallel, and resumable on the same layout, which is what resume needs
+        metadata = {"distrib_optim_sharding_type": "dp_reshardable"}
+        model_sd = {f"model{i}": c.sharded_state_dict(metadata=metadata) for i, c in enumerate(self.chunks)}
         # the optimizer finds each parameter's sharded key in the nested model dicts (as Megatron-LM does)
-        return {**model_sd, "optimizer": self.optimizer.sharded_state_dict(model_sd)}
+        optim = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
+        return {**model_sd, "optimizer": optim}
 
     def close(self) -> None:
         if self.ps.model_parallel_is_initialized():
