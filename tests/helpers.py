@@ -19,7 +19,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, run_dir: str, resume: bool) -> None:
+def _rank_main(rank: int, world: int, port: int, runs: list[tuple[str, bool]]) -> None:
+    """One rank running one or more runs in turn (several runs per process spare the imports)."""
     from tessera.launch.local import set_rank_env
 
     set_rank_env(rank, world, port)
@@ -28,7 +29,12 @@ def _rank_main(rank: int, world: int, port: int, run_dir: str, resume: bool) -> 
     torch.set_num_threads(1)
     from tessera.train.worker import exit_process, run_rank
 
-    exit_process(run_rank(run_dir, resume))
+    code = 0
+    for i, (run_dir, resume) in enumerate(runs):
+        code = run_rank(run_dir, resume, keep_process_group=i < len(runs) - 1)
+        if code:
+            break
+    exit_process(code)
 
 
 def prepare_run(run_dir: Path, overrides: list[str], recipe: Path = DEFAULT_RECIPE):
@@ -41,13 +47,15 @@ def prepare_run(run_dir: Path, overrides: list[str], recipe: Path = DEFAULT_RECI
     return r
 
 
-def spawn_ranks(run_dir: Path, world: int, *, resume: bool = False, timeout: float = 420) -> list[int]:
-    """Start ``world`` processes, wait, return their exit codes (killing all on timeout)."""
+def spawn_ranks(
+    run_dir: Path | list[tuple[Path, bool]], world: int, *, resume: bool = False, timeout: float = 420
+) -> list[int]:
+    """Start ``world`` processes, wait, return their exit codes (killing all on timeout). ``run_dir`` may
+    be a list of (run dir, resume) run one after the other by the same processes."""
+    runs = [(str(run_dir), resume)] if isinstance(run_dir, Path) else [(str(d), r) for d, r in run_dir]
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, world, port, str(run_dir), resume)) for r in range(world)
-    ]
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, runs)) for r in range(world)]
     cwd = os.getcwd()
     os.chdir(REPO)  # data.cache_dir is relative to the working directory
     try:
@@ -68,16 +76,73 @@ def train_run(
     run_dir: Path, overrides: list[str], *, world: int, resume: bool = False, recipe: Path = DEFAULT_RECIPE
 ) -> list[dict]:
     """prepare + spawn + read metrics.jsonl; fails with the ranks' log tails if a rank failed."""
-    if not resume:
-        prepare_run(run_dir, [f"run.world_size={world}", *overrides], recipe)
-    codes = spawn_ranks(run_dir, world, resume=resume)
+    return train_runs({run_dir: (recipe, overrides, resume)}, world=world)[run_dir]
+
+
+def train_runs(specs: dict[Path, tuple[Path, list[str], bool]], *, world: int) -> dict[Path, list[dict]]:
+    """Several runs of the same world size in one set of rank processes, in order:
+    ``{run_dir: (recipe, overrides, resume)}`` -> ``{run_dir: metrics records}``."""
+    for run_dir, (recipe, overrides, resume) in specs.items():
+        if not resume:
+            prepare_run(run_dir, [f"run.world_size={world}", *overrides], recipe)
+    codes = spawn_ranks([(d, spec[2]) for d, spec in specs.items()], world, timeout=420 * len(specs))
     if any(codes):
         logs = "\n".join(
-            f"--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-30:])
-            for p in sorted((run_dir / "logs").glob("*.log"))
+            f"--- {p}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-30:])
+            for d in specs
+            for p in sorted((d / "logs").glob("*.log"))
         )
         raise AssertionError(f"ranks exited with {codes}\n{logs}")
-    return read_metrics(run_dir)
+    return {d: read_metrics(d) for d in specs}
+
+
+def _fn_main(rank: int, world: int, port: int, fn, args: tuple, queue) -> None:
+    from tessera.launch.local import set_rank_env
+
+    set_rank_env(rank, world, port)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    from tessera.train.worker import exit_process
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        queue.put((rank, fn(*args), None))
+    except BaseException:  # the test reports it with the rank's traceback
+        import traceback
+
+        queue.put((rank, None, traceback.format_exc()))
+    exit_process(0)
+
+
+def run_on_ranks(fn, world: int, *args, timeout: float = 600) -> list:
+    """Run importable ``fn(*args)`` on ``world`` gloo ranks; returns each rank's result, raising with the
+    rank's traceback if one failed."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_fn_main, args=(r, world, port, fn, args, queue)) for r in range(world)]
+    cwd = os.getcwd()
+    os.chdir(REPO)
+    try:
+        for p in procs:
+            p.start()
+        results: dict[int, object] = {}
+        for _ in range(world):
+            rank, value, err = queue.get()
+            if err:
+                raise AssertionError(f"rank {rank} failed:\n{err}")
+            results[rank] = value
+        for p in procs:
+            p.join(timeout)
+    finally:
+        os.chdir(cwd)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [results[r] for r in range(world)]
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -97,17 +97,23 @@ def test_run_resume_through_deepspeed_launcher(tmp_path):
 
 
 @pytest.mark.slow
-def test_torchrun_and_hostfile_launchers_agree(tmp_path):
+def test_launchers_and_engines_agree(tmp_path):
     """The same recipe through torchrun and through the deepspeed launcher with a local hostfile gives the
-    same 3 losses (one thread per rank in both), and the lr follows the recipe's warmup."""
+    same 3 losses (one thread per rank in both), and the lr follows the recipe's warmup; the megatron
+    engine's TP2 recipe, run from the CLI like the default, gives them too."""
     hf = tmp_path / "hosts"
     hf.write_text("localhost slots=2\n")
     runs = {}
-    for name, extra in (("torchrun", ["run.launcher=torchrun"]), ("hostfile", [f"run.hostfile={hf}"])):
+    cases = (
+        ("torchrun", RECIPE, ["run.launcher=torchrun"]),
+        ("hostfile", RECIPE, [f"run.hostfile={hf}"]),
+        ("megatron_tp2", "recipes/tiny-llama-cpu-mcore-tp2.yaml", []),
+    )
+    for name, recipe, extra in cases:
         out = tmp_path / name
         p = tessera(
             "run",
-            RECIPE,
+            recipe,
             f"run.out_dir={out}",
             f"run.master_port={free_port()}",
             "train.steps=3",
@@ -121,6 +127,13 @@ def test_torchrun_and_hostfile_launchers_agree(tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
         assert a["tokens"] == b["tokens"] == 16 * 63  # global batch 16 rows x 63 predicted tokens
     assert [r["lr"] for r in runs["torchrun"]] == pytest.approx([3e-4, 6e-4, 9e-4])
+    for a, b in zip(runs["megatron_tp2"], runs["hostfile"]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["tokens"] == b["tokens"]
+    layout = json.loads((tmp_path / "megatron_tp2" / "manifest.json").read_text())["layout"]
+    assert (layout["engine"], layout["tp"], layout["dp"]) == ("megatron", 2, 1)
+    assert (
+        tmp_path / "megatron_tp2" / "checkpoints" / "step_000003" / "megatron" / "metadata.json"
+    ).is_file()
 
 
 @pytest.mark.slow

@@ -75,7 +75,10 @@ BAD = [
     ),
     (["parallel.tp=2"], ["parallel.tp", "2", "cannot do tp > 1", "fix:"]),
     (["parallel.pp=2"], ["parallel.pp", "2", "cannot do pp > 1"]),
-    (["parallel.engine=megatron"], ["parallel.engine", "megatron", "not available yet"]),
+    (
+        ["parallel.engine=megatron", "parallel.tp=4", "run.world_size=4"],
+        ["parallel.tp", "4", "num_key_value_heads=2"],
+    ),
     (["data.source=files", "data.files=[/nonexistent/x.txt]"], ["data.files", "/nonexistent/x.txt"]),
     (["train.precision=fp16", "run.device=cpu"], ["train.precision", "fp16", "bf16 or fp32"]),
     (["parallel.offload_params=true"], ["offload_params", "zero: 3"]),

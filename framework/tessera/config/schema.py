@@ -87,8 +87,9 @@ class ParallelSection(_Section):
         "DeepSpeed ZeRO over the dp group (zero 1-3, pp = 1); auto = megatron for 0-1, deepspeed for 2-3",
     )
     sequence_parallel: bool | Literal["auto"] = Field(
-        "auto", description="engine megatron: sequence parallelism in the TP regions; auto = on when tp > 1 "
-        "and megatron shards over dp"
+        "auto",
+        description="engine megatron: sequence parallelism in the TP regions; auto = on when tp > 1 "
+        "and megatron shards over dp",
     )
     micro_batch: int = Field(1, ge=1, description="samples per rank per forward/backward")
     global_batch: int | None = Field(

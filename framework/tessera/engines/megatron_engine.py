@@ -101,7 +101,9 @@ def init_parallel_state(layout: ParallelLayout, *, seed: int, device: str) -> An
         from tessera.engines import cpu_shim
 
         cpu_shim.seed_model_parallel_rng(
-            seed, tp_rank=got["tp"], ep_rank=ps.get_expert_model_parallel_rank(),
+            seed,
+            tp_rank=got["tp"],
+            ep_rank=ps.get_expert_model_parallel_rank(),
             etp_rank=ps.get_expert_tensor_parallel_rank(),
         )
     else:
@@ -135,17 +137,16 @@ def transformer_config(hf_cfg: Any, layout: ParallelLayout, *, seq_len: int, pre
     return TransformerConfig(**kw)
 
 
-def build_model_chunks(hf_cfg: Any, hf_state: dict[str, torch.Tensor], config: Any, layout: ParallelLayout,
-                       ps: Any) -> list[torch.nn.Module]:
+def build_model_chunks(
+    hf_cfg: Any, hf_state: dict[str, torch.Tensor], config: Any, layout: ParallelLayout, ps: Any
+) -> list[torch.nn.Module]:
     """One ``GPTModel`` per virtual stage of this rank, each loaded with its shard of ``hf_state``."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     adapter = adapter_for(hf_cfg.model_type)
     shape = adapter.shape(hf_cfg)
-    spec = get_gpt_layer_local_spec(
-        num_experts=shape.num_experts or None, normalization=config.normalization
-    )
+    spec = get_gpt_layer_local_spec(num_experts=shape.num_experts or None, normalization=config.normalization)
     from tessera.models.megatron import padded_vocab
 
     chunks = []
@@ -164,8 +165,10 @@ def build_model_chunks(hf_cfg: Any, hf_state: dict[str, torch.Tensor], config: A
         )
         placed = [layer.layer_number - 1 for layer in model.decoder.layers]
         if placed != list(layer_range(shape, shard)):  # internal: megatron's split must be the map's
-            raise RuntimeError(f"{shard}: megatron placed layers {placed}, the weight map expects "
-                               f"{list(layer_range(shape, shard))}")
+            raise RuntimeError(
+                f"{shard}: megatron placed layers {placed}, the weight map expects "
+                f"{list(layer_range(shape, shard))}"
+            )
         local = hf_to_mcore(hf_state, adapter, hf_cfg, shard)
         missing, unexpected = model.load_state_dict(local, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
@@ -178,11 +181,16 @@ def build_model_chunks(hf_cfg: Any, hf_state: dict[str, torch.Tensor], config: A
 
 def shard_of(ps: Any, layout: ParallelLayout, vp_stage: int) -> Shard:
     return Shard(
-        tp=layout.tp, tp_rank=ps.get_tensor_model_parallel_rank(),
-        pp=layout.pp, pp_rank=ps.get_pipeline_model_parallel_rank(),
-        vpp=layout.vpp, vp_stage=vp_stage,
-        ep=layout.ep, ep_rank=ps.get_expert_model_parallel_rank(),
-        etp=ps.get_expert_tensor_parallel_world_size(), etp_rank=ps.get_expert_tensor_parallel_rank(),
+        tp=layout.tp,
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp=layout.pp,
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        vpp=layout.vpp,
+        vp_stage=vp_stage,
+        ep=layout.ep,
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        etp=ps.get_expert_tensor_parallel_world_size(),
+        etp_rank=ps.get_expert_tensor_parallel_rank(),
     )
 
 
@@ -224,16 +232,18 @@ def _shifted(mb: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.T
 class MegatronEngine:
     """megatron-core GPTModel chunks + (DistributedOptimizer | DeepSpeed ZeRO); one train_step = one update."""
 
-    def __init__(self, hf_model: torch.nn.Module, recipe: Recipe, layout: ParallelLayout, *, device: str,
-                 seq_len: int) -> None:
+    def __init__(
+        self, hf_model: torch.nn.Module, recipe: Recipe, layout: ParallelLayout, *, device: str, seq_len: int
+    ) -> None:
         self.layout = layout
         self.device = torch.device(device if device == "cpu" else f"cuda:{torch.cuda.current_device()}")
         self._optim_cfg, self._total_steps = recipe.optim, recipe.train.steps
         self.seq_len = seq_len
         self.ps = ps = init_parallel_state(layout, seed=recipe.train.seed, device=device)
         hf_cfg = hf_model.config
-        self.config = transformer_config(hf_cfg, layout, seq_len=seq_len, precision=recipe.train.precision,
-                                         device=device)
+        self.config = transformer_config(
+            hf_cfg, layout, seq_len=seq_len, precision=recipe.train.precision, device=device
+        )
         hf_state = {k: v.detach().float() for k, v in hf_model.state_dict().items()}
         chunks = build_model_chunks(hf_cfg, hf_state, self.config, layout, ps)
         del hf_state
@@ -248,26 +258,40 @@ class MegatronEngine:
 
     # ---- setup -------------------------------------------------------------------------------------
     def _init_megatron(self, chunks: list[torch.nn.Module], recipe: Recipe) -> None:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         distopt = self.layout.zero == 1
         ddp_cfg = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distopt,
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=distopt,
             check_for_nan_in_grad=False,
         )
         # bucketing only for the first chunk, as Megatron-LM does: later chunks' grads are ready later
         self.chunks = [
-            DistributedDataParallel(self.config, ddp_cfg, c, disable_bucketing=i > 0) for i, c in enumerate(chunks)
+            DistributedDataParallel(self.config, ddp_cfg, c, disable_bucketing=i > 0)
+            for i, c in enumerate(chunks)
         ]
         o = recipe.optim
         opt_cfg = OptimizerConfig(
-            optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
-            adam_beta1=o.betas[0], adam_beta2=o.betas[1], adam_eps=o.eps, clip_grad=o.grad_clip or 0.0,
-            use_distributed_optimizer=distopt, bf16=recipe.train.precision == "bf16",
-            params_dtype=self.config.params_dtype, decoupled_weight_decay=True,
+            optimizer="adam",
+            lr=o.lr,
+            min_lr=o.min_lr,
+            weight_decay=o.weight_decay,
+            adam_beta1=o.betas[0],
+            adam_beta2=o.betas[1],
+            adam_eps=o.eps,
+            clip_grad=o.grad_clip or 0.0,
+            use_distributed_optimizer=distopt,
+            bf16=recipe.train.precision == "bf16",
+            params_dtype=self.config.params_dtype,
+            decoupled_weight_decay=True,
         )
         self.optimizer = get_megatron_optimizer(opt_cfg, self.chunks)
         self.config.finalize_model_grads_func = finalize_model_grads
@@ -282,8 +306,9 @@ class MegatronEngine:
 
         ds_cfg = build_ds_config(recipe, self.layout, device=device)
         optimizer = _build_optimizer(recipe, model.named_parameters(), device=device, offload=False)
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_cfg,
-                                               mpu=MpuAdapter(self.ps))
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=ds_cfg, mpu=MpuAdapter(self.ps)
+        )
         verify_deepspeed_groups(engine, self.layout)
         self.ds = engine
         self.chunks = [engine.module]
@@ -314,10 +339,13 @@ class MegatronEngine:
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]], step: int) -> StepResult:
         assert len(micro_batches) == self.layout.grad_accum, "sampler and layout disagree"  # internal
         lr = self.set_lr(step)
-        local = [float(sum(label_tokens(mb["labels"]) for mb in micro_batches)),
-                 float(sum(mb["input_ids"].numel() for mb in micro_batches))]
+        local = [
+            float(sum(label_tokens(mb["labels"]) for mb in micro_batches)),
+            float(sum(mb["input_ids"].numel() for mb in micro_batches)),
+        ]
         global_tokens, global_inputs = self._dp_sum(
-            torch.tensor(local, dtype=torch.float64, device=self.device)).tolist()
+            torch.tensor(local, dtype=torch.float64, device=self.device)
+        ).tolist()
         scale = self.layout.grad_accum * self.layout.dp / max(global_tokens, 1.0)
         for c in self.chunks:
             c.train()
@@ -333,7 +361,9 @@ class MegatronEngine:
             input_tokens=int(global_inputs),
         )
 
-    def _step_megatron(self, micro_batches: list[dict[str, torch.Tensor]], scale: float) -> tuple[float, float]:
+    def _step_megatron(
+        self, micro_batches: list[dict[str, torch.Tensor]], scale: float
+    ) -> tuple[float, float]:
         for c in self.chunks:
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -363,14 +393,19 @@ class MegatronEngine:
             raise RuntimeError("megatron optimizer skipped the step")
         # the loss lives on the last stage; tp ranks hold copies: count one rank per dp replica
         mine = torch.zeros((), dtype=torch.float64, device=self.device)
-        if self.ps.is_pipeline_last_stage(ignore_virtual=True) and self.ps.get_tensor_model_parallel_rank() == 0:
+        if (
+            self.ps.is_pipeline_last_stage(ignore_virtual=True)
+            and self.ps.get_tensor_model_parallel_rank() == 0
+        ):
             for d in reported:
                 mine += d["loss_sum"].double()
         if dist.get_world_size() > 1:
             dist.all_reduce(mine)
         return float(mine), float(grad_norm) if grad_norm is not None else float("nan")
 
-    def _step_deepspeed(self, micro_batches: list[dict[str, torch.Tensor]], scale: float) -> tuple[float, float]:
+    def _step_deepspeed(
+        self, micro_batches: list[dict[str, torch.Tensor]], scale: float
+    ) -> tuple[float, float]:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for mb in micro_batches:
             token_loss = self._loss_sum(self.ds, mb)
@@ -382,10 +417,28 @@ class MegatronEngine:
         return float(loss_sum), float(norm) if norm is not None else float("nan")
 
     # ---- checkpoints -------------------------------------------------------------------------------
+    def _rng_file(self, root: Path, tag: str) -> Path:
+        return Path(root) / tag / f"megatron_rng_rank{dist.get_rank():05d}.pt"
+
     def save(self, root: Path, tag: str, client_state: dict[str, Any]) -> None:
+        """Model + optimizer (dist_checkpointing, or DeepSpeed's format with zero_impl deepspeed) and
+        this rank's megatron RNG tracker states (TP-region dropout); the manager adds the rest."""
+        from megatron.core import tensor_parallel
+
         if self.uses_deepspeed:
             self.ds.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
-            return
+        else:
+            self._save_dist(root, tag)
+        torch.save(tensor_parallel.get_cuda_rng_tracker().get_states(), self._rng_file(root, tag))
+
+    def load(self, root: Path, tag: str) -> dict[str, Any]:
+        from megatron.core import tensor_parallel
+
+        state = self._load_deepspeed(root, tag) if self.uses_deepspeed else self._load_dist(root, tag)
+        tensor_parallel.get_cuda_rng_tracker().set_states(torch.load(self._rng_file(root, tag)))
+        return state
+
+    def _save_dist(self, root: Path, tag: str) -> None:
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing.strategies import filesystem_async
 
@@ -401,33 +454,78 @@ class MegatronEngine:
         dist_checkpointing.save(self._sharded_state_dict(is_loading=False), str(path))
         dist.barrier()
 
-    def load(self, root: Path, tag: str) -> dict[str, Any]:
-        if self.uses_deepspeed:
-            path, client_state = self.ds.load_checkpoint(
-                str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False
+    def _load_deepspeed(self, root: Path, tag: str) -> dict[str, Any]:
+        path, client_state = self.ds.load_checkpoint(
+            str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False
+        )
+        if path is None:
+            raise CheckpointError(
+                "DeepSpeed found no checkpoint to load",
+                field="checkpoint",
+                value=str(Path(root) / tag),
+                fix="check the run directory's checkpoints/",
             )
-            if path is None:
-                raise CheckpointError("DeepSpeed found no checkpoint to load", field="checkpoint",
-                                      value=str(Path(root) / tag), fix="check the run directory's checkpoints/")
-            return client_state or {}
+        return client_state or {}
+
+    def _load_dist(self, root: Path, tag: str) -> dict[str, Any]:
         from megatron.core import dist_checkpointing
 
         path = Path(root) / tag / "megatron"
         if not path.is_dir():
-            raise CheckpointError("no megatron dist_checkpointing directory in this checkpoint",
-                                  field="checkpoint", value=str(path),
-                                  fix="resume with the engine and layout that wrote it")
+            raise CheckpointError(
+                "no megatron dist_checkpointing directory in this checkpoint",
+                field="checkpoint",
+                value=str(path),
+                fix="resume with the engine and layout that wrote it",
+            )
+        self._materialize_optimizer_state()
         state = dist_checkpointing.load(self._sharded_state_dict(is_loading=True), str(path))
         for i, c in enumerate(self.chunks):
-            c.load_state_dict(state[f"model{i}"])
-        self.optimizer.load_state_dict(state["optimizer"])
+            c.module.load_state_dict(state[f"model{i}"])  # the GPTModel inside megatron's DDP wrapper
+        with torch.no_grad():  # the distributed optimizer copies into views of the fp32 parameters
+            self.optimizer.load_state_dict(state["optimizer"])
+        self._restore_adam_steps(state["optimizer"])
         return {}
+
+    def _restore_adam_steps(self, loaded: dict[str, Any]) -> None:
+        """megatron-core 0.16.1 without Apex / TE mishandles torch AdamW's per-parameter "step" on load:
+        it assigns one tensor shared by every parameter (AdamW then adds 1 to it once per parameter per
+        step) and then overwrites it from the load template. Each parameter gets its own tensor holding
+        the step saved in the optimizer's common state (measured: without this, the resumed run's
+        second step differed)."""
+        chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        per_opt = [loaded] if len(chained) == 1 else [loaded[i] for i in range(len(chained))]
+        for opt, sd in zip(chained, per_opt, strict=True):
+            groups = sd.get("optimizer", {}).get("param_groups", [])
+            steps = {float(g["step"]) for g in groups if g.get("step") is not None}
+            if len(steps) > 1:  # internal: one optimizer, one step count
+                raise RuntimeError(f"checkpoint has several optimizer steps: {sorted(steps)}")
+            step = next(iter(steps)) if steps else None
+            for st in opt.optimizer.state.values():
+                if torch.is_tensor(st.get("step")):
+                    st["step"] = st["step"].clone() if step is None else torch.full_like(st["step"], step)
+
+    def _materialize_optimizer_state(self) -> None:
+        """A fresh torch AdamW creates its state at the first step, but the load template needs it (and
+        megatron reads its "step" without Apex / TE): zero placeholders, all overwritten by the load."""
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = opt.optimizer
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    if not inner.state[p]:
+                        inner.state[p] = {
+                            "step": torch.zeros((), dtype=torch.float32),
+                            "exp_avg": torch.zeros_like(p),
+                            "exp_avg_sq": torch.zeros_like(p),
+                        }
 
     def _sharded_state_dict(self, *, is_loading: bool) -> dict[str, Any]:
         # the distributed optimizer's state as saved by each dp rank (no gather on rank 0): fully
         # parallel, and resumable on the same layout, which is what resume needs
         metadata = {"distrib_optim_sharding_type": "dp_reshardable"}
-        model_sd = {f"model{i}": c.sharded_state_dict(metadata=metadata) for i, c in enumerate(self.chunks)}
+        model_sd = {
+            f"model{i}": c.module.sharded_state_dict(metadata=metadata) for i, c in enumerate(self.chunks)
+        }
         # the optimizer finds each parameter's sharded key in the nested model dicts (as Megatron-LM does)
         optim = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
         return {**model_sd, "optimizer": optim}

@@ -95,6 +95,15 @@ class ModelShape:
     vocab_size: int
     num_experts: int = 0
     tied: bool = False
+    normalization: str = "RMSNorm"
+
+    @property
+    def sequence_parallel_ok(self) -> bool:
+        """Whether the local layer spec has a sequence-parallel norm: only Apex's FusedLayerNorm (LayerNorm
+        with Apex installed); RMSNorm always falls back to torch's norm, which refuses SP."""
+        import importlib.util
+
+        return self.normalization == "LayerNorm" and importlib.util.find_spec("apex") is not None
 
 
 def padded_vocab(vocab_size: int, tp: int) -> int:
@@ -165,18 +174,28 @@ def _rope(cfg: Any) -> dict[str, Any]:
     kind = params.get("rope_type", params.get("type", "default"))
     out: dict[str, Any] = {"position_embedding_type": "rope", "rotary_base": int(theta)}
     if float(int(theta)) != float(theta):
-        _refuse("model.hf_config.rope_theta", theta, "GPTModel takes an integer rotary base", "use an integer")
+        _refuse(
+            "model.hf_config.rope_theta", theta, "GPTModel takes an integer rotary base", "use an integer"
+        )
     if kind == "llama3":
         # megatron-core applies the Llama-3.x rule with its fixed constants; accept exactly those
         fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
         for k, v in fixed.items():
             if float(params.get(k, v)) != v:
-                _refuse(f"model.hf_config.rope_scaling.{k}", params.get(k), f"megatron-core fixes {k}={v}",
-                        f"set {k}: {v} or use parallel.engine: deepspeed")
+                _refuse(
+                    f"model.hf_config.rope_scaling.{k}",
+                    params.get(k),
+                    f"megatron-core fixes {k}={v}",
+                    f"set {k}: {v} or use parallel.engine: deepspeed",
+                )
         out.update(rope_scaling=True, rope_scaling_factor=float(params.get("factor", 8.0)))
     elif kind != "default":
-        _refuse("model.hf_config.rope_scaling.rope_type", kind, "only default and llama3 RoPE are mapped",
-                "use parallel.engine: deepspeed for this RoPE variant")
+        _refuse(
+            "model.hf_config.rope_scaling.rope_type",
+            kind,
+            "only default and llama3 RoPE are mapped",
+            "use parallel.engine: deepspeed for this RoPE variant",
+        )
     return out
 
 
@@ -197,10 +216,19 @@ def _llama_like(family: str, *, qkv_bias: bool = False, moe: bool = False) -> Ad
 
     def transformer(c: Any, seq_len: int) -> dict[str, Any]:
         if getattr(c, "hidden_act", "silu") != "silu":
-            _refuse("model.hf_config.hidden_act", c.hidden_act, "the gated MLP is mapped with SiLU only",
-                    "use hidden_act: silu")
+            _refuse(
+                "model.hf_config.hidden_act",
+                c.hidden_act,
+                "the gated MLP is mapped with SiLU only",
+                "use hidden_act: silu",
+            )
         if getattr(c, "attention_bias", False) and not qkv_bias:
-            _refuse("model.hf_config.attention_bias", True, "o_proj bias is not mapped", "set attention_bias: false")
+            _refuse(
+                "model.hf_config.attention_bias",
+                True,
+                "o_proj bias is not mapped",
+                "set attention_bias: false",
+            )
         if getattr(c, "mlp_bias", False):
             _refuse("model.hf_config.mlp_bias", True, "MLP biases are not mapped", "set mlp_bias: false")
         s = shape(c)
@@ -224,8 +252,12 @@ def _llama_like(family: str, *, qkv_bias: bool = False, moe: bool = False) -> Ad
         use_window = getattr(c, "use_sliding_window", True)
         if window is not None and use_window and window < seq_len:
             if getattr(c, "max_window_layers", None) not in (None, s.num_layers) and family == "qwen2":
-                _refuse("model.hf_config.max_window_layers", c.max_window_layers,
-                        "per-layer windows are not mapped", "set use_sliding_window: false")
+                _refuse(
+                    "model.hf_config.max_window_layers",
+                    c.max_window_layers,
+                    "per-layer windows are not mapped",
+                    "set use_sliding_window: false",
+                )
             # HF: a query attends the `window` most recent keys, itself included; megatron: (left, right)
             kw["window_size"] = (int(window) - 1, 0)
         if moe:
@@ -247,33 +279,56 @@ def _llama_like(family: str, *, qkv_bias: bool = False, moe: bool = False) -> Ad
         return {"share_embeddings_and_output_weights": bool(c.tie_word_embeddings), **_rope(c)}
 
     def rules(c: Any) -> list[Rule]:
-        L, A = "decoder.layers.*.", "model.layers.*."  # noqa: N806
+        L, A = "decoder.layers.*.", "model.layers.*."
         out = [
             Rule("embedding.word_embeddings.weight", "model.embed_tokens.weight", VOCAB, stage="first"),
             Rule("decoder.final_layernorm.weight", "model.norm.weight", stage="last"),
-            Rule("output_layer.weight", "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight",
-                 VOCAB, stage="output"),
+            Rule(
+                "output_layer.weight",
+                "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight",
+                VOCAB,
+                stage="output",
+            ),
             Rule(L + "input_layernorm.weight", A + "input_layernorm.weight"),
-            Rule(L + "self_attention.linear_qkv.weight",
-                 tuple(A + f"self_attn.{x}_proj.weight" for x in "qkv"), COL, fuse="qkv"),
+            Rule(
+                L + "self_attention.linear_qkv.weight",
+                tuple(A + f"self_attn.{x}_proj.weight" for x in "qkv"),
+                COL,
+                fuse="qkv",
+            ),
             Rule(L + "self_attention.linear_proj.weight", A + "self_attn.o_proj.weight", ROW),
             Rule(L + "pre_mlp_layernorm.weight", A + "post_attention_layernorm.weight"),
         ]
         if qkv_bias:
-            out.append(Rule(L + "self_attention.linear_qkv.bias",
-                            tuple(A + f"self_attn.{x}_proj.bias" for x in "qkv"), COL, fuse="qkv"))
+            out.append(
+                Rule(
+                    L + "self_attention.linear_qkv.bias",
+                    tuple(A + f"self_attn.{x}_proj.bias" for x in "qkv"),
+                    COL,
+                    fuse="qkv",
+                )
+            )
         if moe:
-            E = L + "mlp.experts.local_experts.#."  # noqa: N806
+            E = L + "mlp.experts.local_experts.#."
             out += [
                 Rule(L + "mlp.router.weight", A + "mlp.gate.weight"),
-                Rule(E + "linear_fc1.weight", A + "mlp.experts.gate_up_proj", COL, fuse="gate_up_fused",
-                     hf_expert_dim=True),
+                Rule(
+                    E + "linear_fc1.weight",
+                    A + "mlp.experts.gate_up_proj",
+                    COL,
+                    fuse="gate_up_fused",
+                    hf_expert_dim=True,
+                ),
                 Rule(E + "linear_fc2.weight", A + "mlp.experts.down_proj", ROW, hf_expert_dim=True),
             ]
         else:
             out += [
-                Rule(L + "mlp.linear_fc1.weight", (A + "mlp.gate_proj.weight", A + "mlp.up_proj.weight"), COL,
-                     fuse="gate_up"),
+                Rule(
+                    L + "mlp.linear_fc1.weight",
+                    (A + "mlp.gate_proj.weight", A + "mlp.up_proj.weight"),
+                    COL,
+                    fuse="gate_up",
+                ),
                 Rule(L + "mlp.linear_fc2.weight", A + "mlp.down_proj.weight", ROW),
             ]
         return out
@@ -306,16 +361,33 @@ def _gpt2() -> Adapter:
     """GPT-2: LayerNorm with bias, biases everywhere, GeLU (tanh), learned positions, tied head, Conv1D."""
 
     def shape(c: Any) -> ModelShape:
-        return ModelShape(num_layers=c.n_layer, num_heads=c.n_head, num_query_groups=c.n_head,
-                          head_dim=c.n_embd // c.n_head, vocab_size=c.vocab_size, tied=bool(c.tie_word_embeddings))
+        return ModelShape(
+            num_layers=c.n_layer,
+            num_heads=c.n_head,
+            num_query_groups=c.n_head,
+            head_dim=c.n_embd // c.n_head,
+            vocab_size=c.vocab_size,
+            tied=bool(c.tie_word_embeddings),
+            normalization="LayerNorm",
+        )
 
     def transformer(c: Any, seq_len: int) -> dict[str, Any]:
         if c.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
-            _refuse("model.hf_config.activation_function", c.activation_function,
-                    "GPT-2 is mapped with the tanh GeLU", "use activation_function: gelu_new")
-        if getattr(c, "scale_attn_by_inverse_layer_idx", False) or getattr(c, "reorder_and_upcast_attn", False):
-            _refuse("model.hf_config.scale_attn_by_inverse_layer_idx", True, "per-layer attention scaling",
-                    "set it to false")
+            _refuse(
+                "model.hf_config.activation_function",
+                c.activation_function,
+                "GPT-2 is mapped with the tanh GeLU",
+                "use activation_function: gelu_new",
+            )
+        if getattr(c, "scale_attn_by_inverse_layer_idx", False) or getattr(
+            c, "reorder_and_upcast_attn", False
+        ):
+            _refuse(
+                "model.hf_config.scale_attn_by_inverse_layer_idx",
+                True,
+                "per-layer attention scaling",
+                "set it to false",
+            )
         return dict(
             num_layers=c.n_layer,
             hidden_size=c.n_embd,
@@ -334,23 +406,35 @@ def _gpt2() -> Adapter:
         )
 
     def gpt(c: Any) -> dict[str, Any]:
-        return {"share_embeddings_and_output_weights": bool(c.tie_word_embeddings),
-                "position_embedding_type": "learned_absolute"}
+        return {
+            "share_embeddings_and_output_weights": bool(c.tie_word_embeddings),
+            "position_embedding_type": "learned_absolute",
+        }
 
     def rules(c: Any) -> list[Rule]:
-        L, H = "decoder.layers.*.", "transformer.h.*."  # noqa: N806
+        L, H = "decoder.layers.*.", "transformer.h.*."
         out = [
             Rule("embedding.word_embeddings.weight", "transformer.wte.weight", VOCAB, stage="first"),
             Rule("embedding.position_embeddings.weight", "transformer.wpe.weight", stage="first"),
             Rule("decoder.final_layernorm.weight", "transformer.ln_f.weight", stage="last"),
             Rule("decoder.final_layernorm.bias", "transformer.ln_f.bias", stage="last"),
-            Rule("output_layer.weight", "transformer.wte.weight" if c.tie_word_embeddings else "lm_head.weight",
-                 VOCAB, stage="output"),
+            Rule(
+                "output_layer.weight",
+                "transformer.wte.weight" if c.tie_word_embeddings else "lm_head.weight",
+                VOCAB,
+                stage="output",
+            ),
         ]
         for ln_m, ln_h in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
             out += [Rule(L + f"{ln_m}.{p}", H + f"{ln_h}.{p}") for p in ("weight", "bias")]
         out += [
-            Rule(L + "self_attention.linear_qkv.weight", H + "attn.c_attn.weight", COL, fuse="qkv", transpose=True),
+            Rule(
+                L + "self_attention.linear_qkv.weight",
+                H + "attn.c_attn.weight",
+                COL,
+                fuse="qkv",
+                transpose=True,
+            ),
             Rule(L + "self_attention.linear_qkv.bias", H + "attn.c_attn.bias", COL, fuse="qkv"),
             Rule(L + "self_attention.linear_proj.weight", H + "attn.c_proj.weight", ROW, transpose=True),
             Rule(L + "self_attention.linear_proj.bias", H + "attn.c_proj.bias"),
@@ -399,7 +483,9 @@ def _stage_has(rule: Rule, shard: Shard, shape: ModelShape) -> bool:
     return True
 
 
-def _instances(rule: Rule, shape: ModelShape, shard: Shard) -> Iterator[tuple[str, Callable[[str], str], int | None]]:
+def _instances(
+    rule: Rule, shape: ModelShape, shard: Shard
+) -> Iterator[tuple[str, Callable[[str], str], int | None]]:
     """(megatron key, HF pattern -> HF key) for every copy of ``rule`` in the chunk."""
     layers = layer_range(shape, shard) if "*" in rule.mcore else [None]
     experts = expert_range(shape, shard) if "#" in rule.mcore else [None]
@@ -418,8 +504,13 @@ def _instances(rule: Rule, shape: ModelShape, shard: Shard) -> Iterator[tuple[st
             yield key, hf_key, ge
 
 
-def _full_mcore(rule: Rule, hf: dict[str, torch.Tensor], hf_key: Callable[[str], str], expert: int | None,
-                shape: ModelShape) -> list[torch.Tensor]:
+def _full_mcore(
+    rule: Rule,
+    hf: dict[str, torch.Tensor],
+    hf_key: Callable[[str], str],
+    expert: int | None,
+    shape: ModelShape,
+) -> list[torch.Tensor]:
     """The tp=1 megatron tensor of one rule instance, as parts that are TP-split separately."""
     names = rule.hf if isinstance(rule.hf, tuple) else (rule.hf,)
     ts = [hf[hf_key(n)] for n in names]
@@ -440,7 +531,9 @@ def _full_mcore(rule: Rule, hf: dict[str, torch.Tensor], hf_key: Callable[[str],
     return ts
 
 
-def hf_to_mcore(hf: dict[str, torch.Tensor], adapter: Adapter, hf_cfg: Any, shard: Shard) -> dict[str, torch.Tensor]:
+def hf_to_mcore(
+    hf: dict[str, torch.Tensor], adapter: Adapter, hf_cfg: Any, shard: Shard
+) -> dict[str, torch.Tensor]:
     """The megatron state dict of one model chunk (its TP / EP shard) from a full HF state dict."""
     shape = adapter.shape(hf_cfg)
     out: dict[str, torch.Tensor] = {}
@@ -458,11 +551,17 @@ def hf_to_mcore(hf: dict[str, torch.Tensor], adapter: Adapter, hf_cfg: Any, shar
                 parts = [p.chunk(tp, dim=0)[r] for p in parts]
             elif rule.split == ROW:
                 parts = [p.chunk(tp, dim=1)[r] for p in parts]
-            out[key] = torch.cat(parts, dim=0).clone().contiguous() if len(parts) > 1 else parts[0].clone().contiguous()
+            out[key] = (
+                torch.cat(parts, dim=0).clone().contiguous()
+                if len(parts) > 1
+                else parts[0].clone().contiguous()
+            )
     return out
 
 
-def mcore_to_hf(chunks: dict[Shard, dict[str, torch.Tensor]], adapter: Adapter, hf_cfg: Any) -> dict[str, torch.Tensor]:
+def mcore_to_hf(
+    chunks: dict[Shard, dict[str, torch.Tensor]], adapter: Adapter, hf_cfg: Any
+) -> dict[str, torch.Tensor]:
     """The full HF state dict from every chunk's megatron state dict (all TP / PP / VPP / EP shards)."""
     shape = adapter.shape(hf_cfg)
     gathered: dict[tuple[str, str, int | None], dict[int, torch.Tensor]] = {}
@@ -471,7 +570,7 @@ def mcore_to_hf(chunks: dict[Shard, dict[str, torch.Tensor]], adapter: Adapter, 
         for rule in adapter.rules(hf_cfg):
             if not _stage_has(rule, shard, shape):
                 continue
-            tp, r = _tp_of(rule, shard)
+            _, r = _tp_of(rule, shard)
             for key, hf_key, expert in _instances(rule, shape, shard):
                 ident = (rule.mcore, hf_key(rule.mcore), expert)
                 gathered.setdefault(ident, {})[r] = sd[key]

@@ -95,8 +95,13 @@ class ParallelLayout:
     def describe(self) -> str:
         return (
             f"engine={self.engine} world={self.world_size} dp={self.dp} tp={self.tp} pp={self.pp} "
-            f"ep={self.ep} zero={self.zero} micro_batch={self.micro_batch} grad_accum={self.grad_accum} "
-            f"global_batch={self.global_batch}"
+            f"vpp={self.vpp} ep={self.ep} zero={self.zero}"
+            + (
+                f" zero_impl={self.zero_impl} sp={self.sequence_parallel}"
+                if self.engine == "megatron"
+                else ""
+            )
+            + f" micro_batch={self.micro_batch} grad_accum={self.grad_accum} global_batch={self.global_batch}"
         )
 
 
@@ -158,9 +163,19 @@ def layout_from_recipe(recipe: Recipe) -> ParallelLayout:
     zero_impl = "deepspeed"
     if p.engine == "megatron":
         zero_impl = p.zero_impl if p.zero_impl != "auto" else ("megatron" if p.zero <= 1 else "deepspeed")
+    shape = None
+    if p.engine == "megatron":
+        from tessera.models.hf import load_hf_config
+        from tessera.models.megatron import adapter_for
+
+        hf_cfg = load_hf_config(recipe.model, vocab_size=recipe.data.vocab_size)
+        adapter = adapter_for(hf_cfg.model_type)
+        shape = adapter.shape(hf_cfg)
+        adapter.transformer(hf_cfg, recipe.data.seq_len)  # what megatron-core cannot express fails here,
+        adapter.gpt(hf_cfg)  # before launch, not on the ranks
     sp = p.sequence_parallel
     if sp == "auto":
-        sp = p.engine == "megatron" and p.tp > 1 and zero_impl == "megatron"
+        sp = shape is not None and shape.sequence_parallel_ok and p.tp > 1 and zero_impl == "megatron"
     layout = ParallelLayout(
         engine=p.engine,
         world_size=ws,
@@ -178,12 +193,8 @@ def layout_from_recipe(recipe: Recipe) -> ParallelLayout:
         sequence_parallel=bool(sp),
         zero_impl=zero_impl,
     )
-    if p.engine == "megatron":
-        from tessera.models.hf import load_hf_config
-        from tessera.models.megatron import adapter_for
-
-        hf_cfg = load_hf_config(recipe.model, vocab_size=recipe.data.vocab_size)
-        check_megatron_layout(layout, adapter_for(hf_cfg.model_type).shape(hf_cfg))
+    if shape is not None:
+        check_megatron_layout(layout, shape)
     return layout
 
 
@@ -192,48 +203,109 @@ def check_megatron_layout(layout: ParallelLayout, shape: Any) -> None:
 
     ``shape`` is the model's :class:`tessera.models.megatron.ModelShape`.
     """
-    L, tp, pp, vpp, ep = layout, layout.tp, layout.pp, layout.vpp, layout.ep  # noqa: N806
+    L, tp, pp, vpp, ep = layout, layout.tp, layout.pp, layout.vpp, layout.ep
     rules: list[tuple[bool, str, Any, str, str]] = [
-        (shape.num_heads % tp != 0, "parallel.tp", tp,
-         f"num_attention_heads={shape.num_heads} is not divisible by tp={tp}",
-         "set parallel.tp to a divisor of the head count"),
-        (shape.num_query_groups % tp != 0, "parallel.tp", tp,
-         f"num_key_value_heads={shape.num_query_groups} is not divisible by tp={tp} (each TP rank needs "
-         "whole KV heads)", "set parallel.tp to a divisor of the KV head count"),
-        (shape.num_layers % (pp * vpp) != 0, "parallel.pp", pp,
-         f"num_hidden_layers={shape.num_layers} is not divisible by pp*vpp={pp}*{vpp}={pp * vpp}",
-         "choose pp and vpp whose product divides the layer count"),
-        (ep > 1 and shape.num_experts == 0, "parallel.ep", ep,
-         "expert parallelism needs a mixture-of-experts model", "set parallel.ep: 1"),
-        (ep > 1 and shape.num_experts % ep != 0, "parallel.ep", ep,
-         f"num_local_experts={shape.num_experts} is not divisible by ep={ep}",
-         "set parallel.ep to a divisor of the expert count"),
-        (L.zero >= 2 and pp > 1, "parallel.zero", L.zero,
-         f"ZeRO-{L.zero} shards gradients across micro-batches, which pipeline parallelism (pp={pp}) "
-         "accumulates per stage; no engine composes them",
-         "use parallel.zero: 1 (megatron's distributed optimizer) with pp > 1, or pp: 1"),
-        (L.zero_impl == "deepspeed" and pp > 1, "parallel.zero_impl", "deepspeed",
-         "DeepSpeed ZeRO is composed with megatron-core only without pipeline parallelism",
-         "set parallel.zero_impl: megatron (or auto) with parallel.zero 0 or 1"),
-        (L.zero_impl == "megatron" and L.zero >= 2, "parallel.zero", L.zero,
-         "megatron-core's distributed optimizer shards optimizer state only (ZeRO-1)",
-         "use parallel.zero_impl: deepspeed (or auto) for ZeRO-2/3, or parallel.zero: 1"),
-        (L.zero_impl == "deepspeed" and L.zero == 0, "parallel.zero_impl", "deepspeed",
-         "DeepSpeed without ZeRO adds nothing to megatron's own data parallelism",
-         "set parallel.zero_impl: auto (megatron DDP for zero 0)"),
-        (L.sequence_parallel and tp == 1, "parallel.sequence_parallel", True,
-         "sequence parallelism splits the TP regions, and tp=1 has none", "set it to auto or false"),
-        (L.sequence_parallel and L.zero_impl == "deepspeed", "parallel.sequence_parallel", True,
-         "DeepSpeed does not all-reduce the sequence-parallel norm gradients across TP ranks",
-         "set parallel.sequence_parallel: false (or auto) with DeepSpeed ZeRO"),
-        (ep > 1 and tp > 1 and not L.sequence_parallel, "parallel.sequence_parallel", False,
-         "megatron-core's MoE layers with tp > 1 and ep > 1 need sequence parallelism",
-         "set parallel.sequence_parallel: auto (and zero_impl megatron)"),
-        (vpp > 1 and L.grad_accum % pp != 0, "parallel.grad_accum", L.grad_accum,
-         f"the interleaved schedule needs the micro-batch count ({L.grad_accum}) divisible by pp={pp}",
-         f"use a grad_accum multiple of {pp} (raise parallel.global_batch)"),
-        (L.offload_optimizer or L.offload_params, "parallel.offload_optimizer", True,
-         "CPU offload is wired for the deepspeed engine only", "use parallel.engine: deepspeed for offload"),
+        (
+            shape.num_heads % tp != 0,
+            "parallel.tp",
+            tp,
+            f"num_attention_heads={shape.num_heads} is not divisible by tp={tp}",
+            "set parallel.tp to a divisor of the head count",
+        ),
+        (
+            shape.num_query_groups % tp != 0,
+            "parallel.tp",
+            tp,
+            f"num_key_value_heads={shape.num_query_groups} is not divisible by tp={tp} (each TP rank needs "
+            "whole KV heads)",
+            "set parallel.tp to a divisor of the KV head count",
+        ),
+        (
+            shape.num_layers % (pp * vpp) != 0,
+            "parallel.pp",
+            pp,
+            f"num_hidden_layers={shape.num_layers} is not divisible by pp*vpp={pp}*{vpp}={pp * vpp}",
+            "choose pp and vpp whose product divides the layer count",
+        ),
+        (
+            ep > 1 and shape.num_experts == 0,
+            "parallel.ep",
+            ep,
+            "expert parallelism needs a mixture-of-experts model",
+            "set parallel.ep: 1",
+        ),
+        (
+            ep > 1 and shape.num_experts % ep != 0,
+            "parallel.ep",
+            ep,
+            f"num_local_experts={shape.num_experts} is not divisible by ep={ep}",
+            "set parallel.ep to a divisor of the expert count",
+        ),
+        (
+            L.zero >= 2 and pp > 1,
+            "parallel.zero",
+            L.zero,
+            f"ZeRO-{L.zero} shards gradients across micro-batches, which pipeline parallelism (pp={pp}) "
+            "accumulates per stage; no engine composes them",
+            "use parallel.zero: 1 (megatron's distributed optimizer) with pp > 1, or pp: 1",
+        ),
+        (
+            L.zero_impl == "deepspeed" and pp > 1,
+            "parallel.zero_impl",
+            "deepspeed",
+            "DeepSpeed ZeRO is composed with megatron-core only without pipeline parallelism",
+            "set parallel.zero_impl: megatron (or auto) with parallel.zero 0 or 1",
+        ),
+        (
+            L.zero_impl == "megatron" and L.zero >= 2,
+            "parallel.zero",
+            L.zero,
+            "megatron-core's distributed optimizer shards optimizer state only (ZeRO-1)",
+            "use parallel.zero_impl: deepspeed (or auto) for ZeRO-2/3, or parallel.zero: 1",
+        ),
+        (
+            L.zero_impl == "deepspeed" and L.zero == 0,
+            "parallel.zero_impl",
+            "deepspeed",
+            "DeepSpeed without ZeRO adds nothing to megatron's own data parallelism",
+            "set parallel.zero_impl: auto (megatron DDP for zero 0)",
+        ),
+        (
+            L.sequence_parallel and tp == 1,
+            "parallel.sequence_parallel",
+            True,
+            "sequence parallelism splits the TP regions, and tp=1 has none",
+            "set it to auto or false",
+        ),
+        (
+            L.sequence_parallel and not shape.sequence_parallel_ok,
+            "parallel.sequence_parallel",
+            True,
+            f"megatron-core's local layer spec has no sequence-parallel {shape.normalization} (it needs "
+            "Apex's FusedLayerNorm, and RMSNorm needs TransformerEngine)",
+            "set it to auto or false",
+        ),
+        (
+            L.sequence_parallel and L.zero_impl == "deepspeed",
+            "parallel.sequence_parallel",
+            True,
+            "DeepSpeed does not all-reduce the sequence-parallel norm gradients across TP ranks",
+            "set parallel.sequence_parallel: false (or auto) with DeepSpeed ZeRO",
+        ),
+        (
+            vpp > 1 and L.grad_accum % pp != 0,
+            "parallel.grad_accum",
+            L.grad_accum,
+            f"the interleaved schedule needs the micro-batch count ({L.grad_accum}) divisible by pp={pp}",
+            f"use a grad_accum multiple of {pp} (raise parallel.global_batch)",
+        ),
+        (
+            L.offload_optimizer or L.offload_params,
+            "parallel.offload_optimizer",
+            True,
+            "CPU offload is wired for the deepspeed engine only",
+            "use parallel.engine: deepspeed for offload",
+        ),
     ]
     for broken, field, value, why, fix in rules:
         if broken:

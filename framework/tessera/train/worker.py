@@ -268,8 +268,12 @@ def _status_file(run_dir: Path, rank: int, kind: str) -> Path:
     return run_dir / "logs" / f"rank_{rank:05d}.{kind}"
 
 
-def run_rank(run_dir: str | Path, resume: bool = False) -> int:
-    """Entry of one rank with status files and a log; returns the exit code."""
+def run_rank(run_dir: str | Path, resume: bool = False, *, keep_process_group: bool = False) -> int:
+    """Entry of one rank with status files and a log; returns the exit code.
+
+    ``keep_process_group``: leave the process group up for another run in this process (the test
+    harness runs several layouts per set of ranks); DeepSpeed caches its groups, so a process group
+    once destroyed cannot serve a later ``deepspeed.initialize``."""
     run_dir = Path(run_dir)
     rank, _, _ = _rank_env()
     logs = run_dir / "logs"
@@ -309,7 +313,7 @@ def run_rank(run_dir: str | Path, resume: bool = False) -> int:
         if rank == 0:
             sys.stderr.write(tb)
     finally:
-        if dist.is_initialized():
+        if dist.is_initialized() and not (keep_process_group and code == 0):
             try:
                 dist.destroy_process_group()
             except Exception:  # a peer already gone; the exit code says what happened

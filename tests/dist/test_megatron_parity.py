@@ -1,0 +1,125 @@
+"""Per family, fp32: the tiny HF model and the megatron-core model with its converted weights give the
+same logits at TP1 and TP2; and the two silent-failure traps of DeepSpeed over megatron are caught.
+
+Runs on 2 real gloo ranks (TP1 = two data-parallel replicas, each checked on its own).
+"""
+
+from __future__ import annotations
+
+import pytest
+from helpers import REPO, run_on_ranks
+
+pytestmark = pytest.mark.slow
+
+FAMILIES = ["llama", "qwen2", "mistral", "gpt2", "mixtral"]
+
+
+def _layout(tp: int, ep: int = 1):
+    from tessera.plan.layout import ParallelLayout
+
+    return ParallelLayout(engine="megatron", world_size=2, dp=2 // tp, tp=tp, ep=ep, zero_impl="megatron")
+
+
+def _hf(family: str):
+    import torch
+    import yaml
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    d = yaml.safe_load((REPO / "configs" / "models" / f"tiny-{family}.yaml").read_text())["model"]["hf_config"]
+    cfg = AutoConfig.for_model(d.pop("model_type"), **d)
+    torch.manual_seed(7)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def logits_parity(families: list[str]) -> dict[str, dict[int, float]]:
+    """Max |logits_megatron - logits_hf| per family and tp (sequence 64 > Mistral's window of 32)."""
+    import torch
+    import torch.distributed as dist
+
+    from tessera.engines.megatron_engine import build_model_chunks, init_parallel_state, transformer_config
+
+    out: dict[str, dict[int, float]] = {}
+    for fam in families:
+        hf = _hf(fam)
+        torch.manual_seed(11)
+        ids = torch.randint(0, hf.config.vocab_size, (2, 64))
+        with torch.no_grad():
+            ref = hf(input_ids=ids).logits
+        out[fam] = {}
+        for tp in (1, 2):
+            lay = _layout(tp)
+            ps = init_parallel_state(lay, seed=0, device="cpu")
+            cfg = transformer_config(hf.config, lay, seq_len=64, precision="fp32", device="cpu")
+            [model] = build_model_chunks(hf.config, hf.state_dict(), cfg, lay, ps)
+            model.eval()
+            pos = torch.arange(64).unsqueeze(0).expand(2, -1)
+            with torch.no_grad():
+                shard = model(ids, pos, None)  # [b, s, vocab/tp]
+            parts = [torch.empty_like(shard) for _ in range(tp)]
+            dist.all_gather(parts, shard.contiguous(), group=ps.get_tensor_model_parallel_group())
+            full = torch.cat(parts, dim=-1)[..., : hf.config.vocab_size]
+            out[fam][tp] = float((full - ref).abs().max())
+            ps.destroy_model_parallel()
+    return out
+
+
+@pytest.fixture(scope="module")
+def parity():
+    return run_on_ranks(logits_parity, 2, FAMILIES)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_logits_match_hf(parity, family, tp):
+    for rank_result in parity:
+        assert rank_result[family][tp] <= 1e-5, rank_result[family]
+
+
+def traps() -> dict[str, str]:
+    """Build TP2 models and fall into each trap on purpose; return what the guards said."""
+    import deepspeed
+    import torch
+
+    from tessera.engines.megatron_engine import (
+        build_model_chunks,
+        check_tp_attributes,
+        init_parallel_state,
+        transformer_config,
+        verify_deepspeed_groups,
+    )
+    from tessera.models.megatron import Shard, adapter_for
+
+    hf = _hf("llama")
+    lay = _layout(2)
+    ps = init_parallel_state(lay, seed=0, device="cpu")
+    cfg = transformer_config(hf.config, lay, seq_len=64, precision="fp32", device="cpu")
+    [model] = build_model_chunks(hf.config, hf.state_dict(), cfg, lay, ps)
+    said = {}
+    # trap 1: a TP-sharded weight that lost its tensor_model_parallel flag
+    w = model.decoder.layers[0].self_attention.linear_qkv.weight
+    w.tensor_model_parallel = False
+    shard = Shard(tp=2, tp_rank=ps.get_tensor_model_parallel_rank())
+    try:
+        check_tp_attributes(model, adapter_for("llama").rules(hf.config), hf.config, shard)
+    except RuntimeError as e:
+        said["attr"] = str(e)
+    w.tensor_model_parallel = True
+    # trap 2: DeepSpeed initialised without the mpu
+    ds_cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": 1}}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_cfg, mpu=None)
+    try:
+        verify_deepspeed_groups(engine, lay)
+    except RuntimeError as e:
+        said["mpu"] = str(e)
+    ps.destroy_model_parallel()
+    return said
+
+
+def test_silent_failure_traps_are_caught():
+    said = run_on_ranks(traps, 2)
+    for s in said:
+        assert "tensor_model_parallel attribute disagrees" in s["attr"]
+        assert "decoder.layers.0.self_attention.linear_qkv.weight" in s["attr"]
+        assert "DeepSpeed sees dp=2 mp=1, the layout is dp=1 tp=2" in s["mpu"]
