@@ -17,7 +17,8 @@ FAMILIES = ["llama", "qwen2", "mistral", "gpt2", "mixtral"]
 def _layout(tp: int, ep: int = 1):
     from tessera.plan.layout import ParallelLayout
 
-    return ParallelLayout(engine="megatron", world_size=2, dp=2 // tp, tp=tp, ep=ep, zero_impl="megatron")
+    dp = 2 // tp
+    return ParallelLayout(engine="megatron", world_size=2, dp=dp, tp=tp, ep=ep, global_batch=dp, zero_impl="megatron")
 
 
 def _hf(family: str):

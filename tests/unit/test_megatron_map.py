@@ -231,3 +231,62 @@ def test_auto_choices():
         {"tp": 0, "dp": 0, "pp": 1},
         {"tp": 1, "dp": 0, "pp": 1},
     ]
+
+
+def _adapter_kwargs(**changes):
+    from transformers import AutoConfig
+
+    d = yaml.safe_load((REPO / "configs" / "models" / "tiny-llama.yaml").read_text())["model"]["hf_config"]
+    d.update(changes)
+    cfg = AutoConfig.for_model(d.pop("model_type"), **d)
+    a = adapter_for(cfg.model_type)
+    return a.transformer(cfg, 64), a.gpt(cfg)
+
+
+def test_rope_and_window_mapping():
+    llama3 = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_theta": 500000.0,
+    }
+    _, gpt = _adapter_kwargs(rope_parameters=llama3)
+    assert (gpt["rotary_base"], gpt["rope_scaling"], gpt["rope_scaling_factor"]) == (500000, True, 8.0)
+    tr, _ = _adapter_kwargs(model_type="mistral", sliding_window=32)
+    assert tr["window_size"] == (31, 0)  # HF: the 32 most recent keys, the query's own included
+    tr, _ = _adapter_kwargs(model_type="mistral", sliding_window=4096)
+    assert "window_size" not in tr  # wider than the sequence: plain causal attention
+
+
+@pytest.mark.parametrize(
+    "changes,field",
+    [
+        (
+            {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}},
+            "model.hf_config.rope_scaling.rope_type",
+        ),
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 2.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192,
+                    "rope_theta": 500000.0,
+                }
+            },
+            "model.hf_config.rope_scaling.low_freq_factor",
+        ),
+        ({"hidden_act": "gelu"}, "model.hf_config.hidden_act"),
+        ({"mlp_bias": True}, "model.hf_config.mlp_bias"),
+    ],
+)
+def test_what_megatron_cannot_express_is_refused(changes, field):
+    from tessera.errors import RecipeError
+
+    with pytest.raises(RecipeError) as e:
+        _adapter_kwargs(**changes)
+    assert e.value.field == field and "megatron-core cannot express this" in str(e.value)
