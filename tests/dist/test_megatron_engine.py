@@ -19,6 +19,7 @@ pytestmark = pytest.mark.slow
 STEPS = 10
 R = REPO / "recipes"
 LLAMA, MIXTRAL = R / "tiny-llama-cpu.yaml", R / "tiny-mixtral-cpu.yaml"
+GPT2, QWEN2 = R / "tiny-gpt2-cpu.yaml", R / "tiny-qwen2-cpu.yaml"
 LLAMA4 = R / "tiny-llama4l-cpu-mcore-pp2-vpp2.yaml"
 COMMON = [f"train.steps={STEPS}"]
 # 2-rank layouts: name -> (recipe, reference name)
@@ -28,6 +29,12 @@ TWO = {
     "pp2_1f1b": (R / "tiny-llama-cpu-mcore-pp2.yaml", "llama"),
     "pp2_interleaved": (LLAMA4, "llama4"),
     "ep2_mixtral": (R / "tiny-mixtral-cpu-mcore-ep2.yaml", "mixtral"),
+}
+# other families on megatron (overrides of their deepspeed recipes): tied embeddings across pipeline
+# stages (GPT-2: LayerNorm, biases, learned positions), qkv bias + tied head under TP (Qwen2)
+FAMILY_RUNS = {
+    "gpt2_pp2_tied": (GPT2, ["parallel.engine=megatron", "parallel.pp=2", "parallel.zero=1"], "gpt2"),
+    "qwen2_tp2": (QWEN2, ["parallel.engine=megatron", "parallel.tp=2", "parallel.zero=0"], "qwen2"),
 }
 FOUR = {
     "tp2_pp2": R / "tiny-llama-cpu4-mcore-tp2-pp2.yaml",
@@ -50,8 +57,12 @@ def runs(tmp_path_factory):
     ref = [*COMMON, "parallel.zero=0"]
     # the 4-layer reference takes the model of the interleaved recipe with the deepspeed engine
     llama4_ref = [*ref, "parallel.engine=deepspeed", "parallel.pp=1", "parallel.vpp=1", "parallel.zero_impl=auto"]
-    batch({"llama": (LLAMA, ref, False), "llama4": (LLAMA4, llama4_ref, False), "mixtral": (MIXTRAL, ref, False)}, 1)
+    refs = {"llama": (LLAMA, ref, False), "llama4": (LLAMA4, llama4_ref, False), "mixtral": (MIXTRAL, ref, False)}
+    refs.update({"gpt2": (GPT2, ref, False), "qwen2": (QWEN2, ref, False)})
+    batch(refs, 1)
     two = {k: (rec, COMMON, False) for k, (rec, _) in TWO.items()}
+    two.update({k: (rec, [*COMMON, *ov], False) for k, (rec, ov, _) in FAMILY_RUNS.items()})
+    two["tp2_bf16"] = (TWO["tp2"][0], [*COMMON, "train.precision=bf16"], False)
     two["deepspeed_dp2_zero2"] = (LLAMA, COMMON, False)  # the foundation's engine, same seed
     # first halves of the resume checks (checkpoint at step 5), on the dist_checkpointing paths
     for k in ("dp2_distopt", "tp2"):
@@ -81,6 +92,16 @@ def _check(run: list[dict], ref: list[dict]) -> None:
 @pytest.mark.parametrize("name", sorted(TWO))
 def test_two_rank_layouts_match_single_rank(runs, name):
     _check(runs[name], runs[TWO[name][1]])
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY_RUNS))
+def test_other_families_on_megatron_match_single_rank(runs, name):
+    _check(runs[name], runs[FAMILY_RUNS[name][2]])
+
+
+def test_bf16_tracks_fp32(runs):
+    """bf16 weights and activations (megatron's Float16Module) with fp32 master weights and grads."""
+    assert_close_rel(losses(runs["tp2_bf16"]), losses(runs["llama"]), 1e-3)
 
 
 @pytest.mark.parametrize("name", sorted(FOUR))

@@ -88,7 +88,7 @@ def traps() -> dict[str, str]:
         transformer_config,
         verify_deepspeed_groups,
     )
-    from tessera.models.megatron import Shard, adapter_for
+    from tessera.models.megatron import Shard
 
     hf = _hf("llama")
     lay = _layout(2)
@@ -101,7 +101,7 @@ def traps() -> dict[str, str]:
     w.tensor_model_parallel = False
     shard = Shard(tp=2, tp_rank=ps.get_tensor_model_parallel_rank())
     try:
-        check_tp_attributes(model, adapter_for("llama").rules(hf.config), hf.config, shard)
+        check_tp_attributes(model, hf.config, shard)
     except RuntimeError as e:
         said["attr"] = str(e)
     w.tensor_model_parallel = True

@@ -57,11 +57,14 @@ class _CpuRNGStatesTracker:
 
 
 class _CudaDeviceToCpu(TorchFunctionMode):
-    """Rewrites ``device="cuda"`` (and cuda devices) in tensor factories to cpu: the pipeline schedules
-    and grad clipping create small bookkeeping tensors on "cuda" by name."""
+    """Rewrites ``device="cuda"`` (and cuda devices) in tensor factories to cpu, and ``Tensor.cuda()``
+    to a no-op: the pipeline schedules and grad clipping create small bookkeeping tensors on "cuda" by
+    name, and the tied LM head of the last pipeline stage is moved with ``.cuda()``."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:  # tied embeddings across pipeline stages call .cuda() on the copy
+            return args[0]
         dev = kwargs.get("device")
         if dev is not None and torch.device(dev).type == "cuda":
             kwargs = dict(kwargs, device="cpu")

@@ -121,7 +121,7 @@ def build_ds_config(recipe: Recipe, layout: ParallelLayout, *, device: str) -> d
     return _deep_merge(cfg, user)
 
 
-def _build_optimizer(recipe: Recipe, params, *, device: str, offload: bool) -> torch.optim.Optimizer:
+def build_optimizer(recipe: Recipe, params, *, device: str, offload: bool) -> torch.optim.Optimizer:
     o = recipe.optim
     groups = _param_groups(params, o.weight_decay)
     if o.name == "deepspeed_adam":
@@ -157,7 +157,7 @@ class DeepSpeedEngine:
         self.layout = layout
         self.device = torch.device(device if device == "cpu" else f"cuda:{torch.cuda.current_device()}")
         self.ds_config = build_ds_config(recipe, layout, device=device)
-        optimizer = _build_optimizer(
+        optimizer = build_optimizer(
             recipe, model.named_parameters(), device=device, offload=layout.offload_optimizer
         )
         # the LR is a pure function of the step (set before each update), so a resumed run - even one

@@ -23,7 +23,18 @@ import torch.distributed as dist
 from tessera.config.schema import Recipe
 from tessera.engines.base import IGNORE_INDEX, StepResult, label_tokens
 from tessera.errors import CheckpointError
-from tessera.models.megatron import COL, REPL, ROW, VOCAB, Shard, adapter_for, hf_to_mcore, layer_range
+from tessera.models.megatron import (
+    COL,
+    REPL,
+    ROW,
+    VOCAB,
+    Shard,
+    adapter_for,
+    hf_to_mcore,
+    layer_range,
+    padded_vocab,
+    tp_splits,
+)
 from tessera.plan.layout import ParallelLayout
 from tessera.train.schedule import lr_factor
 
@@ -147,8 +158,6 @@ def build_model_chunks(
     adapter = adapter_for(hf_cfg.model_type)
     shape = adapter.shape(hf_cfg)
     spec = get_gpt_layer_local_spec(num_experts=shape.num_experts or None, normalization=config.normalization)
-    from tessera.models.megatron import padded_vocab
-
     chunks = []
     for vp in range(layout.vpp):
         shard = shard_of(ps, layout, vp)
@@ -174,7 +183,7 @@ def build_model_chunks(
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:  # internal: the weight map and megatron's modules disagree
             raise RuntimeError(f"weight map mismatch for {shard}: missing {missing}, unexpected {unexpected}")
-        check_tp_attributes(model, adapter.rules(hf_cfg), hf_cfg, shard)
+        check_tp_attributes(model, hf_cfg, shard)
         chunks.append(model)
     return chunks
 
@@ -194,16 +203,12 @@ def shard_of(ps: Any, layout: ParallelLayout, vp_stage: int) -> Shard:
     )
 
 
-def check_tp_attributes(model: torch.nn.Module, rules: list, hf_cfg: Any, shard: Shard) -> None:
+def check_tp_attributes(model: torch.nn.Module, hf_cfg: Any, shard: Shard) -> None:
     """Guard against a silent failure: a TP-sharded parameter without ``tensor_model_parallel=True`` is
     counted once per TP rank in the clipping norm (DeepSpeed and megatron both read the attribute), and
     a replicated one with it is counted once instead of tp times. Each parameter's flag must match
     the weight map's split."""
-    from tessera.models.megatron import _instances
-
-    adapter = adapter_for(hf_cfg.model_type)
-    shape = adapter.shape(hf_cfg)
-    split = {key: r.split for r in rules for key, _, _ in _instances(r, shape, shard)}
+    split = tp_splits(adapter_for(hf_cfg.model_type), hf_cfg, shard)
     wrong = []
     for name, p in model.named_parameters():
         want = split.get(name, REPL) in (COL, ROW, VOCAB)
@@ -265,8 +270,11 @@ class MegatronEngine:
         )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.transformer.module import Float16Module
 
         distopt = self.layout.zero == 1
+        if self.config.bf16:  # as Megatron-LM: every parameter (norms included) in bf16, fp32 masters
+            chunks = [Float16Module(self.config, c) for c in chunks]
         ddp_cfg = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
@@ -302,10 +310,10 @@ class MegatronEngine:
     def _init_deepspeed(self, model: torch.nn.Module, recipe: Recipe, device: str) -> None:
         import deepspeed
 
-        from tessera.engines.deepspeed_engine import _build_optimizer, build_ds_config
+        from tessera.engines.deepspeed_engine import build_ds_config, build_optimizer
 
         ds_cfg = build_ds_config(recipe, self.layout, device=device)
-        optimizer = _build_optimizer(recipe, model.named_parameters(), device=device, offload=False)
+        optimizer = build_optimizer(recipe, model.named_parameters(), device=device, offload=False)
         engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=ds_cfg, mpu=MpuAdapter(self.ps)
         )
@@ -481,7 +489,7 @@ class MegatronEngine:
         self._materialize_optimizer_state()
         state = dist_checkpointing.load(self._sharded_state_dict(is_loading=True), str(path))
         for i, c in enumerate(self.chunks):
-            c.module.load_state_dict(state[f"model{i}"])  # the GPTModel inside megatron's DDP wrapper
+            c.module.load_state_dict(state[f"model{i}"])  # the model inside megatron's DDP wrapper
         with torch.no_grad():  # the distributed optimizer copies into views of the fp32 parameters
             self.optimizer.load_state_dict(state["optimizer"])
         self._restore_adam_steps(state["optimizer"])

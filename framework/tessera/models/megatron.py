@@ -614,6 +614,17 @@ def mcore_to_hf(
     return out
 
 
+def tp_splits(adapter: Adapter, hf_cfg: Any, shard: Shard) -> dict[str, str]:
+    """megatron key -> split kind (repl / col / row / vocab) of every tensor the chunk holds."""
+    shape = adapter.shape(hf_cfg)
+    return {
+        key: rule.split
+        for rule in adapter.rules(hf_cfg)
+        if _stage_has(rule, shard, shape)
+        for key, _, _ in _instances(rule, shape, shard)
+    }
+
+
 def hf_keys_covered(adapter: Adapter, hf_cfg: Any) -> set[str]:
     """Every HF key the rules read (the coverage check of a conversion)."""
     shape = adapter.shape(hf_cfg)
