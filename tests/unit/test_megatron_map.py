@@ -206,6 +206,7 @@ BAD = [
         "CPU offload is wired for the deepspeed engine only",
     ),
     (MIX, ["parallel.ep=4", "run.world_size=2"], "parallel.ep", "ep=4 does not divide dp*tp=2"),
+    (MIX, ["run.world_size=4", "parallel.tp=2", "parallel.ep=4"], "parallel.ep", "ep=4 does not divide dp=2"),
 ]
 
 

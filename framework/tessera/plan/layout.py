@@ -242,6 +242,14 @@ def check_megatron_layout(layout: ParallelLayout, shape: Any) -> None:
             "set parallel.ep to a divisor of the expert count",
         ),
         (
+            ep > 1 and L.dp % ep != 0,
+            "parallel.ep",
+            ep,
+            f"ep={ep} does not divide dp={L.dp}: experts are tensor-parallel like the dense layers "
+            "(megatron-core's default expert_tensor_parallel = tp), so expert groups are carved out of dp",
+            "set parallel.ep to a divisor of dp (raise dp or lower tp)",
+        ),
+        (
             L.zero >= 2 and pp > 1,
             "parallel.zero",
             L.zero,
