@@ -1,6 +1,7 @@
 """The ``tessera`` command.
 
     tessera run R.yaml [key=value ...] [--resume] [--dry-run]
+    tessera plan R.yaml [key=value ...] --world-size N [--hardware X] [--json]
     tessera config show R.yaml [key=value ...]
 
 User mistakes (recipe, override, layout, data, checkpoint) exit with code 2 and a short message that
@@ -31,13 +32,19 @@ def _validate(path: str, overrides: list[str]):
     (resolved, layout, device)."""
     from tessera.config.loader import load_recipe
     from tessera.plan.layout import layout_from_recipe
-
-    resolved = load_recipe(path, overrides)
-    recipe = resolved.recipe
-    layout = layout_from_recipe(recipe)
     from tessera.train.worker import resolve_device
 
-    device = resolve_device(recipe.run.device)
+    resolved = load_recipe(path, overrides)
+    device = resolve_device(resolved.recipe.run.device)
+    if resolved.recipe.parallel.auto:  # the planner's layout, written into the recipe the ranks read
+        from tessera.plan.search import apply_plan, hardware_for, plan_recipe
+
+        r = resolved.recipe
+        plan = plan_recipe(r, world_size=r.run.world_size, hardware=hardware_for(r, device=device))
+        resolved.recipe = apply_plan(r, plan)
+        resolved.plan = plan.to_json()
+    recipe = resolved.recipe
+    layout = layout_from_recipe(recipe)
     if recipe.train.precision == "fp16" and device == "cpu":
         raise RecipeError(
             "fp16 does not exist on the CPU",
@@ -107,6 +114,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
     with con.status("preparing data (tokenizer + packing, cached by content hash)"):
         data = prepare_run_dir(recipe, run_dir, root=Path.cwd())
+    write_json_atomic(run_dir / "plan.json", _plan_record(resolved, layout, device))
     con.print(f"data: {len(data)} samples x {recipe.data.seq_len} tokens, vocab {data.vocab_size}")
     write_json_atomic(
         run_dir / "launch.json", {"command": printable, "argv": sys.argv, "resume": args.resume}
@@ -136,6 +144,97 @@ def cmd_run(args: argparse.Namespace) -> int:
         if s.get("wandb_dir"):
             print(f"                  (upload with: wandb sync {s['wandb_dir']})")
         print(f"plots:            {', '.join(s['plots'])}")
+    return 0
+
+
+def _plan_record(resolved, layout, device: str) -> dict[str, Any]:
+    """plan.json: the planner's full answer for ``parallel: auto``; otherwise the estimates of the
+    recipe's own layout (what the run should cost, against which comm.jsonl is read)."""
+    if resolved.plan is not None:
+        return {"source": "planner", **resolved.plan}
+    from tessera.plan.search import estimate_layout, hardware_for
+
+    hw = hardware_for(resolved.recipe, device=device)
+    return {"source": "recipe", "chosen": estimate_layout(resolved.recipe, layout, hardware=hw).to_json()}
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from tessera.config.loader import load_recipe
+    from tessera.plan.hardware import load_hardware
+    from tessera.plan.search import DEFAULT_HARDWARE, plan_recipe
+    from tessera.train.worker import resolve_device
+
+    recipe = load_recipe(args.recipe, args.overrides).recipe
+    ws = args.world_size or recipe.run.world_size
+    if ws < 1:
+        raise RecipeError(
+            "world size must be >= 1", field="--world-size", value=ws, fix="pass a positive count"
+        )
+    # planning needs no device: a cuda recipe is planned on its GPU profile from any machine
+    device = recipe.run.device if recipe.run.device != "auto" else resolve_device("auto")
+    hw_name = args.hardware or recipe.run.hardware or DEFAULT_HARDWARE[device]
+    hw = load_hardware(hw_name)
+    result = plan_recipe(recipe, world_size=ws, hardware=hw)
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+        return 0
+    con = _console()
+    con.width = max(con.width, 150)
+    gib = 2**30
+    table = Table(title=f"{args.recipe} on {ws} x {hw.name} ({len(result.candidates)} layouts fit)")
+    for col in (
+        "#",
+        "engine",
+        "dp",
+        "tp",
+        "pp",
+        "vpp",
+        "ep",
+        "zero",
+        "mb",
+        "mem GiB/rank",
+        "comm GB/step",
+        "bubble",
+        "step s",
+        "MFU",
+    ):
+        table.add_column(col, justify="right" if col not in ("engine",) else "left")
+    for i, c in enumerate(result.candidates[: args.top]):
+        lay = c.layout
+        style = "bold green" if i == 0 else None
+        table.add_row(
+            str(i + 1),
+            lay.engine,
+            *(str(getattr(lay, k)) for k in ("dp", "tp", "pp", "vpp", "ep", "zero")),
+            "opt+params" if lay.offload_params else ("opt" if lay.offload_optimizer else "-"),
+            str(lay.micro_batch),
+            f"{c.memory.total / gib:.1f}",
+            f"{sum(c.comm_bytes.values()) / 1e9:.2f}",
+            f"{c.bubble:.3f}",
+            f"{c.time.step_s:.3g}",
+            f"{c.time.mfu:.3f}",
+            style=style,
+        )
+    con.print(table)
+    if result.chosen is None:
+        con.print("[bold red]nothing fits[/]")
+    else:
+        con.print(f"[bold]chosen[/]  {result.chosen.layout.describe()}")
+    con.print(f"[bold]rejected[/] {len(result.rejected)} layouts, e.g.:")
+    seen: set[str] = set()
+    for r in result.rejected:
+        head = r.reason.split(":")[0]
+        if head in seen:
+            continue
+        seen.add(head)
+        lay = r.layout
+        con.print(
+            f"  {lay.get('engine')} dp={lay.get('dp')} tp={lay.get('tp')} pp={lay.get('pp')} "
+            f"ep={lay.get('ep')} zero={lay.get('zero')}: {r.reason}",
+            soft_wrap=True,
+        )
     return 0
 
 
@@ -187,6 +286,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--resume", action="store_true", help="continue from the run dir's latest checkpoint")
     r.add_argument("--dry-run", action="store_true", help="print the command and the layout; start nothing")
     r.set_defaults(fn=cmd_run)
+    pl = sub.add_parser("plan", help="rank the layouts of a recipe's model on N devices")
+    pl.add_argument("recipe")
+    pl.add_argument("overrides", nargs="*")
+    pl.add_argument("--world-size", type=int, default=None, help="devices (default run.world_size)")
+    pl.add_argument("--hardware", default=None, help="profile name in configs/hardware/ or a path")
+    pl.add_argument("--json", action="store_true", help='{"chosen", "candidates", "rejected"} on stdout')
+    pl.add_argument("--top", type=int, default=15, help="rows of the table")
+    pl.set_defaults(fn=cmd_plan)
     c = sub.add_parser("config", help="recipe tools")
     csub = c.add_subparsers(dest="config_command", required=True)
     show = csub.add_parser("show", help="the resolved recipe and which layer set each value")

@@ -180,3 +180,64 @@ def test_sigkill_of_one_rank_fails_fast_and_names_it(tmp_path):
     # no rank survives the run
     rank0 = int((out / "logs" / "rank_00000.pid").read_text())
     assert not Path(f"/proc/{rank0}").exists() or "Z" in Path(f"/proc/{rank0}/stat").read_text().split()[2]
+
+
+def test_plan_json_contract_and_known_8b_answer():
+    p = tessera("plan", "recipes/llama3-8b-pretrain-h100x8-zero3.yaml", "--world-size", "8", "--json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert set(out) == {"chosen", "candidates", "rejected"}
+    for c in out["candidates"]:
+        assert {"dp", "tp", "pp", "vpp", "ep", "zero", "micro_batch"} <= set(c["layout"])
+        assert {"params", "grads", "optimizer", "activations", "total"} <= set(c["memory_bytes_per_rank"])
+        assert c["memory_bytes_per_rank"]["total"] <= 80e9
+        assert {"comm_bytes_per_step", "bubble_fraction", "step_time_s", "mfu"} <= set(c)
+    assert out["chosen"] == out["candidates"][0]
+    plain_dp = [
+        r
+        for r in out["rejected"]
+        if r["layout"]["engine"] == "deepspeed"
+        and r["layout"]["zero"] == 0
+        and not r["layout"].get("offload_optimizer")
+    ]
+    assert plain_dp and "does not fit" in plain_dp[0]["reason"] and "short by" in plain_dp[0]["reason"]
+    p = tessera("plan", "recipes/llama3-8b-pretrain-h100x8-zero3.yaml", "--world-size", "8")
+    assert p.returncode == 0 and "chosen" in p.stdout and "rejected" in p.stdout
+
+
+def test_plan_bad_hardware_is_a_clear_error(tmp_path):
+    p = tessera("plan", RECIPE, "--hardware", "no-such-gpu")
+    assert p.returncode == 2 and "Traceback" not in p.stderr and "no-such-gpu" in p.stderr
+    bad = tmp_path / "hw.yaml"
+    bad.write_text("name: x\ndevice: cuda\n")
+    p = tessera("plan", RECIPE, "--hardware", str(bad))
+    assert p.returncode == 2 and "Traceback" not in p.stderr and "fix:" in p.stderr
+
+
+@pytest.mark.slow
+def test_parallel_auto_runs_the_planners_layout(tmp_path):
+    out = tmp_path / "auto"
+    p = tessera(
+        "run",
+        RECIPE,
+        "parallel.auto=true",
+        f"run.out_dir={out}",
+        f"run.master_port={free_port()}",
+        "train.steps=2",
+        "tracking.wandb.mode=disabled",
+    )
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["source"] == "planner" and plan["chosen"] == plan["candidates"][0]
+    resolved = (out / "recipe.resolved.yaml").read_text()
+    chosen = plan["chosen"]["layout"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["plan"] == plan["chosen"] and "auto: false" in resolved
+    for k in ("engine", "dp", "tp", "pp", "ep", "zero", "micro_batch"):
+        assert manifest["layout"][k] == chosen[k], k
+    rec = read_metrics(out)
+    assert len(rec) == 2 and all(0 <= r["comm_fraction"] <= 1 and r["comm_bytes"] > 0 for r in rec)
+    lines = [json.loads(x) for x in (out / "comm.jsonl").read_text().splitlines()]
+    steps = [x for x in lines if x["phase"] == "step"]
+    assert sorted((x["step"], x["rank"]) for x in steps) == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    assert all(x["bytes"] == sum(o["bytes"] for o in x["ops"]) for x in steps)

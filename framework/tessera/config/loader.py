@@ -32,6 +32,7 @@ class ResolvedRecipe:
     recipe: Recipe
     sources: dict[str, str] = field(default_factory=dict)
     path: Path | None = None
+    plan: dict[str, Any] | None = None  # the planner's answer when the recipe said `parallel: auto`
 
     def source_of(self, dotted: str) -> str:
         return self.sources.get(dotted, DEFAULT)
@@ -122,6 +123,8 @@ def _merge(
     """Deep-merge ``src`` into ``dst`` (hf_config is replaced whole), recording ``label`` per leaf."""
     for k, v in src.items():
         key = f"{pre}{k}"
+        if key == "parallel" and v == "auto":  # `parallel: auto` is short for `parallel: {auto: true}`
+            v = {"auto": True}
         if _is_section(key, v) and isinstance(dst.get(k), dict):
             _merge(dst[k], v, label, sources, key + ".")
         else:

@@ -74,6 +74,11 @@ class DataSection(_Section):
 
 
 class ParallelSection(_Section):
+    auto: bool = Field(
+        False,
+        description="take the planner's layout (`parallel: auto` in YAML): engine, dp/tp/pp/vpp/ep, zero, "
+        "micro_batch; parallel.global_batch is kept when set",
+    )
     engine: Literal["deepspeed", "megatron"] = Field("deepspeed", description="training engine")
     dp: int | Literal["auto"] = Field("auto", description="data-parallel degree; auto = world_size / (tp*pp)")
     tp: int = Field(1, ge=1, description="tensor-parallel degree")
@@ -174,6 +179,11 @@ class RunSection(_Section):
     master_addr: str = Field("127.0.0.1", description="rendezvous address")
     master_port: int = Field(29500, ge=1024, le=65535, description="rendezvous port")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda if available else cpu")
+    hardware: str | None = Field(
+        None,
+        description="hardware profile for the planner: a name in configs/hardware/ or a path; default "
+        "h100-sxm-80g on cuda, cpu-2core on cpu",
+    )
     bind_cores_to_rank: bool = Field(
         True, description="deepspeed --bind_cores_to_rank on CPU (needs numactl)"
     )

@@ -228,6 +228,10 @@ class DeepSpeedEngine:
                 sq += p.grad.detach().double().pow(2).sum()
         return float(sq.sqrt())
 
+    def named_groups(self) -> dict[Any, str]:
+        """Process groups by name for the comm accounting: data parallelism over the whole world."""
+        return {}
+
     def close(self) -> None:
         """Nothing to release: the process group belongs to the worker."""
 

@@ -538,6 +538,35 @@ class MegatronEngine:
         optim = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
         return {**model_sd, "optimizer": optim}
 
+    def named_groups(self) -> dict[Any, str]:
+        """megatron-core's groups by name for the comm accounting: the expert groups can hold the same
+        ranks as the dp or tp group, so they are told apart by identity, not by members."""
+        ps = self.ps
+        getters = {
+            "dp": ("get_data_parallel_group", "get_data_parallel_group_gloo", "_dp_with_cp"),
+            "tp": ("get_tensor_model_parallel_group",),
+            "pp": ("get_pipeline_model_parallel_group",),
+            "mp": ("get_model_parallel_group",),
+            "ep": ("get_expert_model_parallel_group",),
+            "edp": ("get_expert_data_parallel_group",),
+            "etp": ("get_expert_tensor_parallel_group",),
+            "embd": ("get_embedding_group",),
+            "pos_embd": ("get_position_embedding_group",),
+        }
+        calls = {"_dp_with_cp": lambda: ps.get_data_parallel_group(with_context_parallel=True)}
+        out: dict[Any, str] = {}
+        for name, fns in reversed(getters.items()):  # the first name wins where groups coincide
+            for fn in fns:
+                try:
+                    group = calls[fn]() if fn in calls else getattr(ps, fn)(check_initialized=False)
+                except TypeError:
+                    group = getattr(ps, fn)()
+                except (AssertionError, RuntimeError):
+                    continue
+                if group is not None:
+                    out[group] = name
+        return out
+
     def close(self) -> None:
         if self.ps.model_parallel_is_initialized():
             self.ps.destroy_model_parallel()

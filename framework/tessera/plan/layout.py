@@ -160,9 +160,6 @@ def layout_from_recipe(recipe: Recipe) -> ParallelLayout:
             ga = gb // (mb * dp)
         else:
             ga = p.grad_accum
-    zero_impl = "deepspeed"
-    if p.engine == "megatron":
-        zero_impl = p.zero_impl if p.zero_impl != "auto" else ("megatron" if p.zero <= 1 else "deepspeed")
     shape = None
     if p.engine == "megatron":
         from tessera.models.hf import load_hf_config
@@ -173,9 +170,14 @@ def layout_from_recipe(recipe: Recipe) -> ParallelLayout:
         shape = adapter.shape(hf_cfg)
         adapter.transformer(hf_cfg, recipe.data.seq_len)  # what megatron-core cannot express fails here,
         adapter.gpt(hf_cfg)  # before launch, not on the ranks
-    sp = p.sequence_parallel
-    if sp == "auto":
-        sp = shape is not None and shape.sequence_parallel_ok and p.tp > 1 and zero_impl == "megatron"
+    zero_impl, sp = resolve_auto(
+        p.engine,
+        zero=p.zero,
+        tp=p.tp,
+        zero_impl=p.zero_impl,
+        sequence_parallel=p.sequence_parallel,
+        sp_ok=shape is not None and shape.sequence_parallel_ok,
+    )
     layout = ParallelLayout(
         engine=p.engine,
         world_size=ws,
@@ -196,6 +198,25 @@ def layout_from_recipe(recipe: Recipe) -> ParallelLayout:
     if shape is not None:
         check_megatron_layout(layout, shape)
     return layout
+
+
+def resolve_auto(
+    engine: str,
+    *,
+    zero: int,
+    tp: int,
+    zero_impl: str = "auto",
+    sequence_parallel: bool | str = "auto",
+    sp_ok: bool = False,
+) -> tuple[str, bool]:
+    """What ``parallel.zero_impl: auto`` and ``parallel.sequence_parallel: auto`` mean: megatron's own
+    data parallelism for zero 0-1 and DeepSpeed for 2-3; SP where the layer spec has it (``sp_ok``),
+    tp > 1 and megatron shards over dp. The deepspeed engine is always "deepspeed", without SP."""
+    if engine != "megatron":
+        return "deepspeed", bool(sequence_parallel is True)
+    impl = zero_impl if zero_impl != "auto" else ("megatron" if zero <= 1 else "deepspeed")
+    sp = sequence_parallel if sequence_parallel != "auto" else (sp_ok and tp > 1 and impl == "megatron")
+    return impl, bool(sp)
 
 
 def check_megatron_layout(layout: ParallelLayout, shape: Any) -> None:

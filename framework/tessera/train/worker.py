@@ -130,6 +130,10 @@ def train(run_dir: Path, *, resume: bool = False) -> list[dict[str, Any]]:
             value=layout.world_size,
             fix="launch through `tessera run` or match the world size",
         )
+    # count every collective from here on, before DeepSpeed / megatron-core bind torch.distributed names
+    from tessera.comm.accounting import CommLog, group_namer, install
+
+    counter = install(group_namer(layout))
     _init_distributed(device)
 
     # `tessera run` prepared the data once before launch; without it, every rank prepares (the data
@@ -144,6 +148,9 @@ def train(run_dir: Path, *, resume: bool = False) -> list[dict[str, Any]]:
     # casts to bf16 itself; the megatron engine converts this model into its shards)
     model = build_model(recipe.model, seed=recipe.train.seed, vocab_size=data.vocab_size)
     engine = build_engine(model, recipe, layout, device=device)
+    counter.namer = group_namer(layout, engine.named_groups())
+    comm_log = CommLog(run_dir / "comm.jsonl", rank=rank)
+    comm_log.write("setup", 0, counter.pop_step())
     sampler = StepSampler.for_layout(len(data), layout, rank=rank, seed=recipe.train.seed)
     ckpt = CheckpointManager(
         run_dir / "checkpoints", keep=recipe.checkpoint.keep, rank=rank, world_size=world
@@ -188,6 +195,8 @@ def train(run_dir: Path, *, resume: bool = False) -> list[dict[str, Any]]:
                 flush=True,
             )
     manifest["resumed_from"] = resumed_from
+    if (run_dir / "plan.json").is_file():  # what the layout should cost (tessera run writes it)
+        manifest["plan"] = json.loads((run_dir / "plan.json").read_text()).get("chosen")
 
     tracker = None
     writer = None
@@ -215,6 +224,9 @@ def train(run_dir: Path, *, resume: bool = False) -> list[dict[str, Any]]:
             if device == "cuda":
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
+            ops = counter.pop_step()
+            comm_log.write("step", step, ops)
+            comm_s = sum(o["seconds"] for o in ops)
             if not math.isfinite(res.loss) or math.isinf(res.grad_norm):
                 raise TrainingDiverged(f"step {step}: loss {res.loss}, grad norm {res.grad_norm}")
             rec = {
@@ -227,6 +239,9 @@ def train(run_dir: Path, *, resume: bool = False) -> list[dict[str, Any]]:
                 "step_time_s": dt,
                 "peak_memory_bytes": peak_memory_bytes(engine.device),
                 "samples": layout.global_batch * step,
+                "comm_bytes": sum(o["bytes"] for o in ops),
+                "comm_time_s": comm_s,
+                "comm_fraction": comm_s / dt if dt > 0 else float("nan"),
             }
             records.append(rec)
             if rank == 0:
@@ -237,10 +252,12 @@ def train(run_dir: Path, *, resume: bool = False) -> list[dict[str, Any]]:
                 state = {"step": step, "sampler": sampler.state_dict()}
                 manifest["checkpoint_step"] = step
                 ckpt.save(step, engine, client_state=state, manifest=manifest)
+                comm_log.write("checkpoint", step, counter.pop_step())
                 last_saved = step
                 progress.note(f"checkpoint step {step}")
     finally:
         progress.close()
+        comm_log.close()
     engine.close()
     peaks = all_gather_int(peak_memory_bytes(engine.device))
     if rank == 0:

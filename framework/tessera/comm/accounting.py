@@ -1,0 +1,292 @@
+"""Count every collective and point-to-point op of a rank, whoever issues it.
+
+:func:`install` wraps the ``torch.distributed`` functions once per process, before DeepSpeed or
+megatron-core is imported (megatron binds ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` to
+module-level names at import time, so a later wrap would miss them). Each call is attributed to an
+op, a group name derived from the layout (``dp``, ``tp``, ``pp``, ``ep``, ``world`` or the ranks), a
+dtype, its payload bytes and its duration: for a blocking op the time spent in the call, for an
+``async_op=True`` op the time until its ``wait()`` returns (the time the caller was blocked on it).
+
+Payload bytes are what the op moves per rank in the sense the planner predicts (tessera.plan): the
+tensor being reduced for all-reduce / reduce / broadcast, the gathered output for all-gather, the
+input for reduce-scatter, the input for all-to-all, the tensor for send / recv. Ops issued inside
+another counted op (``all_gather_object`` calling ``all_gather``) count once, as the outer op.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# op name -> how to find its payload (positional index or keyword of the tensor(s) that define it)
+_OPS: dict[str, tuple[str, int]] = {
+    "all_reduce": ("tensor", 0),
+    "reduce": ("tensor", 0),
+    "broadcast": ("tensor", 0),
+    "all_gather": ("tensor_list", 0),  # the outputs
+    "all_gather_into_tensor": ("output_tensor", 0),
+    "_all_gather_base": ("output_tensor", 0),
+    "reduce_scatter": ("input_list", 1),
+    "reduce_scatter_tensor": ("input", 1),
+    "_reduce_scatter_base": ("input", 1),
+    "all_to_all": ("input_tensor_list", 1),
+    "all_to_all_single": ("input", 1),
+    "send": ("tensor", 0),
+    "recv": ("tensor", 0),
+    "isend": ("tensor", 0),
+    "irecv": ("tensor", 0),
+    "gather": ("tensor", 0),
+    "scatter": ("tensor", 0),
+    "barrier": ("", -1),
+    "all_gather_object": ("", -1),
+    "broadcast_object_list": ("", -1),
+}
+# canonical names in the records (torch has several spellings of the same collective)
+_CANONICAL = {
+    "all_gather_into_tensor": "all_gather",
+    "_all_gather_base": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "_reduce_scatter_base": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
+    "isend": "send",
+    "irecv": "recv",
+}
+
+
+def _nbytes(x: Any) -> int:
+    if torch.is_tensor(x):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(t) for t in x)
+    return 0
+
+
+def _dtype(x: Any) -> str:
+    if torch.is_tensor(x):
+        return str(x.dtype).replace("torch.", "")
+    if isinstance(x, (list, tuple)) and x:
+        return _dtype(x[0])
+    return "-"
+
+
+@dataclass
+class _Agg:
+    count: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class CommCounter:
+    """Per-process tally of the current step, keyed by (op, group, dtype)."""
+
+    namer: Callable[[Any], str] = field(default=lambda group: "world")
+    enabled: bool = True
+    _step: dict[tuple[str, str, str], _Agg] = field(default_factory=lambda: defaultdict(_Agg))
+    _local: threading.local = field(default_factory=threading.local)
+
+    def record(self, op: str, group: Any, payload: Any, seconds: float) -> None:
+        agg = self._step[(op, self.namer(group), _dtype(payload))]
+        agg.count += 1
+        agg.bytes += _nbytes(payload)
+        agg.seconds += seconds
+
+    def add_seconds(self, op: str, group: Any, payload: Any, seconds: float) -> None:
+        self._step[(op, self.namer(group), _dtype(payload))].seconds += seconds
+
+    def pop_step(self) -> list[dict[str, Any]]:
+        """This step's ops (sorted), and a fresh tally for the next step."""
+        out = [
+            {"op": op, "group": grp, "dtype": dt, "count": a.count, "bytes": a.bytes, "seconds": a.seconds}
+            for (op, grp, dt), a in sorted(self._step.items())
+        ]
+        self._step = defaultdict(_Agg)
+        return out
+
+    def paused(self):
+        """Context manager: ops issued inside are not counted (Tessera's own bookkeeping of the tally)."""
+        counter = self
+
+        class _Pause:
+            def __enter__(self):
+                counter._local.depth = getattr(counter._local, "depth", 0) + 1
+
+            def __exit__(self, *exc: Any) -> None:
+                counter._local.depth -= 1
+
+        return _Pause()
+
+
+_COUNTER: CommCounter | None = None
+
+
+class _TimedWork:
+    """Wraps an async op's Work so that ``wait()`` adds the time the caller was blocked."""
+
+    def __init__(self, work: Any, done: Callable[[float], None]) -> None:
+        self._work, self._done = work, done
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self._work.wait(*args, **kwargs)
+        finally:
+            self._done(time.perf_counter() - t0)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+def _wrap(name: str, fn: Callable[..., Any], counter: CommCounter) -> Callable[..., Any]:
+    import inspect
+
+    op = _CANONICAL.get(name, name)
+    key, pos = _OPS[name]
+    params = list(inspect.signature(fn).parameters)
+    group_pos = params.index("group") if "group" in params else -1
+
+    def _arg(args: tuple, kwargs: dict, kw: str, i: int) -> Any:
+        # callers pass group and tensors by position as often as by keyword (megatron's irecv does)
+        if kw in kwargs:
+            return kwargs[kw]
+        return args[i] if 0 <= i < len(args) else None
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        local = counter._local
+        if not counter.enabled or getattr(local, "depth", 0):
+            return fn(*args, **kwargs)
+        group = _arg(args, kwargs, "group", group_pos)
+        payload = _arg(args, kwargs, key, pos) if pos >= 0 else None
+        local.depth = 1
+        t0 = time.perf_counter()
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            local.depth = 0
+        dt = time.perf_counter() - t0
+        counter.record(op, group, payload, dt)
+        if (
+            out is not None
+            and hasattr(out, "wait")
+            and (kwargs.get("async_op") or name in ("isend", "irecv"))
+        ):
+            return _TimedWork(out, lambda s: counter.add_seconds(op, group, payload, s))
+        return out
+
+    wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
+    wrapper.__name__ = name
+    return wrapper
+
+
+def _wrap_batch(fn: Callable[..., Any], counter: CommCounter) -> Callable[..., Any]:
+    """``batch_isend_irecv([P2POp, ...])``: one send / recv record per op in the batch."""
+
+    def wrapper(p2p_op_list: list, *args: Any, **kwargs: Any) -> Any:
+        if not counter.enabled or getattr(counter._local, "depth", 0):
+            return fn(p2p_op_list, *args, **kwargs)
+        counter._local.depth = 1
+        t0 = time.perf_counter()
+        try:
+            works = fn(p2p_op_list, *args, **kwargs)
+        finally:
+            counter._local.depth = 0
+        dt = time.perf_counter() - t0
+        for p in p2p_op_list:
+            kind = "send" if getattr(p.op, "__name__", "") in ("isend", "send") else "recv"
+            counter.record(kind, p.group, p.tensor, dt / max(len(p2p_op_list), 1))
+        return works
+
+    wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
+    return wrapper
+
+
+def install(namer: Callable[[Any], str] | None = None) -> CommCounter:
+    """Wrap ``torch.distributed`` once per process; later calls only set the group namer."""
+    global _COUNTER
+    if _COUNTER is None:
+        from torch.distributed import distributed_c10d as c10d
+
+        _COUNTER = CommCounter()
+        for name in _OPS:
+            fn = getattr(dist, name, None)
+            if fn is None:
+                continue
+            wrapped = _wrap(name, fn, _COUNTER)
+            # both spellings: most callers use torch.distributed.X, some torch.distributed.distributed_c10d.X
+            for ns in (dist, c10d):
+                if getattr(ns, name, None) is fn:
+                    setattr(ns, name, wrapped)
+        if hasattr(dist, "batch_isend_irecv"):
+            batched = _wrap_batch(dist.batch_isend_irecv, _COUNTER)
+            for ns in (dist, c10d):
+                if getattr(ns, "batch_isend_irecv", None) is batched.__wrapped__:
+                    ns.batch_isend_irecv = batched
+    if namer is not None:
+        _COUNTER.namer = namer
+    _COUNTER.pop_step()  # a new run starts from an empty tally
+    return _COUNTER
+
+
+def group_namer(layout: Any, known: dict[Any, str] | None = None) -> Callable[[Any], str]:
+    """Name a process group: first by identity (``known``: the engine's own groups, e.g. megatron's
+    expert group, which can hold the same ranks as the dp group), else by the layout axes its members
+    differ on (``dp``, ``tp``, ``pp``, or combinations like ``tp+dp``); the default group is ``world``."""
+    cache: dict[int, str] = {id(g): n for g, n in (known or {}).items() if g is not None}
+
+    world = _axes(range(layout.world_size), layout)  # "dp" under pure data parallelism, and so on
+
+    def name(group: Any) -> str:
+        if group is None or group is dist.GroupMember.WORLD:
+            return world
+        key = id(group)
+        if key not in cache:
+            try:
+                ranks = dist.get_process_group_ranks(group)
+            except (ValueError, RuntimeError):
+                return "unknown"
+            cache[key] = _axes(ranks, layout)
+        return cache[key]
+
+    return name
+
+
+def _axes(ranks: Iterable[int], layout: Any) -> str:
+    ranks = list(ranks)
+    coords = [layout.coords(r) for r in ranks]
+    varying = [ax for ax in ("tp", "dp", "pp") if len({c[ax] for c in coords}) > 1]
+    if len(varying) > 1 and len(ranks) == layout.world_size:
+        return "world"
+    return "+".join(varying) or "self"  # a world that is one axis (pp=2 on 2 ranks) is named by it
+
+
+class CommLog:
+    """``comm.jsonl``: one line per rank per step (and per setup / checkpoint phase), appended by every
+    rank to the same file; each line is one ``write`` of well under the page size, which local and
+    network file systems append whole."""
+
+    def __init__(self, path: Any, *, rank: int) -> None:
+        self.rank = rank
+        self._f = open(path, "a", buffering=1)
+
+    def write(self, phase: str, step: int, ops: list[dict[str, Any]]) -> None:
+        import json
+
+        rec = {
+            "phase": phase,
+            "step": step,
+            "rank": self.rank,
+            "bytes": sum(o["bytes"] for o in ops),
+            "seconds": sum(o["seconds"] for o in ops),
+            "ops": ops,
+        }
+        self._f.write(json.dumps(rec, sort_keys=True) + "\n")
+
+    def close(self) -> None:
+        self._f.close()

@@ -1,0 +1,731 @@
+"""Per-rank memory, communication, FLOPs, pipeline bubble and step time of one layout: pure functions.
+
+Each estimate is a published formula applied to exact parameter counts, so a number in ``plan.json`` can
+be checked by hand and compared with what a run measures (``comm/`` counts the same ops and groups).
+
+Sources:
+- model states: Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
+  Parameter Models", Sec. 3.1 and 5 (mixed-precision Adam: 2Ψ bf16 params + 2Ψ grads + 12Ψ fp32
+  master/m/v; stages 1/2/3 shard the optimizer / + grads / + params over N data-parallel ranks).
+- activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+  Models", Sec. 4 (sbh(34 + 5as/h) bytes per layer; /t with tensor + sequence parallelism; the 5as²b
+  attention term goes with selective recompute; 2sbh with full recompute; Sec. 4.2.3 for pipelines).
+- FLOPs: Chowdhery et al. 2022, "PaLM", Appendix B: 6N + 12·L·H·Q·T model FLOPs per token (as in
+  nanoGPT's ``estimate_mfu``), N = the parameters that enter a matmul (input embedding and learned
+  positions excluded, the LM head included even when tied).
+- pipeline bubble: Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
+  Clusters Using Megatron-LM", Sec. 2.2: bubble / ideal time = (p-1)/m for 1F1B and (p-1)/(v·m)
+  interleaved; reported here as a fraction of the whole step, (p-1)/(v·m + p-1).
+
+Rank layout follows megatron-core's "tp-cp-ep-dp-pp" order (see ``ParallelLayout.coords``): tp ranks are
+adjacent, dp ranks stride tp, pp ranks stride tp·dp; experts use expert-TP = tp (megatron-core's
+default), so the expert-data-parallel group has dp/ep ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from tessera.errors import RecipeError
+from tessera.models.megatron import ModelShape, adapter_for, padded_vocab
+from tessera.plan.hardware import HardwareProfile
+from tessera.plan.layout import ParallelLayout
+
+GiB = 2**30
+BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+RECOMPUTE = ("none", "selective", "full")
+#: Adam step memory traffic per updated parameter: read fp32 param, m, v (12) + grad, write param, m, v
+#: (12) and the compute-dtype copy; 28 bytes for bf16 (14 read + 14 written) and for fp32 (16 + 12)
+ADAM_BYTES_PER_PARAM = 28
+#: DeepSpeed's default ``zero_optimization.reduce_bucket_size`` (elements): its gradient bucket buffer
+DS_REDUCE_BUCKET = 500_000_000
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """Everything the estimates need to know of a model: the adapter's shape plus the sizes HF holds."""
+
+    family: str
+    hidden: int
+    ffn: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    norm: str = "RMSNorm"  # "RMSNorm" (weight) or "LayerNorm" (weight + bias)
+    gated_mlp: bool = True  # SwiGLU: fc1 is [gate; up] (2·ffn outputs)
+    qkv_bias: bool = False
+    proj_bias: bool = False  # attention output projection bias
+    mlp_bias: bool = False
+    positions: int = 0  # learned absolute position embeddings (GPT-2 n_positions); 0 for RoPE
+    tied: bool = False
+    num_experts: int = 0
+    topk: int = 0
+    attn_dropout: bool = False
+    hidden_dropout: bool = False
+    shape: ModelShape | None = None  # what check_megatron_layout reads
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
+
+
+def model_facts(hf_cfg: Any) -> ModelFacts:
+    """The :class:`ModelFacts` of an HF config (one of the registered families)."""
+    shape = adapter_for(hf_cfg.model_type).shape(hf_cfg)
+    c = hf_cfg
+    common = dict(
+        num_layers=shape.num_layers,
+        num_heads=shape.num_heads,
+        num_kv_heads=shape.num_query_groups,
+        head_dim=shape.head_dim,
+        vocab_size=shape.vocab_size,
+        tied=shape.tied,
+        shape=shape,
+    )
+    if c.model_type == "gpt2":
+        return ModelFacts(
+            family="gpt2",
+            hidden=c.n_embd,
+            ffn=c.n_inner or 4 * c.n_embd,
+            norm="LayerNorm",
+            gated_mlp=False,
+            qkv_bias=True,
+            proj_bias=True,
+            mlp_bias=True,
+            positions=c.n_positions,
+            attn_dropout=float(c.attn_pdrop) > 0,
+            hidden_dropout=float(c.resid_pdrop) > 0,
+            **common,
+        )
+    qwen2 = c.model_type == "qwen2"  # q/k/v carry a bias, o_proj does not
+    bias = bool(getattr(c, "attention_bias", False))
+    return ModelFacts(
+        family=c.model_type,
+        hidden=c.hidden_size,
+        ffn=c.intermediate_size,
+        qkv_bias=qwen2 or bias,
+        proj_bias=bias and not qwen2,
+        mlp_bias=bool(getattr(c, "mlp_bias", False)),
+        num_experts=shape.num_experts,
+        topk=int(getattr(c, "num_experts_per_tok", 0)) if shape.num_experts else 0,
+        attn_dropout=float(getattr(c, "attention_dropout", 0.0)) > 0,
+        **common,
+    )
+
+
+# ---- parameters --------------------------------------------------------------------------------------
+
+
+def _layer_params(f: ModelFacts) -> dict[str, int]:
+    """Parameters of one transformer layer by how tensor parallelism treats them:
+    ``tp`` (split over tp ranks), ``repl`` (norms, row-parallel biases, router: on every tp rank) and
+    ``expert`` (split over ep x expert-tp)."""
+    h, qo, kvo = f.hidden, f.num_heads * f.head_dim, f.num_kv_heads * f.head_dim
+    qkv = qo + 2 * kvo
+    norm = 2 * h * (2 if f.norm == "LayerNorm" else 1)  # two norms per layer
+    tp = h * qkv + (qkv if f.qkv_bias else 0) + qo * h
+    repl = norm + (h if f.proj_bias else 0)
+    fc1 = (2 if f.gated_mlp else 1) * f.ffn  # fc1 outputs (column-parallel, its bias split too)
+    mlp_split = h * fc1 + f.ffn * h + (fc1 if f.mlp_bias else 0)
+    mlp_repl = h if f.mlp_bias else 0  # fc2 bias (row-parallel: added after the all-reduce)
+    if f.moe:  # experts are split over ep x expert-tp as a whole; the router is replicated
+        expert = f.num_experts * (mlp_split + mlp_repl)
+        return {"tp": tp, "repl": repl + f.num_experts * h, "expert": expert}
+    return {"tp": tp + mlp_split, "repl": repl + mlp_repl, "expert": 0}
+
+
+def count_params(f: ModelFacts) -> int:
+    """Unique parameters of the whole model, as ``sum(p.numel() for p in model.parameters())`` counts them
+    in HF (a tied head is the embedding, counted once)."""
+    layer = _layer_params(f)
+    emb = f.vocab_size * f.hidden
+    final_norm = f.hidden * (2 if f.norm == "LayerNorm" else 1)
+    head = 0 if f.tied else emb
+    return emb + f.positions * f.hidden + f.num_layers * sum(layer.values()) + final_norm + head
+
+
+@dataclass(frozen=True)
+class RankParams:
+    """Parameters held by one rank: ``dense`` (sharded by ZeRO over dp) and ``expert`` (over edp)."""
+
+    dense: int
+    expert: int
+    per_layer: int  # one layer's parameters on this rank (the ZeRO-3 gather working set)
+    embedding: int  # this rank's share of the embedding / LM head table (0 if it holds neither)
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.expert
+
+
+def rank_params(
+    f: ModelFacts, *, tp: int = 1, pp: int = 1, ep: int = 1, first: bool = True, last: bool = True
+) -> RankParams:
+    """What one rank of a (first / last / middle) pipeline stage holds: dense weights split over tp,
+    norms and row-parallel biases replicated, layers split over pp, the vocabulary padded to a multiple
+    of tp (megatron-core's ``VocabParallelEmbedding``), the embedding on the first stage, the LM head on
+    the last (a tied head is a second copy when pp > 1) and experts split over ep x tp."""
+    layer = _layer_params(f)
+    dense_layer = layer["tp"] // tp + layer["repl"]
+    expert_layer = layer["expert"] // (ep * tp)
+    n = f.num_layers // pp
+    vocab_shard = padded_vocab(f.vocab_size, tp) // tp * f.hidden
+    emb = (vocab_shard + f.positions * f.hidden) if first else 0
+    head = vocab_shard if last and not (f.tied and first) else 0
+    final_norm = f.hidden * (2 if f.norm == "LayerNorm" else 1) if last else 0
+    return RankParams(
+        dense=n * dense_layer + emb + head + final_norm,
+        expert=n * expert_layer,
+        per_layer=dense_layer + expert_layer,
+        embedding=vocab_shard if (first or last) else 0,
+    )
+
+
+def largest_shard(f: ModelFacts, layout: ParallelLayout) -> RankParams:
+    """The parameters of the pipeline stage holding the most (first or last; the only one if pp = 1)."""
+    L = layout
+    ep = L.ep if L.engine == "megatron" else 1
+    ends = [(True, True)] if L.pp == 1 else [(True, False), (False, True)]
+    return max(
+        (rank_params(f, tp=L.tp, pp=L.pp, ep=ep, first=a, last=b) for a, b in ends), key=lambda r: r.total
+    )
+
+
+_ZERO_TEXT = {
+    2: ("16Ψ", "4Ψ+12Ψ/N", "2Ψ+14Ψ/N", "16Ψ/N"),
+    4: ("16Ψ", "8Ψ+8Ψ/N", "4Ψ+12Ψ/N", "16Ψ/N"),
+}
+
+
+def zero_formula(zero: int, precision: str, psi: int, n: int) -> str:
+    """The model-state formula of a stage as text, with its Ψ and N (for the plan record)."""
+    return f"ZeRO-{zero} {precision} Adam {_ZERO_TEXT[BYTES[precision]][zero]}, Ψ={psi:,}, N={n}"
+
+
+def model_state_bytes(psi: int, n: int, zero: int, precision: str) -> dict[str, int]:
+    """ZeRO model-state bytes for Ψ parameters sharded over n ranks (Rajbhandari et al. 2020, Sec. 5).
+
+    bf16/fp16 mixed-precision Adam: params 2Ψ, grads 2Ψ, optimizer 12Ψ (fp32 master + m + v), so
+    16Ψ (ZeRO-0), 4Ψ+12Ψ/N (ZeRO-1), 2Ψ+14Ψ/N (ZeRO-2), 16Ψ/N (ZeRO-3). fp32 Adam: params 4Ψ, grads
+    4Ψ, optimizer 8Ψ (m + v): 16Ψ, 8Ψ+8Ψ/N, 4Ψ+12Ψ/N, 16Ψ/N. A shard is ceil(Ψ/N) elements (padded).
+    """
+    if precision not in BYTES:
+        raise RecipeError(
+            "unknown precision", field="train.precision", value=precision, fix="use bf16, fp16 or fp32"
+        )
+    p = BYTES[precision]
+    opt = 12 if p == 2 else 8
+    shard = math.ceil(psi / n)
+    return {
+        "params": p * (shard if zero >= 3 else psi),
+        "grads": p * (shard if zero >= 2 else psi),
+        "optimizer": opt * (shard if zero >= 1 else psi),
+    }
+
+
+# ---- activations -------------------------------------------------------------------------------------
+
+
+def activation_bytes_per_layer(
+    f: ModelFacts,
+    *,
+    seq_len: int,
+    micro_batch: int,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    precision: str = "bf16",
+    fused_attention: bool = False,
+) -> int:
+    """Bytes one transformer layer keeps for its backward, per rank (Korthikanti et al. 2022, Sec. 4).
+
+    e = bytes per activation (2 bf16/fp16, 4 fp32), masks 1 byte. Outside the TP regions (split by t
+    only with sequence parallelism): the two norm inputs 2·e·sbh plus their fp32 statistics (LayerNorm
+    mean + rstd 8 bytes, RMSNorm rstd 4 bytes per token), the QKV input e·sbh, the MLP input e·sbh,
+    two dropout masks 2sbh when hidden dropout is on; for MoE also the router's fp32 logits 4·sbE and
+    the topk dispatched token copies topk·e·sbh. Inside (split by t): Q e·sb(ad), K and V 2e·sb(gd)
+    (GQA: g kv heads), the output-projection input e·sb(ad), the MLP intermediates (GeLU: input and
+    output 2e·sbf; SwiGLU unfused: gate, up, silu(gate), product 4e·sbf; MoE: times topk), and the
+    attention scores: softmax e·as²b (+ dropout mask as²b and output e·as²b with attention dropout), or
+    only the fp32 softmax statistics 4·asb with a fused (flash / SDPA) kernel. With GPT-2's shape (f=4h,
+    g=a, dropout on, bf16) this is exactly sbh(34 + 5as/h) plus the 16sb of LayerNorm statistics.
+    Selective recompute drops the attention-score term; full recompute keeps the layer input e·sbh only.
+    """
+    s, b, h, e = seq_len, micro_batch, f.hidden, BYTES[precision]
+    sbh, sb = s * b * h, s * b
+    sp_div = tp if sequence_parallel else 1
+    if recompute == "full":
+        return e * sbh // sp_div
+    stats = 8 if f.norm == "LayerNorm" else 4
+    outside = 2 * e * sbh + 2 * stats * sb + e * sbh + e * sbh + (2 * sbh if f.hidden_dropout else 0)
+    qo, kvo = f.num_heads * f.head_dim, f.num_kv_heads * f.head_dim
+    inside = e * sb * qo + 2 * e * sb * kvo + e * sb * qo
+    mlp = (4 if f.gated_mlp else 2) * e * sb * f.ffn
+    if f.moe:
+        outside += 4 * sb * f.num_experts + f.topk * e * sbh
+        mlp *= f.topk
+    inside += mlp
+    if recompute != "selective":
+        a = f.num_heads
+        if fused_attention:
+            inside += 4 * a * s * b
+        else:
+            inside += e * a * s * s * b + ((a * s * s * b + e * a * s * s * b) if f.attn_dropout else 0)
+    return outside // sp_div + inside // tp
+
+
+def activation_formula(recompute: str, fused_attention: bool) -> str:
+    """The activation formula as text, for the plan record."""
+    if recompute == "full":
+        return "L_stage * in_flight * e*s*b*h/(t if sp) + one layer's full activations (recomputed one)"
+    attn = (
+        ""
+        if recompute == "selective"
+        else (" + 4*a*s*b [fused]" if fused_attention else " + e*a*s^2*b [+ dropout]")
+    )
+    return (
+        "L_stage * in_flight * [(4*e*s*b*h + 2*stats*s*b [+ 2sbh masks])/(t if sp) + "
+        "(2*e*s*b*a*d + 2*e*s*b*g*d + c_mlp*e*s*b*f" + attn + ")/t]; "
+        "Korthikanti et al. 2022 sbh(34+5as/h) for GPT shapes; in_flight: megatron 1F1B warmup count"
+    )
+
+
+def in_flight_microbatches(pp: int, vpp: int, num_microbatches: int, pp_rank: int = 0) -> float:
+    """Micro-batches whose activations a pipeline rank holds at its peak, in units of its full stage.
+
+    1F1B: ``min(pp - rank, m)`` (the warmup forwards plus one). Interleaved: megatron-core's warmup count
+    ``(pp - rank - 1)*2 + (v - 1)*pp`` chunks plus one, each 1/v of the stage, capped at m*v; for rank 0
+    that is Korthikanti et al.'s factor p*(1 + (p-1)/(p*v)).
+    """
+    if pp == 1:
+        return 1.0
+    if vpp == 1:
+        return float(min(pp - pp_rank, num_microbatches))
+    chunks = min((pp - pp_rank - 1) * 2 + (vpp - 1) * pp + 1, num_microbatches * vpp)
+    return chunks / vpp
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank on the device (and on the host, for offload) of the largest pipeline stage."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    buffers: int
+    host: int
+    stage: str  # "only" (pp = 1), "first" or "last"
+    formulas: dict[str, str]
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+
+    def to_json(self) -> dict[str, int]:
+        out = {k: getattr(self, k) for k in ("params", "grads", "optimizer", "activations", "buffers")}
+        return {**out, "total": self.total, "host": self.host}
+
+
+def _deepspeed_dp(layout: ParallelLayout) -> bool:
+    """Whether DeepSpeed (not megatron's DDP / DistributedOptimizer) does the data-parallel sharding."""
+    return layout.engine == "deepspeed" or layout.zero_impl == "deepspeed"
+
+
+def expert_dp(layout: ParallelLayout) -> int:
+    """Size of the group that shards expert states: dp*tp / (ep * expert_tp) with expert_tp = tp."""
+    return max(1, layout.dp // layout.ep) if layout.engine == "megatron" else layout.dp
+
+
+def memory_per_rank(
+    f: ModelFacts,
+    layout: ParallelLayout,
+    *,
+    seq_len: int,
+    precision: str,
+    recompute: str = "none",
+    fused_attention: bool = False,
+) -> MemoryEstimate:
+    """Device bytes per rank of the stage that needs the most: ZeRO model states (dense states over dp,
+    expert states over the expert-dp group), activations of the in-flight micro-batches, and buffers
+    (the fp32 logits of the loss on the last stage, the ZeRO-3 gathered layers, DeepSpeed's gradient
+    bucket). Offload moves the optimizer states (+ the fp32 gradient partition) or the parameters to host."""
+    e = p = BYTES[precision]  # activation and parameter bytes (the compute dtype)
+    L, t = layout, layout.tp
+    m = L.grad_accum
+    stages = [("only", True, True)] if L.pp == 1 else [("first", True, False), ("last", False, True)]
+    per_layer = activation_bytes_per_layer(
+        f,
+        seq_len=seq_len,
+        micro_batch=L.micro_batch,
+        tp=t,
+        sequence_parallel=L.sequence_parallel,
+        recompute=recompute,
+        precision=precision,
+        fused_attention=fused_attention,
+    )
+    best: MemoryEstimate | None = None
+    for name, first, last in stages:
+        rp = rank_params(f, tp=t, pp=L.pp, ep=L.ep if L.engine == "megatron" else 1, first=first, last=last)
+        dense, expert = (rp.dense, rp.expert) if L.engine == "megatron" else (rp.total, 0)
+        st = model_state_bytes(dense, L.dp, L.zero, precision)
+        if expert:
+            for k, v in model_state_bytes(expert, expert_dp(L), L.zero, precision).items():
+                st[k] += v
+        host = 0
+        if L.offload_optimizer:
+            host += st["optimizer"] + 4 * math.ceil(rp.total / L.dp)  # + the fp32 gradient partition
+            st["optimizer"] = 0
+        if L.offload_params:
+            host += st["params"]
+            st["params"] = 0
+        rank = 0 if first else L.pp - 1
+        layers = f.num_layers // L.pp
+        act = int(per_layer * layers * in_flight_microbatches(L.pp, L.vpp, m, rank))
+        sbh = seq_len * L.micro_batch * f.hidden
+        if recompute == "full":  # the layer being recomputed holds its full activations meanwhile
+            act += activation_bytes_per_layer(
+                f,
+                seq_len=seq_len,
+                micro_batch=L.micro_batch,
+                tp=t,
+                sequence_parallel=L.sequence_parallel,
+                precision=precision,
+                fused_attention=fused_attention,
+            )
+        buffers = 0
+        if last:
+            # final-norm input and LM-head input; the loss holds the logits in e, an fp32 copy, fp32 softmax
+            act += 2 * e * sbh // (t if L.sequence_parallel else 1)
+            logits = seq_len * L.micro_batch * (padded_vocab(f.vocab_size, t) // t)
+            buffers += logits * (e + (4 if e < 4 else 0) + 4)
+        if L.zero >= 3:
+            # gathered full (dp-unsharded) params: the largest module in use + the prefetched layer
+            buffers += p * (max(rp.per_layer, rp.embedding) + rp.per_layer)
+        elif _deepspeed_dp(L) and L.dp > 1:
+            buffers += p * min(rp.total, DS_REDUCE_BUCKET)
+        est = MemoryEstimate(
+            params=st["params"],
+            grads=st["grads"],
+            optimizer=st["optimizer"],
+            activations=act,
+            buffers=buffers,
+            host=host,
+            stage=name,
+            formulas={
+                "model_states": zero_formula(L.zero, precision, dense, L.dp)
+                + (f"; experts: {zero_formula(L.zero, precision, expert, expert_dp(L))}" if expert else ""),
+                "activations": activation_formula(recompute, fused_attention),
+            },
+        )
+        if best is None or est.total > best.total:
+            best = est
+    assert best is not None
+    return best
+
+
+# ---- communication -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CommOp:
+    """One kind of collective a rank issues in a step: ``calls`` calls of ``bytes_per_call`` bytes each
+    (the full tensor: the all-reduced buffer, the gathered output, the scattered input, the all-to-all
+    send buffer, the sent activation). ``span``: consecutive ranks the group covers (decides the link).
+    ``overlap``: what it can hide behind - "none", "fwd" / "bwd" (each micro-batch's forward / backward)
+    or "last_bwd" (the backward of the step's last micro-batch)."""
+
+    op: str
+    group: str
+    bytes_per_call: int
+    calls: int
+    group_size: int
+    span: int
+    overlap: str = "none"
+
+    @property
+    def key(self) -> str:
+        return f"{self.op}:{self.group}"
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.bytes_per_call * self.calls
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes each rank sends (bandwidth-optimal ring / pairwise algorithms): all-reduce 2(n-1)/n of
+        the buffer, all-gather / reduce-scatter / all-to-all (n-1)/n, point-to-point the whole tensor."""
+        n = self.group_size
+        # p2p is full duplex: the link time is the send's, the matching recv adds none
+        factor = {"all_reduce": 2 * (n - 1) / n, "send": 1.0, "recv": 0.0}.get(self.op, (n - 1) / n)
+        return factor * self.payload_bytes
+
+
+def pp_sends_per_rank(pp: int, vpp: int, num_microbatches: int) -> int:
+    """Point-to-point sends of the busiest pipeline rank per step: each micro-batch crosses every chunk
+    boundary once forward (activation) and once backward (gradient). A middle rank sends 2·v·m; with
+    pp = 2 each rank has one boundary edge fewer per micro-batch: (2v - 1)·m."""
+    if pp == 1:
+        return 0
+    return (2 * vpp if pp > 2 else 2 * vpp - 1) * num_microbatches
+
+
+#: DeepSpeed ZeRO-3 keeps parameters smaller than this (elements) whole on every rank
+#: (``stage3_param_persistence_threshold``, default 1e5): gathered once per step, not per micro-batch
+ZERO3_PERSISTENCE_THRESHOLD = 100_000
+
+
+def hf_tensor_numels(f: ModelFacts) -> list[int]:
+    """Element counts of the HF module's parameter tensors (what DeepSpeed partitions tensor by tensor):
+    GPT-2 fuses q/k/v into one Conv1D; transformers v5 MoE families keep all experts' gate/up and down
+    in one tensor each."""
+    h, qo, kvo, ffn = f.hidden, f.num_heads * f.head_dim, f.num_kv_heads * f.head_dim, f.ffn
+    norm = [h, h] if f.norm == "LayerNorm" else [h]
+    out = [f.vocab_size * h] + ([f.positions * h] if f.positions else [])
+    layer: list[int] = norm + norm
+    if f.family == "gpt2":
+        layer += [h * 3 * h, 3 * h, qo * h, h, h * ffn, ffn, ffn * h, h]
+    else:
+        layer += [h * qo, h * kvo, h * kvo, qo * h]
+        layer += [qo, kvo, kvo] if f.qkv_bias else []
+        layer += [h] if f.proj_bias else []
+        if f.moe:
+            layer += [f.num_experts * h, f.num_experts * 2 * ffn * h, f.num_experts * h * ffn]
+        else:
+            layer += [h * ffn, h * ffn, ffn * h] + ([ffn, ffn, h] if f.mlp_bias else [])
+    out += layer * f.num_layers + norm
+    return out + ([] if f.tied else [f.vocab_size * h])
+
+
+def comm_per_step(
+    f: ModelFacts, layout: ParallelLayout, *, seq_len: int, precision: str, backend: str = "nccl"
+) -> list[CommOp]:
+    """Every collective of one optimizer step on one rank (first pipeline stage / largest shard).
+
+    DP (ZeRO 0: all-reduce of the grads once per step; ZeRO 1: reduce-scatter of the grads + all-gather
+    of the updated params once per step, the same 2(N-1)/N·Ψ volume; ZeRO 2: the reduce-scatter every
+    micro-batch, DeepSpeed reduces as the backward goes; ZeRO 3: all-gather of the params in every
+    forward and backward + reduce-scatter of the grads every micro-batch, 3Ψ at m = 1). Expert states
+    go over the expert-dp group ("edp"). TP: 2 all-reduces forward and 2 backward of b·s·h per layer
+    and micro-batch (with SP: all-gather + reduce-scatter pairs, same volume; the embedding / head
+    collectives, 1/(4L) more, are left out). PP: activation and gradient sends of b·s·h (/t with SP).
+    EP: dispatch + combine all-to-all of b·s·topk·h tokens per MoE layer, forward and backward. Tied
+    embeddings across stages: one all-reduce of the embedding grads between first and last stage.
+    """
+    L, e = layout, BYTES[precision]
+    t, dp, pp, m, b = L.tp, L.dp, L.pp, L.grad_accum, L.micro_batch
+    ops: list[CommOp] = []
+    mega = L.engine == "megatron"
+    rp = largest_shard(f, L)
+    groups = [("dp", rp.dense if mega else rp.total, dp, t * dp)]
+    if mega and rp.expert:
+        groups.append(("edp", rp.expert, expert_dp(L), t * dp))
+    for name, psi, n, span in groups:
+        if n == 1 or psi == 0:
+            continue
+        grad_b, param_b = e * psi, e * psi
+        deepspeed_dp = not mega or L.zero_impl == "deepspeed"
+        if L.zero == 0:
+            ops.append(CommOp("all_reduce", name, grad_b, 1, n, span, "last_bwd"))
+        elif L.zero in (1, 2):
+            per_mb = L.zero == 2
+            # measured on gloo: DeepSpeed's stage-1/2 gradient reduction is an all-reduce of the buckets
+            # (gloo has no reduce-scatter); megatron's distributed optimizer reduce-scatters everywhere
+            reduce = "all_reduce" if deepspeed_dp and backend == "gloo" else "reduce_scatter"
+            calls = m if per_mb else 1
+            ops.append(CommOp(reduce, name, grad_b, calls, n, span, "bwd" if per_mb else "last_bwd"))
+            ops.append(CommOp("all_gather", name, param_b, 1, n, span, "none"))
+        else:
+            # persistent (small) tensors are whole on every rank: one all-gather after the update;
+            # the others are gathered for every forward and backward
+            small = sum(x for x in hf_tensor_numels(f) if x < ZERO3_PERSISTENCE_THRESHOLD) if not mega else 0
+            big_b = e * max(psi - small, 0)
+            if small:
+                ops.append(CommOp("all_gather", name, e * small, 1, n, span, "none"))
+            if big_b:
+                ops.append(CommOp("all_gather", name, big_b, m, n, span, "fwd"))
+                ops.append(CommOp("all_gather", name, big_b, m, n, span, "bwd"))
+            ops.append(CommOp("reduce_scatter", name, grad_b, m, n, span, "bwd"))
+    layers = f.num_layers // pp
+    act = seq_len * b * f.hidden * e
+    if t > 1:
+        if L.sequence_parallel:
+            ops.append(CommOp("all_gather", "tp", act, 4 * layers * m, t, t))
+            ops.append(CommOp("reduce_scatter", "tp", act, 4 * layers * m, t, t))
+        else:
+            # 2 per layer forward and 2 backward; the vocab-parallel embedding's forward (first stage),
+            # and on the last stage the LM head's input-gradient plus the cross-entropy's 3 fp32 (b, s)
+            # reductions (max, target logit, sum of exps): measured exactly so on TP2
+            edge = 1 + (1 if pp == 1 else 0)
+            ops.append(CommOp("all_reduce", "tp", act, (4 * layers + edge) * m, t, t))
+            if pp == 1:
+                ops.append(CommOp("all_reduce", "tp", seq_len * b * 4, 3 * m, t, t))
+    if mega and L.ep > 1 and f.moe:
+        tokens = seq_len * b // (t if L.sequence_parallel else 1)
+        ops.append(CommOp("all_to_all", "ep", tokens * f.topk * f.hidden * e, 4 * layers * m, L.ep, t * L.ep))
+    if pp > 1:
+        sends = pp_sends_per_rank(pp, L.vpp, m)
+        boundary = act // (t if L.sequence_parallel else 1)  # one activation (or its gradient) per crossing
+        ops.append(CommOp("send", "pp", boundary, sends, 2, L.world_size))
+        ops.append(CommOp("recv", "pp", boundary, sends, 2, L.world_size))
+        if f.tied:
+            emb = padded_vocab(f.vocab_size, t) // t * f.hidden * e
+            ops.append(CommOp("all_reduce", "embd", emb, 1, 2, L.world_size))
+    return ops
+
+
+def comm_bytes_by_op(ops: list[CommOp]) -> dict[str, int]:
+    """Payload bytes per step keyed ``"op:group"`` (what ``plan.json`` records and ``comm/`` measures)."""
+    out: dict[str, int] = {}
+    for o in ops:
+        out[o.key] = out.get(o.key, 0) + o.payload_bytes
+    return out
+
+
+# ---- FLOPs, bubble, time -----------------------------------------------------------------------------
+
+
+def matmul_params(f: ModelFacts, *, active: bool = True) -> int:
+    """N of the FLOP formula: the non-embedding parameters (nanoGPT's convention): the input embedding
+    and learned positions are lookups, the LM head is a matmul even when tied. ``active``: MoE counts
+    topk / E of the expert weights (what one token runs through), not all of them."""
+    layer = _layer_params(f)
+    experts = layer["expert"] * (f.topk / f.num_experts if (active and f.moe) else 1)
+    per_layer = layer["tp"] + layer["repl"] + experts
+    return int(
+        f.num_layers * per_layer + f.hidden * (2 if f.norm == "LayerNorm" else 1) + f.vocab_size * f.hidden
+    )
+
+
+FLOPS_FORMULA = "6*N_active + 12*L*H*Q*T (PaLM, Chowdhery et al. 2022, App. B; N without input embeddings)"
+
+
+def flops_per_token(f: ModelFacts, seq_len: int) -> float:
+    """Model FLOPs per trained token, forward + backward: 6N + 12·L·H·Q·T (PaLM App. B). The attention
+    term counts QK^T and AV over the full sequence T (the usual MFU convention; causal kernels do half)."""
+    return 6 * matmul_params(f) + 12 * f.num_layers * f.num_heads * f.head_dim * seq_len
+
+
+def recompute_flops_per_token(f: ModelFacts, seq_len: int, recompute: str) -> float:
+    """Extra hardware FLOPs of recomputation: full = one more forward of the layers (2·N_layers +
+    4·L·H·Q·T); selective = the core attention forward again (4·L·H·Q·T)."""
+    attn = 4 * f.num_layers * f.num_heads * f.head_dim * seq_len
+    if recompute == "full":
+        return 2 * (matmul_params(f) - f.vocab_size * f.hidden) + attn
+    return attn if recompute == "selective" else 0.0
+
+
+def bubble_fraction(pp: int, vpp: int, num_microbatches: int) -> float:
+    """Share of a pipelined step spent idle: (p-1)/(v·m + p-1). Narayanan et al. 2021 give the bubble
+    relative to the ideal time, (p-1)/m (1F1B) and (p-1)/(v·m) (interleaved); this is the same bubble
+    as a fraction of the whole step, bubble / (ideal + bubble). 0 without pipelining."""
+    if pp <= 1:
+        return 0.0
+    return (pp - 1) / (vpp * num_microbatches + pp - 1)
+
+
+def link_bandwidth(hw: HardwareProfile, span: int) -> float:
+    """A group inside one node runs on the intra-node link (NVLink); one spanning nodes on the NIC."""
+    return hw.intra_node_bandwidth if span <= hw.devices_per_node else hw.inter_node_bandwidth
+
+
+@dataclass(frozen=True)
+class TimeEstimate:
+    """Seconds of one optimizer step on the busiest rank and the model FLOPs utilisation."""
+
+    step_s: float
+    compute_s: float
+    bubble_s: float
+    tp_ep_s: float
+    pp_s: float
+    dp_exposed_s: float
+    optimizer_s: float
+    model_flops_per_step: float
+    mfu: float
+
+    def to_json(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def step_time(
+    f: ModelFacts,
+    layout: ParallelLayout,
+    *,
+    seq_len: int,
+    precision: str,
+    recompute: str,
+    hardware: HardwareProfile,
+    efficiency: float = 0.5,
+    ops: list[CommOp] | None = None,
+) -> TimeEstimate:
+    """Step time = (compute + TP/EP collectives) / (1 - bubble) + PP sends + exposed DP collectives +
+    optimizer step. Compute = (model + recompute FLOPs) x tokens / world / (peak x efficiency). Each
+    collective takes wire bytes / link bandwidth + latency per call. TP and EP collectives sit on the
+    critical path; DP ones hide behind the compute they overlap with (DeepSpeed / megatron bucket the
+    grad reduction into the backward and prefetch ZeRO-3 gathers), only what exceeds it is exposed.
+    The optimizer reads and writes 28 bytes per parameter of its shard at device-memory bandwidth (with
+    offload: at the host's share of host-memory bandwidth, plus the PCIe transfers of grads and params).
+    MFU = model FLOPs per step / (step time x peak x world), PaLM's definition (no recompute FLOPs)."""
+    L, hw, m = layout, hardware, layout.grad_accum
+    ops = comm_per_step(f, L, seq_len=seq_len, precision=precision) if ops is None else ops
+    tokens = L.global_batch * seq_len
+    model_flops = flops_per_token(f, seq_len) * tokens
+    hw_flops = (flops_per_token(f, seq_len) + recompute_flops_per_token(f, seq_len, recompute)) * tokens
+    peak = hw.peak_for(precision)
+    compute = hw_flops / L.world_size / (peak * efficiency)
+
+    def secs(o: CommOp) -> float:
+        return o.wire_bytes / link_bandwidth(hw, o.span) + hw.latency_s * o.calls
+
+    tp_ep = sum(secs(o) for o in ops if o.group in ("tp", "ep"))
+    pp_s = sum(secs(o) for o in ops if o.group in ("pp", "embd"))
+    mb = compute / m  # one micro-batch: forward 1/3, backward 2/3 of its compute
+    windows = {"fwd": mb / 3, "bwd": 2 * mb / 3}
+    per_mb: dict[str, float] = {"fwd": 0.0, "bwd": 0.0}
+    exposed = 0.0
+    last_bwd = 0.0
+    for o in ops:
+        if o.group not in ("dp", "edp"):
+            continue
+        if o.overlap in per_mb:
+            per_mb[o.overlap] += secs(o) / o.calls  # the same op once per micro-batch
+        elif o.overlap == "last_bwd":
+            last_bwd += secs(o)
+        else:
+            exposed += secs(o)
+    mega = L.engine == "megatron"
+    rp = largest_shard(f, L)
+    dense, expert = (rp.dense, rp.expert) if mega else (rp.total, 0)
+    if L.zero == 0:
+        shard = dense + expert
+    else:
+        shard = math.ceil(dense / L.dp) + (math.ceil(expert / expert_dp(L)) if expert else 0)
+    if L.offload_params and hw.host_link_bandwidth:  # ZeRO-Infinity: each gather first copies the shard in
+        copy = BYTES[precision] * shard / hw.host_link_bandwidth
+        per_mb["fwd"] += copy
+        per_mb["bwd"] += copy
+    exposed += m * sum(max(0.0, per_mb[k] - windows[k]) for k in per_mb) + max(0.0, last_bwd - windows["bwd"])
+    if L.offload_optimizer and hw.can_offload:
+        host_bw = hw.host_memory_bandwidth / hw.devices_per_node  # type: ignore[operator]
+        e = BYTES[precision]
+        optimizer = shard * ADAM_BYTES_PER_PARAM / host_bw + 2 * e * shard / hw.host_link_bandwidth  # type: ignore[operator]
+    else:
+        optimizer = shard * ADAM_BYTES_PER_PARAM / hw.hbm_bandwidth
+    bubble = bubble_fraction(L.pp, L.vpp, m)
+    pipelined = (compute + tp_ep) / (1 - bubble)
+    step = pipelined + pp_s + exposed + optimizer
+    return TimeEstimate(
+        step_s=step,
+        compute_s=compute,
+        bubble_s=max(0.0, pipelined - compute - tp_ep),
+        tp_ep_s=tp_ep,
+        pp_s=pp_s,
+        dp_exposed_s=exposed,
+        optimizer_s=optimizer,
+        model_flops_per_step=model_flops,
+        mfu=model_flops / (step * peak * L.world_size),
+    )

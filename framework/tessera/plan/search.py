@@ -1,0 +1,399 @@
+"""The planner's search: enumerate layouts, keep what the engines can run and the device can hold, rank by
+estimated step time.
+
+Validity is never decided here: every candidate is built as a :class:`ParallelLayout` and, for the
+megatron engine, passed to :func:`check_megatron_layout` (the one place with the rules); a LayoutError's
+message becomes the rejection reason. What this module adds is the search space (bounded: powers of two
+for tp and ep, divisors of the world for pp, a few virtual-stage and micro-batch sizes), the memory fit
+("does not fit: needs X GiB per rank ...") and the ranking.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tessera.errors import LayoutError, RecipeError, TesseraError
+from tessera.plan.estimate import (
+    FLOPS_FORMULA,
+    RECOMPUTE,
+    GiB,
+    MemoryEstimate,
+    ModelFacts,
+    TimeEstimate,
+    bubble_fraction,
+    comm_bytes_by_op,
+    comm_per_step,
+    memory_per_rank,
+    model_facts,
+    step_time,
+)
+from tessera.plan.hardware import HardwareProfile
+from tessera.plan.layout import ParallelLayout, check_megatron_layout, resolve_auto
+
+ENGINES = ("deepspeed", "megatron")
+#: the deepspeed engine runs the HF module, whose gradient checkpointing is per layer (full) only
+ENGINE_RECOMPUTE = {"deepspeed": ("none", "full"), "megatron": ("none", "selective", "full")}
+BUBBLE_FORMULA = (
+    "(p-1)/(v*m + p-1): Narayanan et al. 2021 (p-1)/(v*m) of the ideal time, as a share of the step"
+)
+
+
+def layout_json(layout: ParallelLayout, recompute: str) -> dict[str, Any]:
+    """The layout fields a plan records (what a recipe's ``parallel:`` section would say, plus recompute)."""
+    keys = ("engine", "dp", "tp", "pp", "vpp", "ep", "zero", "micro_batch", "grad_accum")
+    out: dict[str, Any] = {k: getattr(layout, k) for k in keys}
+    out.update(
+        recompute=recompute,
+        sequence_parallel=layout.sequence_parallel,
+        zero_impl=layout.zero_impl,
+        offload_optimizer=layout.offload_optimizer,
+        offload_params=layout.offload_params,
+    )
+    return out
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A layout that runs and fits, with its estimates."""
+
+    layout: ParallelLayout
+    recompute: str
+    memory: MemoryEstimate
+    comm_bytes: dict[str, int]
+    bubble: float
+    time: TimeEstimate
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "layout": layout_json(self.layout, self.recompute),
+            "memory_bytes_per_rank": self.memory.to_json(),
+            "comm_bytes_per_step": dict(self.comm_bytes),
+            "bubble_fraction": self.bubble,
+            "step_time_s": self.time.step_s,
+            "mfu": self.time.mfu,
+            "step_time_breakdown_s": {k: v for k, v in self.time.to_json().items() if k.endswith("_s")},
+            "formulas": {
+                **self.memory.formulas,
+                "flops_per_token": FLOPS_FORMULA,
+                "bubble": BUBBLE_FORMULA,
+                "mfu": "model_flops_per_step / (step_time_s * peak_flops * world_size)",
+            },
+        }
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A layout left out, and why (a layout rule's message, or the memory shortfall)."""
+
+    layout: dict[str, Any]
+    reason: str
+    memory: MemoryEstimate | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"layout": self.layout, "reason": self.reason}
+        if self.memory is not None:
+            out["memory_bytes_per_rank"] = self.memory.to_json()
+        return out
+
+
+@dataclass
+class PlanResult:
+    """Every layout considered: the fastest that fits (``chosen``), the others that fit, the rejected."""
+
+    chosen: Candidate | None
+    candidates: list[Candidate] = field(default_factory=list)
+    rejected: list[Rejection] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "chosen": self.chosen.to_json() if self.chosen else None,
+            "candidates": [c.to_json() for c in self.candidates],
+            "rejected": [r.to_json() for r in self.rejected],
+        }
+
+
+def _backend(hw: HardwareProfile) -> str:
+    return "gloo" if hw.device == "cpu" else "nccl"
+
+
+def fit_reason(need: int, have: int, *, where: str = "per rank", device: str = "the device") -> str:
+    """The rejection reason of a layout that does not fit, in GiB."""
+    return (
+        f"does not fit: needs {need / GiB:.1f} GiB {where}, {device} has {have / GiB:.1f} GiB "
+        f"(short by {(need - have) / GiB:.1f} GiB)"
+    )
+
+
+def _one_line(e: TesseraError) -> str:
+    return e.render().replace("\n  fix: ", "; fix: ")
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    out, v = [], 1
+    while v <= limit:
+        out.append(v)
+        v *= 2
+    return out
+
+
+def _structures(f: ModelFacts, engine: str, world_size: int, hw: HardwareProfile) -> Iterator[dict[str, Any]]:
+    """The layouts to try, without the batch split. Bounded: tp a power of two up to the head count,
+    pp a divisor of what tp leaves, vpp in {1, 2, 4}, ep a power of two up to the expert count, ZeRO 0-3;
+    the rules (not this enumeration) reject what no engine runs."""
+    if engine == "deepspeed":
+        for zero in range(4):
+            yield dict(tp=1, pp=1, vpp=1, ep=1, zero=zero)
+            if hw.can_offload and zero >= 1:
+                yield dict(tp=1, pp=1, vpp=1, ep=1, zero=zero, offload_optimizer=True)
+            if hw.can_offload and zero == 3:
+                yield dict(tp=1, pp=1, vpp=1, ep=1, zero=zero, offload_optimizer=True, offload_params=True)
+        return
+    eps = [1] + ([e for e in _powers_of_two(f.num_experts) if e > 1] if f.moe else [])
+    for tp in _powers_of_two(min(world_size, f.num_heads)):
+        if world_size % tp:
+            continue
+        for pp in (p for p in range(1, world_size // tp + 1) if (world_size // tp) % p == 0):
+            if pp > f.num_layers:
+                continue
+            for vpp in (1,) if pp == 1 else (1, 2, 4):
+                for ep in eps:
+                    if ep > world_size // pp:
+                        continue
+                    for zero in range(4):
+                        yield dict(tp=tp, pp=pp, vpp=vpp, ep=ep, zero=zero)
+
+
+def plan(
+    hf_cfg: Any,
+    *,
+    world_size: int,
+    seq_len: int,
+    global_batch: int,
+    precision: str,
+    hardware: HardwareProfile,
+    engines: Sequence[str] = ENGINES,
+    recompute: Sequence[str] = ("none", "selective", "full"),
+    micro_batches: Sequence[int] = (1, 2, 4, 8),
+    attn_implementation: str = "eager",
+    efficiency: float = 0.5,
+) -> PlanResult:
+    """Enumerate, validate, estimate and rank the layouts of ``hf_cfg`` on ``world_size`` devices.
+
+    ``attn_implementation``: the HF kernel the deepspeed engine runs ("sdpa" never stores the s x s
+    scores); megatron-core's local layer spec always materialises them. ``efficiency``: the fraction of
+    peak FLOP/s the matmuls reach (0.4-0.6 for large dense models on H100-class GPUs). Candidates are
+    sorted by estimated step time; ``chosen`` is the fastest, None when nothing fits.
+    """
+    for eng in engines:
+        if eng not in ENGINES:
+            raise RecipeError(
+                "unknown engine", field="parallel.engine", value=eng, fix="use deepspeed or megatron"
+            )
+    if precision not in ("bf16", "fp16", "fp32"):
+        raise RecipeError(
+            "unknown precision", field="train.precision", value=precision, fix="use bf16, fp16 or fp32"
+        )
+    for rc in recompute:
+        if rc not in RECOMPUTE:
+            raise RecipeError(
+                "unknown recompute option", field="recompute", value=rc, fix="use none, selective or full"
+            )
+    f = model_facts(hf_cfg)
+    q = _Query(
+        f=f,
+        world_size=world_size,
+        seq_len=seq_len,
+        global_batch=global_batch,
+        precision=precision,
+        hw=hardware,
+        micro_batches=tuple(micro_batches),
+        efficiency=efficiency,
+        sp_ok=f.shape is not None and f.shape.sequence_parallel_ok,
+    )
+    result = PlanResult(chosen=None)
+    for engine in engines:
+        fused = engine == "deepspeed" and attn_implementation == "sdpa"
+        options = [r for r in recompute if r in ENGINE_RECOMPUTE[engine]]
+        if not options:
+            continue
+        for st in _structures(f, engine, world_size, hardware):
+            _try_structure(result, q, engine, st, options, fused)
+    result.candidates.sort(key=lambda c: (c.time.step_s, c.memory.total))
+    result.chosen = result.candidates[0] if result.candidates else None
+    return result
+
+
+@dataclass(frozen=True)
+class _Query:
+    """What one plan() call asks: the model, the cluster and the batch."""
+
+    f: ModelFacts
+    world_size: int
+    seq_len: int
+    global_batch: int
+    precision: str
+    hw: HardwareProfile
+    micro_batches: tuple[int, ...]
+    efficiency: float
+    sp_ok: bool
+
+
+def _try_structure(
+    result: PlanResult, q: _Query, engine: str, st: dict[str, Any], options: list[str], fused: bool
+) -> None:
+    """All micro-batch sizes and recompute options of one structural layout; a rule that rejects every
+    micro-batch size with the same reason is listed once (with the first size)."""
+    f, hw, world_size, global_batch, precision = q.f, q.hw, q.world_size, q.global_batch, q.precision
+    dp = world_size // (st["tp"] * st["pp"])
+    zero_impl, sp = resolve_auto(engine, zero=st["zero"], tp=st["tp"], sp_ok=q.sp_ok)
+    seen: set[str] = set()
+    sizes = [mb for mb in q.micro_batches if mb * dp <= max(global_batch, dp)] or [1]
+    for mb in sizes:
+        desc = dict(engine=engine, world_size=world_size, dp=dp, micro_batch=mb, global_batch=global_batch)
+        try:
+            layout = ParallelLayout(
+                **desc,
+                **st,
+                grad_accum=max(1, global_batch // (mb * dp)),
+                zero_impl=zero_impl,
+                sequence_parallel=sp,
+            )
+            if engine == "megatron":
+                assert f.shape is not None
+                check_megatron_layout(layout, f.shape)
+        except LayoutError as e:
+            reason = _one_line(e)
+            if reason not in seen:
+                seen.add(reason)
+                lay = {k: v for k, v in desc.items() if k not in ("world_size", "global_batch")}
+                lay.update(st, grad_accum=None, zero_impl=zero_impl, sequence_parallel=sp)
+                result.rejected.append(Rejection(layout=lay, reason=reason))
+            continue
+        ops = comm_per_step(f, layout, seq_len=q.seq_len, precision=precision, backend=_backend(hw))
+        for rc in options:
+            mem = memory_per_rank(
+                f, layout, seq_len=q.seq_len, precision=precision, recompute=rc, fused_attention=fused
+            )
+            lay = layout_json(layout, rc)
+            if mem.total > hw.memory_bytes:
+                result.rejected.append(Rejection(lay, fit_reason(mem.total, hw.memory_bytes), mem))
+                continue
+            ranks_per_node = min(world_size, hw.devices_per_node)
+            if (
+                mem.host
+                and hw.host_memory_bytes is not None
+                and mem.host * ranks_per_node > hw.host_memory_bytes
+            ):
+                reason = fit_reason(
+                    mem.host * ranks_per_node,
+                    hw.host_memory_bytes,
+                    where="of host memory per node",
+                    device="the node",
+                )
+                result.rejected.append(Rejection(lay, reason, mem))
+                continue
+            t = step_time(
+                f,
+                layout,
+                seq_len=q.seq_len,
+                precision=precision,
+                recompute=rc,
+                hardware=hw,
+                efficiency=q.efficiency,
+                ops=ops,
+            )
+            result.candidates.append(
+                Candidate(
+                    layout=layout,
+                    recompute=rc,
+                    memory=mem,
+                    comm_bytes=comm_bytes_by_op(ops),
+                    bubble=bubble_fraction(layout.pp, layout.vpp, layout.grad_accum),
+                    time=t,
+                )
+            )
+
+
+# ---- recipes ---------------------------------------------------------------------------------------
+
+DEFAULT_HARDWARE = {"cuda": "h100-sxm-80g", "cpu": "cpu-2core"}
+
+
+def hardware_for(recipe: Any, *, device: str, override: str | None = None) -> HardwareProfile:
+    """The profile named on the command line, else ``run.hardware``, else the device's default."""
+    from tessera.plan.hardware import load_hardware
+
+    return load_hardware(override or recipe.run.hardware or DEFAULT_HARDWARE[device])
+
+
+def plan_recipe(
+    recipe: Any, *, world_size: int, hardware: HardwareProfile, engines: Sequence[str] | None = None
+) -> PlanResult:
+    """Plan the recipe's model and batch on ``world_size`` devices. Recompute is not offered: neither
+    engine implements it yet, so a plan that relies on it could not run."""
+    from tessera.models.hf import load_hf_config
+
+    p = recipe.parallel
+    hf_cfg = load_hf_config(recipe.model, vocab_size=recipe.data.vocab_size)
+    gb = p.global_batch or p.micro_batch * (p.grad_accum or 1) * world_size
+    return plan(
+        hf_cfg,
+        world_size=world_size,
+        seq_len=recipe.data.seq_len,
+        global_batch=gb,
+        precision=recipe.train.precision,
+        hardware=hardware,
+        engines=engines or ENGINES,
+        recompute=("none",),
+        micro_batches=tuple(sorted({1, 2, 4, 8, p.micro_batch})),
+        attn_implementation=recipe.model.attn_implementation,
+    )
+
+
+def apply_plan(recipe: Any, result: PlanResult) -> Any:
+    """The recipe with the chosen layout written into ``parallel`` (``auto`` cleared, so the ranks run
+    exactly this layout); a plan with nothing that fits is an error with the closest shortfall."""
+    if result.chosen is None:
+        fits = [r.reason for r in result.rejected if r.reason.startswith("does not fit")]
+        raise LayoutError(
+            "no layout the engines support fits this model on this hardware"
+            + (f" (e.g. {fits[0]})" if fits else ""),
+            field="parallel.auto",
+            value=True,
+            fix="add ranks, pick a larger device with run.hardware, shorten data.seq_len or lower the batch",
+        )
+    lay = result.chosen.layout
+    keys = ("engine", "dp", "tp", "pp", "vpp", "ep", "zero", "zero_impl", "micro_batch", "grad_accum")
+    chosen = {k: getattr(lay, k) for k in keys}
+    chosen.update(
+        global_batch=lay.global_batch,
+        sequence_parallel=lay.sequence_parallel,
+        offload_optimizer=lay.offload_optimizer,
+        offload_params=lay.offload_params,
+        auto=False,
+    )
+    parallel = recipe.parallel.model_copy(update=chosen)
+    return recipe.model_copy(update={"parallel": parallel})
+
+
+def estimate_layout(
+    recipe: Any, layout: ParallelLayout, *, hardware: HardwareProfile, recompute: str = "none"
+) -> Candidate:
+    """The estimates of the recipe's own layout (what a run should cost), for plan.json and the comm
+    accounting's comparison."""
+    from tessera.models.hf import load_hf_config
+
+    f = model_facts(load_hf_config(recipe.model, vocab_size=recipe.data.vocab_size))
+    kw = dict(seq_len=recipe.data.seq_len, precision=recipe.train.precision)
+    ops = comm_per_step(f, layout, backend=_backend(hardware), **kw)
+    fused = layout.engine == "deepspeed" and recipe.model.attn_implementation == "sdpa"
+    return Candidate(
+        layout=layout,
+        recompute=recompute,
+        memory=memory_per_rank(f, layout, recompute=recompute, fused_attention=fused, **kw),
+        comm_bytes=comm_bytes_by_op(ops),
+        bubble=bubble_fraction(layout.pp, layout.vpp, layout.grad_accum),
+        time=step_time(f, layout, recompute=recompute, hardware=hardware, ops=ops, **kw),
+    )

@@ -1,0 +1,494 @@
+"""The planner's pure parts: hardware profiles, parameter counts, ZeRO / activation / communication / FLOP /
+bubble formulas with exact numbers, and layouts planned for known scenarios (no process group)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+import yaml
+
+from helpers import REPO
+from tessera.config.schema import ModelSection
+from tessera.errors import RecipeError
+from tessera.models.hf import load_hf_config
+from tessera.models.megatron import Shard, adapter_for, hf_to_mcore
+from tessera.plan.estimate import (
+    ZERO3_PERSISTENCE_THRESHOLD,
+    GiB,
+    ModelFacts,
+    activation_bytes_per_layer,
+    bubble_fraction,
+    comm_bytes_by_op,
+    comm_per_step,
+    count_params,
+    flops_per_token,
+    hf_tensor_numels,
+    in_flight_microbatches,
+    matmul_params,
+    memory_per_rank,
+    model_facts,
+    model_state_bytes,
+    rank_params,
+    step_time,
+)
+from tessera.plan.hardware import HardwareProfile, load_hardware
+from tessera.plan.layout import ParallelLayout
+from tessera.plan.search import fit_reason, plan
+
+FAMILIES = ["llama", "qwen2", "mistral", "gpt2", "mixtral"]
+HW = REPO / "configs" / "hardware"
+H100 = load_hardware(HW / "h100-sxm-80g.yaml")
+LLAMA3_8B = 8_030_261_248  # meta-llama/Meta-Llama-3-8B
+LLAMA3_70B = 70_553_706_496  # meta-llama/Meta-Llama-3-70B
+MIXTRAL = 46_702_792_704  # mistralai/Mixtral-8x7B-v0.1
+
+
+def _section(name: str) -> ModelSection:
+    return ModelSection(**yaml.safe_load((REPO / "configs" / "models" / f"{name}.yaml").read_text())["model"])
+
+
+def _cfg(name: str, **changes):
+    from transformers import AutoConfig
+
+    d = yaml.safe_load((REPO / "configs" / "models" / f"{name}.yaml").read_text())["model"]["hf_config"]
+    d.update(changes)
+    return AutoConfig.for_model(d.pop("model_type"), **d)
+
+
+def _llama70b():
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(
+        "llama",
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+    )
+
+
+# ---- hardware profiles -------------------------------------------------------------------------------
+
+
+def test_hardware_profiles_load_with_vendor_figures():
+    h100, h200, a100, cpu = (
+        load_hardware(HW / f"{n}.yaml") for n in ("h100-sxm-80g", "h200-141g", "a100-80g", "cpu-2core")
+    )
+    assert (h100.peak_flops, h100.memory_bytes, h100.hbm_bandwidth) == (989e12, 80_000_000_000, 3.35e12)
+    assert (h100.intra_node_bandwidth, h100.inter_node_bandwidth, h100.devices_per_node) == (450e9, 50e9, 8)
+    assert (h200.peak_flops, h200.memory_bytes, h200.hbm_bandwidth) == (989e12, 141_000_000_000, 4.8e12)
+    assert (a100.peak_flops, a100.intra_node_bandwidth, a100.inter_node_bandwidth) == (312e12, 300e9, 25e9)
+    assert cpu.device == "cpu" and cpu.devices_per_node == 2 and not cpu.can_offload and h100.can_offload
+    assert load_hardware("h100-sxm-80g") == h100  # a bare name is looked up in configs/hardware/
+    assert h100.peak_for("fp32") == 67e12 and cpu.peak_for("fp32") == cpu.peak_flops
+
+
+GOOD = (HW / "h100-sxm-80g.yaml").read_text()
+
+
+@pytest.mark.parametrize(
+    "text,field,words",
+    [
+        (None, "hardware", "not found"),
+        ("- 1\n- 2\n", "hardware", "mapping"),
+        (GOOD.replace("peak_flops: 989.0e+12", ""), "peak_flops", "missing key"),
+        (GOOD.replace("memory_bytes: 80.0e+9", "memory_bytes: 0"), "memory_bytes", "positive"),
+        (GOOD.replace("memory_bytes: 80.0e+9", "memory_bytes: 80GB"), "memory_bytes", "not a number"),
+        (GOOD.replace("hbm_bandwidth:", "hbm_bandwith:"), "hbm_bandwith", "unknown key"),
+        (GOOD.replace("device: cuda", "device: tpu"), "device", "unknown device"),
+    ],
+)
+def test_hardware_errors_name_key_value_and_fix(tmp_path, text, field, words):
+    path = tmp_path / "hw.yaml"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(RecipeError) as e:
+        load_hardware(path)
+    assert e.value.field == field and words in e.value.message and e.value.fix
+    if field == "hbm_bandwith":
+        assert "did you mean hbm_bandwidth" in e.value.fix
+
+
+def test_yaml_numbers_without_a_dot_are_accepted(tmp_path):
+    (tmp_path / "hw.yaml").write_text(GOOD.replace("peak_flops: 989.0e+12", "peak_flops: 989e12"))
+    assert load_hardware(tmp_path / "hw.yaml").peak_flops == 989e12
+
+
+# ---- parameters --------------------------------------------------------------------------------------
+
+
+TINY = sorted(p.stem for p in (REPO / "configs" / "models").glob("tiny-*.yaml"))
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_param_count_equals_the_hf_model(name):
+    from transformers import AutoModelForCausalLM
+
+    cfg = _cfg(name)
+    model = AutoModelForCausalLM.from_config(cfg)
+    assert count_params(model_facts(cfg)) == sum(p.numel() for p in model.parameters())  # tied: once
+
+
+def test_param_count_of_published_models():
+    assert count_params(model_facts(_cfg("llama-3-8b"))) == LLAMA3_8B
+    assert count_params(model_facts(_llama70b())) == LLAMA3_70B
+    assert count_params(model_facts(_cfg("mixtral-8x7b"))) == MIXTRAL
+
+
+def _mcore_numel(model, *, tp: int, pp: int, ep: int, vpp: int, pp_rank: int) -> int:
+    cfg = model.config
+    adapter, hf = adapter_for(cfg.model_type), model.state_dict()
+    return sum(
+        t.numel()
+        for v in range(vpp)
+        for t in hf_to_mcore(
+            hf, adapter, cfg, Shard(tp=tp, pp=pp, pp_rank=pp_rank, vpp=vpp, vp_stage=v, ep=ep, etp=tp)
+        ).values()
+    )
+
+
+@pytest.mark.parametrize(
+    "family,tp,pp,ep,vpp,changes",
+    [(f, 2, 1, 1, 1, {}) for f in FAMILIES]
+    + [(f, 1, 2, 1, 1, {}) for f in FAMILIES]
+    + [
+        ("gpt2", 2, 2, 1, 1, {}),  # tied head: a second copy on the last stage
+        ("qwen2", 2, 2, 1, 1, {}),
+        ("llama", 2, 1, 1, 1, {"vocab_size": 511}),  # padded to 512 for tp 2
+        ("llama", 1, 2, 1, 2, {"num_hidden_layers": 4}),
+        ("mixtral", 1, 1, 2, 1, {}),
+        ("mixtral", 2, 2, 2, 1, {}),
+    ],
+)
+def test_rank_params_equal_the_megatron_shards(family, tp, pp, ep, vpp, changes):
+    """Each rank's count equals the numel of the megatron state dict the weight map builds for it."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_cfg(f"tiny-{family}", **changes))
+    f = model_facts(model.config)
+    for pp_rank in range(pp):
+        got = rank_params(f, tp=tp, pp=pp, ep=ep, first=pp_rank == 0, last=pp_rank == pp - 1).total
+        assert got == _mcore_numel(model, tp=tp, pp=pp, ep=ep, vpp=vpp, pp_rank=pp_rank)
+
+
+# ---- model states ------------------------------------------------------------------------------------
+
+
+def test_zero_formulas_bf16_and_fp32():
+    psi, n = 8_000_000_000, 8
+    bf = {z: model_state_bytes(psi, n, z, "bf16") for z in range(4)}
+    assert bf[0] == {"params": 2 * psi, "grads": 2 * psi, "optimizer": 12 * psi}
+    assert sum(bf[0].values()) == 16 * psi == 128_000_000_000
+    assert sum(bf[1].values()) == 4 * psi + 12 * psi // n == 44_000_000_000
+    assert sum(bf[2].values()) == 2 * psi + 14 * psi // n == 30_000_000_000
+    assert sum(bf[3].values()) == 16 * psi // n == 16_000_000_000
+    assert bf[2] == {"params": 2 * psi, "grads": 2 * psi // n, "optimizer": 12 * psi // n}
+    fp = {z: sum(model_state_bytes(psi, n, z, "fp32").values()) for z in range(4)}
+    assert fp == {0: 16 * psi, 1: 8 * psi + 8 * psi // n, 2: 4 * psi + 12 * psi // n, 3: 16 * psi // n}
+    assert model_state_bytes(10, 4, 3, "bf16")["params"] == 2 * 3  # a shard is ceil(10 / 4) = 3 elements
+
+
+# ---- activations -------------------------------------------------------------------------------------
+
+GPT = ModelFacts(
+    family="gpt2",
+    hidden=1024,
+    ffn=4096,
+    num_layers=24,
+    num_heads=16,
+    num_kv_heads=16,
+    head_dim=64,
+    vocab_size=50304,
+    norm="LayerNorm",
+    gated_mlp=False,
+    qkv_bias=True,
+    proj_bias=True,
+    mlp_bias=True,
+    attn_dropout=True,
+    hidden_dropout=True,
+)
+
+
+def test_activations_are_korthikanti_for_the_gpt_shape():
+    s, b, h, a, t = 2048, 4, 1024, 16, 4
+    sbh, stats = s * b * h, 16 * s * b  # two LayerNorms: fp32 mean + rstd per token
+
+    def act(**kw):
+        return activation_bytes_per_layer(GPT, seq_len=s, micro_batch=b, **kw)
+
+    assert act() == sbh * 34 + 5 * a * s * s * b + stats  # sbh(34 + 5as/h)
+    assert act(tp=t, sequence_parallel=True) == (sbh * 34 + 5 * a * s * s * b + stats) // t
+    assert act(tp=t) == sbh * 10 + sbh * 24 // t + 5 * a * s * s * b // t + stats  # TP without SP
+    assert act(tp=t, sequence_parallel=True, recompute="selective") == (34 * sbh + stats) // t
+    assert (
+        act(recompute="full") == 2 * sbh
+        and act(tp=t, sequence_parallel=True, recompute="full") == 2 * sbh // t
+    )
+    assert act(precision="fp32") == 66 * sbh + 9 * a * s * s * b + stats  # masks stay 1 byte
+    assert act(fused_attention=True) == 34 * sbh + 4 * a * s * b + stats  # flash keeps fp32 row stats
+
+
+def test_activations_of_llama3_8b_gqa_swiglu_rmsnorm():
+    f, s = model_facts(_cfg("llama-3-8b")), 8192
+    sbh = s * 4096
+    # norms 2*2 + QKV in 2 + MLP in 2 + Q 2 + K,V 2*2*(1024/4096) + proj in 2 + SwiGLU 4*2*(14336/4096) = 41
+    assert activation_bytes_per_layer(f, seq_len=s, micro_batch=1, recompute="selective") == 41 * sbh + 8 * s
+    assert activation_bytes_per_layer(f, seq_len=s, micro_batch=1) == 41 * sbh + 8 * s + 2 * 32 * s * s
+
+
+def test_in_flight_microbatches_of_1f1b_and_interleaved():
+    assert in_flight_microbatches(4, 1, 8) == 4 and in_flight_microbatches(4, 1, 2) == 2
+    assert in_flight_microbatches(4, 1, 8, pp_rank=3) == 1 and in_flight_microbatches(1, 1, 8) == 1
+    assert in_flight_microbatches(4, 2, 8) == 4 * (1 + 3 / (4 * 2))  # Korthikanti et al. Sec. 4.2.3
+
+
+def test_memory_of_a_layout_adds_up():
+    f = model_facts(_cfg("llama-3-8b"))
+    lay = ParallelLayout(
+        engine="deepspeed", world_size=8, dp=8, zero=0, micro_batch=1, grad_accum=8, global_batch=64
+    )
+    m = memory_per_rank(f, lay, seq_len=8192, precision="bf16", recompute="full")
+    assert (m.params, m.grads, m.optimizer) == (2 * LLAMA3_8B, 2 * LLAMA3_8B, 12 * LLAMA3_8B)
+    logits = 8192 * 128256 * (2 + 4 + 4)  # bf16 logits, fp32 copy, fp32 softmax
+    assert m.buffers == logits + 2 * 500_000_000  # + DeepSpeed's reduce bucket
+    assert m.total == m.params + m.grads + m.optimizer + m.activations + m.buffers
+
+
+# ---- communication, FLOPs, bubble, time ----------------------------------------------------------------
+
+
+def _layout(**kw) -> ParallelLayout:
+    kw.setdefault("micro_batch", 1)
+    kw.setdefault("grad_accum", 1)
+    dp = kw["world_size"] // (kw.get("tp", 1) * kw.get("pp", 1))
+    return ParallelLayout(dp=dp, global_batch=kw["micro_batch"] * kw["grad_accum"] * dp, **kw)
+
+
+def test_dp_comm_is_2psi_for_zero_0_to_2_and_3psi_for_zero3():
+    f, psi = model_facts(_cfg("llama-3-8b")), LLAMA3_8B
+
+    def comm(zero, ga=1):
+        lay = _layout(engine="deepspeed", world_size=8, zero=zero, grad_accum=ga)
+        return comm_bytes_by_op(comm_per_step(f, lay, seq_len=8192, precision="bf16"))
+
+    assert comm(0) == {"all_reduce:dp": 2 * psi}
+    assert comm(1) == {"reduce_scatter:dp": 2 * psi, "all_gather:dp": 2 * psi}  # same volume as all-reduce
+    # 3 x 2Ψ, except that tensors under DeepSpeed's persistence threshold (the norms) are gathered once
+    small = sum(n for n in hf_tensor_numels(f) if n < ZERO3_PERSISTENCE_THRESHOLD)
+    assert small == 65 * 4096  # 2 norms x 32 layers + the final norm
+    assert comm(3) == {"all_gather:dp": 2 * small + 2 * 2 * (psi - small), "reduce_scatter:dp": 2 * psi}
+    assert comm(2, ga=4) == {"reduce_scatter:dp": 4 * 2 * psi, "all_gather:dp": 2 * psi}  # per micro-batch
+    ops = comm_per_step(f, _layout(engine="deepspeed", world_size=8, zero=0), seq_len=8192, precision="bf16")
+    assert ops[0].wire_bytes == 2 * 7 / 8 * 2 * psi  # ring all-reduce
+
+
+def test_tp_pp_ep_comm_exact():
+    f, s, m = model_facts(_cfg("llama-3-8b")), 4096, 8
+    act = s * 4096 * 2
+    lay = _layout(engine="megatron", world_size=8, tp=2, pp=2, zero=1, zero_impl="megatron", grad_accum=m)
+    c = comm_bytes_by_op(comm_per_step(f, lay, seq_len=s, precision="bf16"))
+    # 2 fwd + 2 bwd per layer, 16 layers per stage, + the vocab-parallel embedding on the first stage
+    assert c["all_reduce:tp"] == (4 * 16 + 1) * m * act
+    assert c["send:pp"] == c["recv:pp"] == m * act  # pp = 2: one boundary, each rank sends one way
+    lay4 = _layout(engine="megatron", world_size=8, pp=4, zero=1, zero_impl="megatron", grad_accum=m)
+    assert comm_bytes_by_op(comm_per_step(f, lay4, seq_len=s, precision="bf16"))["send:pp"] == 2 * m * act
+    mx = model_facts(_cfg("mixtral-8x7b"))
+    lay_ep = _layout(engine="megatron", world_size=8, ep=8, zero=1, zero_impl="megatron", grad_accum=m)
+    c = comm_bytes_by_op(comm_per_step(mx, lay_ep, seq_len=s, precision="bf16"))
+    assert c["all_to_all:ep"] == 4 * 32 * m * s * 2 * 4096 * 2  # dispatch + combine, fwd + bwd, topk 2
+    assert "reduce_scatter:edp" not in c  # dp 8 / ep 8: one rank per expert-dp group
+
+
+def test_flops_per_token_palm():
+    f = model_facts(_cfg("llama-3-8b"))
+    n = LLAMA3_8B - 128256 * 4096  # without the input embedding
+    assert matmul_params(f) == n == 7_504_924_672
+    assert flops_per_token(f, 8192) == 6 * n + 12 * 32 * 32 * 128 * 8192
+    mx = model_facts(_cfg("mixtral-8x7b"))
+    experts = 32 * 8 * 3 * 4096 * 14336
+    assert matmul_params(mx) == MIXTRAL - 32000 * 4096 - experts * 6 // 8 == 12_748_853_248  # top-2 of 8
+
+
+def test_bubble_fraction_values():
+    assert bubble_fraction(1, 1, 8) == 0.0
+    assert bubble_fraction(4, 1, 8) == 3 / 11  # (p-1)/(m+p-1)
+    assert bubble_fraction(4, 2, 8) == 3 / 19  # (p-1)/(v*m+p-1)
+    assert bubble_fraction(8, 1, 64) == 7 / 71
+
+
+def test_step_time_of_one_rank_is_compute_plus_optimizer():
+    f = model_facts(_cfg("llama-3-8b"))
+    lay = _layout(engine="deepspeed", world_size=1, zero=0, grad_accum=4)
+    t = step_time(f, lay, seq_len=2048, precision="bf16", recompute="none", hardware=H100, efficiency=0.5)
+    flops = flops_per_token(f, 2048) * 4 * 2048
+    assert t.compute_s == pytest.approx(flops / (989e12 * 0.5), rel=1e-12)
+    assert t.optimizer_s == pytest.approx(LLAMA3_8B * 28 / 3.35e12, rel=1e-12)
+    assert t.step_s == pytest.approx(t.compute_s + t.optimizer_s, rel=1e-12)
+    assert t.mfu == pytest.approx(flops / (t.step_s * 989e12), rel=1e-12)
+
+
+# ---- scenarios -----------------------------------------------------------------------------------------
+
+
+def _find(result, **want):
+    return [r for r in result.rejected if all(r.layout.get(k) == v for k, v in want.items())]
+
+
+def _gib(reason: str) -> list[float]:
+    return [float(x) for x in re.findall(r"([\d.]+) GiB", reason)]
+
+
+def test_llama3_8b_on_8_h100():
+    sec = _section("llama-3-8b")
+    r = plan(
+        load_hf_config(sec),
+        world_size=8,
+        seq_len=8192,
+        global_batch=64,
+        precision="bf16",
+        hardware=H100,
+        attn_implementation=sec.attn_implementation,
+    )
+    c = r.chosen
+    assert c is not None and c.memory.total <= H100.memory_bytes
+    assert c.layout.zero >= 1 or c.layout.tp * c.layout.pp > 1  # a plain replica cannot hold 8B + Adam
+    (rej,) = _find(r, engine="deepspeed", zero=0, micro_batch=1, recompute="full", offload_optimizer=False)
+    m = rej.memory
+    assert m.params + m.grads + m.optimizer == 16 * LLAMA3_8B  # 128.5e9 bytes = 119.7 GiB of model states
+    assert rej.reason == fit_reason(m.total, H100.memory_bytes)
+    need, have, short = _gib(rej.reason)
+    assert need >= 119.6 and have == 74.5 and short == pytest.approx(need - have, abs=0.11)
+    assert set(r.to_json()) == {"chosen", "candidates", "rejected"}
+    j = json.loads(json.dumps(r.to_json()))["chosen"]
+    assert {
+        "layout",
+        "memory_bytes_per_rank",
+        "comm_bytes_per_step",
+        "bubble_fraction",
+        "step_time_s",
+        "mfu",
+    } <= set(j)
+    assert {"dp", "tp", "pp", "vpp", "ep", "zero", "micro_batch", "engine", "recompute"} <= set(j["layout"])
+    assert {"params", "grads", "optimizer", "activations", "total"} <= set(j["memory_bytes_per_rank"])
+    assert j["formulas"]["model_states"].startswith(f"ZeRO-{c.layout.zero} bf16 Adam")
+    assert j["formulas"]["flops_per_token"].startswith("6*N_active + 12*L*H*Q*T")
+    times = [x.time.step_s for x in r.candidates]
+    assert times == sorted(times) and 0 < c.time.mfu < 0.5
+
+
+def test_llama_70b_on_64_h100_keeps_tp_inside_a_node():
+    r = plan(_llama70b(), world_size=64, seq_len=4096, global_batch=512, precision="bf16", hardware=H100)
+    c = r.chosen
+    assert c is not None and c.memory.total <= H100.memory_bytes
+    assert 1 < c.layout.tp <= H100.devices_per_node
+    assert c.layout.pp > 1 or c.layout.zero == 3
+    assert all(x.layout.tp <= 8 for x in r.candidates)  # never tp across nodes
+    kv = _find(r, engine="megatron", tp=16)
+    assert kv and all("num_key_value_heads=8 is not divisible by tp=16" in x.reason for x in kv)
+    z2pp = _find(r, engine="megatron", tp=8, pp=2, zero=2)
+    assert z2pp and "ZeRO-2 shards gradients" in z2pp[0].reason  # check_megatron_layout's rule, verbatim
+    dp_only = _find(r, engine="deepspeed", zero=0)
+    assert dp_only and all(x.reason.startswith("does not fit") for x in dp_only)
+
+
+def test_tp_across_nodes_is_legal_but_loses_to_nvlink():
+    """16 KV heads make tp=16 legal on 2 nodes; its all-reduces then run on the 50 GB/s NIC, not NVLink."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(
+        "llama",
+        hidden_size=6144,
+        intermediate_size=16384,
+        num_hidden_layers=48,
+        num_attention_heads=48,
+        num_key_value_heads=16,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+    )
+    r = plan(cfg, world_size=16, seq_len=4096, global_batch=128, precision="bf16", hardware=H100)
+    assert r.chosen is not None and r.chosen.layout.tp <= H100.devices_per_node
+    tp16 = [x for x in r.candidates if x.layout.tp == 16]
+    tp8 = [x for x in r.candidates if x.layout.tp == 8]
+    assert tp16 and tp8 and tp16[0].time.step_s > 3 * tp8[0].time.step_s
+
+
+def test_mixtral_8x7b_on_8_h100_needs_zero3_or_ep_and_offload():
+    sec = _section("mixtral-8x7b")
+    r = plan(
+        load_hf_config(sec),
+        world_size=8,
+        seq_len=4096,
+        global_batch=64,
+        precision="bf16",
+        hardware=H100,
+        attn_implementation=sec.attn_implementation,
+    )
+    c = r.chosen
+    assert c is not None and c.memory.total <= H100.memory_bytes
+    assert c.layout.zero == 3 or c.layout.ep > 1
+    # 16 bytes x 46.7e9 = 747 GB of model states > 8 x 80 GB: only offloading layouts can fit
+    assert 8 * H100.memory_bytes < 16 * MIXTRAL
+    assert all(x.layout.offload_optimizer for x in r.candidates)
+    ep8 = _find(r, engine="megatron", ep=8, tp=1, pp=1, zero=1, recompute="full", micro_batch=1)
+    assert ep8 and ep8[0].reason.startswith("does not fit")
+    gap = _find(r, engine="megatron", ep=8, tp=8)
+    assert gap and "ep=8 does not divide dp=1" in gap[0].reason  # expert-tp = tp needs ep | dp
+
+
+def test_nothing_fits_reports_every_shortfall():
+    cpu = load_hardware(HW / "cpu-2core.yaml")
+    r = plan(_cfg("llama-3-8b"), world_size=2, seq_len=128, global_batch=2, precision="fp32", hardware=cpu)
+    assert r.chosen is None and not r.candidates and r.to_json()["chosen"] is None
+    (z3,) = _find(r, engine="deepspeed", zero=3, micro_batch=1, recompute="full")
+    assert z3.memory.params + z3.memory.grads + z3.memory.optimizer == 16 * LLAMA3_8B // 2
+    assert z3.reason == fit_reason(z3.memory.total, cpu.memory_bytes)
+    need, have, short = _gib(z3.reason)
+    assert need == round(z3.memory.total / GiB, 1) and have == 11.8 and short > 48
+
+
+def test_tiny_model_plans_on_this_cpu():
+    cpu = load_hardware(HW / "cpu-2core.yaml")
+    r = plan(_cfg("tiny-llama"), world_size=2, seq_len=128, global_batch=8, precision="fp32", hardware=cpu)
+    c = r.chosen
+    assert c is not None and c.time.step_s > 0 and c.memory.total < 1 * GiB
+    assert {x.layout.engine for x in r.candidates} == {"deepspeed", "megatron"}
+
+
+def test_plan_refuses_unknown_options():
+    with pytest.raises(RecipeError) as e:
+        plan(
+            _cfg("tiny-llama"),
+            world_size=2,
+            seq_len=8,
+            global_batch=2,
+            precision="bf16",
+            hardware=H100,
+            recompute=("some",),
+        )
+    assert e.value.field == "recompute"
+    with pytest.raises(RecipeError) as e:
+        plan(_cfg("tiny-llama"), world_size=2, seq_len=8, global_batch=2, precision="fp8", hardware=H100)
+    assert e.value.field == "train.precision"
+
+
+def test_profile_is_a_frozen_dataclass():
+    with pytest.raises(AttributeError):
+        H100.peak_flops = 1.0  # type: ignore[misc]
+    assert isinstance(H100, HardwareProfile)
+
+
+def test_hf_tensor_numels_are_the_hf_modules():
+    from transformers import AutoModelForCausalLM
+
+    for fam in FAMILIES:
+        cfg = _cfg(f"tiny-{fam}")
+        model = AutoModelForCausalLM.from_config(cfg)
+        real = sorted(p.numel() for p in model.parameters())  # tied weights appear once
+        assert sorted(hf_tensor_numels(model_facts(cfg))) == real, fam
