@@ -157,3 +157,36 @@ def assert_close_rel(a: list[float], b: list[float], rel: float) -> None:
     assert len(a) == len(b), (len(a), len(b))
     for i, (x, y) in enumerate(zip(a, b), 1):
         assert abs(x - y) <= rel * abs(y), f"step {i}: {x!r} vs {y!r} (rel {abs(x - y) / abs(y):.2e} > {rel})"
+
+
+def assert_comm_matches_plan(run_dir: Path, group: str, tol: float, *, step: int = 2) -> dict[str, int]:
+    """The bytes a run really moved on ``group`` at ``step`` (comm.jsonl, every rank) against what the
+    planner predicts for the run's layout, op by op within ``tol``; nothing sizeable unpredicted.
+    Returns the prediction (op:group -> bytes)."""
+    from collections import defaultdict
+
+    import yaml
+
+    from tessera.config.loader import validate_recipe
+    from tessera.plan.hardware import load_hardware
+    from tessera.plan.layout import layout_from_recipe
+    from tessera.plan.search import estimate_layout
+
+    recipe = validate_recipe(yaml.safe_load((run_dir / "recipe.resolved.yaml").read_text()))
+    est = estimate_layout(recipe, layout_from_recipe(recipe), hardware=load_hardware("cpu-2core")).comm_bytes
+    predicted = {k: v for k, v in est.items() if k.endswith(f":{group}") and v}
+    assert predicted, est
+    per_rank: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for line in (run_dir / "comm.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec["phase"] == "step" and rec["step"] == step:
+            for o in rec["ops"]:
+                per_rank[rec["rank"]][f"{o['op']}:{o['group']}"] += o["bytes"]
+    assert sorted(per_rank) == list(range(recipe.run.world_size))
+    for rank, got in per_rank.items():
+        for key, want in predicted.items():
+            assert abs(got.get(key, 0) - want) <= tol * want, (rank, key, got.get(key, 0), want)
+        # our own scalar token / loss sums are a few bytes; anything bigger must be in the prediction
+        other = sum(v for k, v in got.items() if k.endswith(f":{group}") and k not in predicted)
+        assert other <= 0.01 * sum(predicted.values()), (rank, dict(got))
+    return predicted
