@@ -190,3 +190,24 @@ def assert_comm_matches_plan(run_dir: Path, group: str, tol: float, *, step: int
         other = sum(v for k, v in got.items() if k.endswith(f":{group}") and k not in predicted)
         assert other <= 0.01 * sum(predicted.values()), (rank, dict(got))
     return predicted
+
+
+def assert_model_states_match_plan(run_dir: Path, tol: float = 0.05) -> dict[str, int]:
+    """The parameter, gradient and optimizer bytes each rank really held (summary.json, read from the
+    engine's tensors) against the planner's model-state prediction, term by term within ``tol``."""
+    import yaml
+
+    from tessera.config.loader import validate_recipe
+    from tessera.plan.hardware import load_hardware
+    from tessera.plan.layout import layout_from_recipe
+    from tessera.plan.search import estimate_layout
+
+    recipe = validate_recipe(yaml.safe_load((run_dir / "recipe.resolved.yaml").read_text()))
+    mem = estimate_layout(recipe, layout_from_recipe(recipe), hardware=load_hardware("cpu-2core")).memory
+    want = {k: getattr(mem, k) for k in ("params", "grads", "optimizer")}
+    held = json.loads((run_dir / "summary.json").read_text())["model_state_bytes_per_rank"]
+    assert len(held) == recipe.run.world_size
+    for rank, got in enumerate(held):
+        for k, v in want.items():
+            assert abs(got[k] - v) <= tol * v, (rank, k, got[k], v)
+    return want

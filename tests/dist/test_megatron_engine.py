@@ -12,7 +12,14 @@ import json
 
 import pytest
 import yaml
-from helpers import REPO, assert_close_rel, assert_comm_matches_plan, losses, train_runs
+from helpers import (
+    REPO,
+    assert_close_rel,
+    assert_comm_matches_plan,
+    assert_model_states_match_plan,
+    losses,
+    train_runs,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -131,3 +138,10 @@ def test_bytes_match_the_plan(runs, name, group, tol):
     """comm.jsonl against plan.estimate: TP2 all-reduces within 2 %, PP2 sends / receives exactly, EP2
     all-to-all within 10 % (the routing decides how many tokens each rank sends)."""
     assert_comm_matches_plan(runs["_base"] / name, group, tol)
+
+
+@pytest.mark.parametrize("name", ["tp2", "pp2_1f1b"])
+def test_model_states_held_match_the_plan(runs, name):
+    """Parameter, gradient (megatron DDP's fp32 buffers) and optimizer bytes each rank holds vs
+    plan.estimate, within 5 % (both PP stages: the estimate is the larger of the two)."""
+    assert_model_states_match_plan(runs["_base"] / name)

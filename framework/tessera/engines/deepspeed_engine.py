@@ -18,6 +18,7 @@ import torch.distributed as dist
 from tessera.comm.groups import multi_rank
 from tessera.config.schema import Recipe
 from tessera.engines.base import StepResult, label_tokens, summed_token_loss
+from tessera.engines.held import deepspeed_grad_bytes, deepspeed_params_and_optimizer
 from tessera.errors import CheckpointError, RecipeError
 from tessera.plan.layout import ParallelLayout
 from tessera.train.schedule import lr_factor
@@ -205,11 +206,17 @@ class DeepSpeedEngine:
             token_loss = summed_token_loss(logits, labels)
             loss_sum += token_loss.detach()  # stays on the device: no sync per micro-batch
             self.engine.backward(token_loss * scale)
-            if i == len(micro_batches) - 1 and self.layout.zero == 0:
-                # without ZeRO, DeepSpeed clips but does not keep the norm; gradients are all-reduced
-                # by now (backward at the boundary), so the pre-clip norm is the same on every rank
-                manual_norm = self._grad_norm()
+            if i == len(micro_batches) - 1:
+                if self.layout.zero == 0:
+                    # without ZeRO, DeepSpeed clips but does not keep the norm; gradients are all-reduced
+                    # by now (backward at the boundary), so the pre-clip norm is the same on every rank
+                    manual_norm = self._grad_norm()
+                grads_held = deepspeed_grad_bytes(self.engine, self.layout.zero)
             self.engine.step()
+        self.held_state_bytes = {
+            "grads": grads_held,
+            **deepspeed_params_and_optimizer(self.engine, self.layout.zero),
+        }
         self._dp_sum(loss_sum)
         grad_norm = self.engine.get_global_grad_norm() if manual_norm is None else manual_norm
         grad_norm = float(grad_norm) if grad_norm is not None else float("nan")

@@ -22,6 +22,12 @@ import torch.distributed as dist
 
 from tessera.config.schema import Recipe
 from tessera.engines.base import IGNORE_INDEX, StepResult, label_tokens
+from tessera.engines.held import (
+    deepspeed_grad_bytes,
+    deepspeed_params_and_optimizer,
+    megatron_grad_bytes,
+    megatron_params_and_optimizer,
+)
 from tessera.errors import CheckpointError
 from tessera.models.megatron import (
     COL,
@@ -396,7 +402,12 @@ class MegatronEngine:
             micro_batch_size=self.layout.micro_batch,
             forward_only=False,
         )
+        grads_held = megatron_grad_bytes(self.chunks)
         ok, grad_norm, _ = self.optimizer.step()
+        self.held_state_bytes = {
+            "grads": grads_held,
+            **megatron_params_and_optimizer(self.chunks, self.optimizer),
+        }
         if not ok:  # only fp16 loss scaling skips a step, and fp16 is refused before launch
             raise RuntimeError("megatron optimizer skipped the step")
         # the loss lives on the last stage; tp ranks hold copies: count one rank per dp replica
@@ -419,7 +430,13 @@ class MegatronEngine:
             token_loss = self._loss_sum(self.ds, mb)
             loss_sum += token_loss.detach()
             self.ds.backward(token_loss * scale)
+            if mb is micro_batches[-1]:
+                grads_held = deepspeed_grad_bytes(self.ds, self.layout.zero)
             self.ds.step()
+        self.held_state_bytes = {
+            "grads": grads_held,
+            **deepspeed_params_and_optimizer(self.ds, self.layout.zero),
+        }
         self._dp_sum(loss_sum)
         norm = self.ds.get_global_grad_norm()
         return float(loss_sum), float(norm) if norm is not None else float("nan")

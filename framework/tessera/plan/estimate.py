@@ -227,6 +227,21 @@ def model_state_bytes(psi: int, n: int, zero: int, precision: str) -> dict[str, 
     }
 
 
+def deepspeed_state_bytes(
+    psi: int, n: int, zero: int, precision: str, *, persistent: int = 0
+) -> dict[str, int]:
+    """What DeepSpeed's ZeRO really holds per rank, where it differs from the paper's accounting
+    (measured with torch AdamW on gloo, fp32, dp 2; tools/dev/MODEL_STATES.md): stages 1 and 2 share
+    one code path, so stage 1 partitions the gradients too; every stage >= 1 keeps an fp32 master
+    partition (4Ψ/N) even when the model is fp32; ZeRO-3 keeps the ``persistent`` parameters (tensors
+    under ``stage3_param_persistence_threshold``) whole on every rank. ZeRO-0 is the paper's."""
+    if zero == 0:
+        return model_state_bytes(psi, n, 0, precision)
+    p, shard = BYTES[precision], math.ceil(psi / n)
+    params = p * psi if zero < 3 else p * shard + p * persistent
+    return {"params": params, "grads": p * shard, "optimizer": (4 + 8) * shard}
+
+
 # ---- activations -------------------------------------------------------------------------------------
 
 
@@ -372,7 +387,13 @@ def memory_per_rank(
     for name, first, last in stages:
         rp = rank_params(f, tp=t, pp=L.pp, ep=L.ep if L.engine == "megatron" else 1, first=first, last=last)
         dense, expert = (rp.dense, rp.expert) if L.engine == "megatron" else (rp.total, 0)
-        st = model_state_bytes(dense, L.dp, L.zero, precision)
+        if L.engine == "deepspeed":
+            small = sum(x for x in hf_tensor_numels(f) if x < ZERO3_PERSISTENCE_THRESHOLD)
+            st = deepspeed_state_bytes(dense, L.dp, L.zero, precision, persistent=small)
+        elif L.zero_impl == "deepspeed":
+            st = deepspeed_state_bytes(dense, L.dp, L.zero, precision)
+        else:
+            st = model_state_bytes(dense, L.dp, L.zero, precision)
         if expert:
             for k, v in model_state_bytes(expert, expert_dp(L), L.zero, precision).items():
                 st[k] += v

@@ -260,6 +260,11 @@ def train(run_dir: Path, *, resume: bool = False) -> list[dict[str, Any]]:
         comm_log.close()
     engine.close()
     peaks = all_gather_int(peak_memory_bytes(engine.device))
+    held = [None] * world  # model states each rank really holds (engines/held.py), for the plan check
+    if dist.is_initialized() and world > 1:
+        dist.all_gather_object(held, getattr(engine, "held_state_bytes", None))
+    else:
+        held = [getattr(engine, "held_state_bytes", None)]
     if rank == 0:
         writer.close()  # type: ignore[union-attr]
         from tessera.train.metrics import read_metrics
@@ -273,6 +278,7 @@ def train(run_dir: Path, *, resume: bool = False) -> list[dict[str, Any]]:
             "final_loss": all_records[-1]["loss"] if all_records else None,
             "steps": total,
             "peak_memory_bytes_per_rank": peaks,
+            "model_state_bytes_per_rank": held,
             "plots": [str(p) for p in pngs],
         }
         write_json_atomic(run_dir / "summary.json", summary)

@@ -1,0 +1,86 @@
+"""What a rank really holds of its model states: the parameter, gradient and optimizer tensors, by size.
+
+Read from the engines' own structures (not from the allocator, which also counts activations and
+buffers), so it can be compared with the planner's model-state prediction term by term. Gradients are
+read at the gradient-accumulation boundary (before the optimizer step frees or reuses them), parameters
+and optimizer state after the step (torch's AdamW creates its state lazily at the first step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+
+def tensor_bytes(tensors: Iterable[Any]) -> int:
+    """Bytes of distinct tensor storages (a view and its base count once; empty ZeRO-3 stubs count 0)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for t in tensors:
+        if not torch.is_tensor(t) or t.numel() == 0:
+            continue
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if key in seen:
+            continue
+        seen.add(key)
+        total += t.numel() * t.element_size()
+    return total
+
+
+def _flat(x: Any) -> list[torch.Tensor]:
+    if torch.is_tensor(x):
+        return [x]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _flat(v)]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _flat(v)]
+    return []
+
+
+def optimizer_bytes(inner: torch.optim.Optimizer, model_params: Iterable[torch.Tensor]) -> int:
+    """The optimizer's state tensors plus its own parameters when they are not the model's (fp32 master
+    copies / partitions); the scalar ``step`` counters are left out."""
+    # views into the model's own storage (megatron's fp32 shards of its parameter buffer) are not copies
+    own = {p.untyped_storage().data_ptr() for p in model_params}
+    masters = [
+        p for g in inner.param_groups for p in g["params"] if p.untyped_storage().data_ptr() not in own
+    ]
+    state = [v for s in inner.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+    return tensor_bytes(masters) + tensor_bytes(state)
+
+
+def deepspeed_grad_bytes(engine: Any, zero: int) -> int:
+    """Gradients DeepSpeed holds at the boundary: ``p.grad`` without ZeRO, the reduced partitions
+    (``averaged_gradients``) with it."""
+    if zero == 0:
+        return tensor_bytes(p.grad for p in engine.module.parameters() if p.grad is not None)
+    return tensor_bytes(_flat(getattr(engine.optimizer, "averaged_gradients", {})))
+
+
+def deepspeed_params_and_optimizer(engine: Any, zero: int) -> dict[str, int]:
+    params = list(engine.module.parameters())
+    if zero >= 3:  # the partition, plus the full data of persistent parameters
+        held = tensor_bytes([p.ds_tensor for p in params if hasattr(p, "ds_tensor")] + params)
+    else:
+        held = tensor_bytes(params)
+    opt = engine.optimizer
+    inner = getattr(opt, "optimizer", opt)
+    masters = _flat(getattr(opt, "fp32_partitioned_groups_flat", [])) if zero >= 3 else []
+    return {"params": held, "optimizer": optimizer_bytes(inner, params) + tensor_bytes(masters)}
+
+
+def megatron_grad_bytes(chunks: Iterable[Any]) -> int:
+    """megatron DDP's gradient buffers (fp32 with grad_reduce_in_fp32), dense and expert."""
+    bufs = [b for c in chunks for b in (*c.buffers, *getattr(c, "expert_parallel_buffers", []))]
+    return tensor_bytes(b.grad_data for b in bufs)
+
+
+def megatron_params_and_optimizer(chunks: Iterable[Any], optimizer: Any) -> dict[str, int]:
+    params = [p for c in chunks for p in c.parameters()]
+    opts = getattr(optimizer, "chained_optimizers", [optimizer])
+    return {
+        "params": tensor_bytes(params),
+        "optimizer": sum(optimizer_bytes(o.optimizer, params) for o in opts),
+    }
