@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -56,11 +57,21 @@ def spawn_ranks(
     ctx = mp.get_context("spawn")
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, runs)) for r in range(world)]
+    with _running(procs, timeout):
+        pass
+    return [p.exitcode for p in procs]
+
+
+@contextlib.contextmanager
+def _running(procs: list, timeout: float):
+    """Start the rank processes from the repo root (data.cache_dir is relative to it), let the caller
+    talk to them, then wait; whatever is still alive after ``timeout`` is killed."""
     cwd = os.getcwd()
-    os.chdir(REPO)  # data.cache_dir is relative to the working directory
+    os.chdir(REPO)
     try:
         for p in procs:
             p.start()
+        yield
         for p in procs:
             p.join(timeout)
     finally:
@@ -69,7 +80,6 @@ def spawn_ranks(
             if p.is_alive():
                 p.kill()
                 p.join()
-    return [p.exitcode for p in procs]
 
 
 def train_run(
@@ -123,25 +133,13 @@ def run_on_ranks(fn, world: int, *args, timeout: float = 600) -> list:
     queue = ctx.SimpleQueue()
     port = free_port()
     procs = [ctx.Process(target=_fn_main, args=(r, world, port, fn, args, queue)) for r in range(world)]
-    cwd = os.getcwd()
-    os.chdir(REPO)
-    try:
-        for p in procs:
-            p.start()
-        results: dict[int, object] = {}
+    results: dict[int, object] = {}
+    with _running(procs, timeout):
         for _ in range(world):
             rank, value, err = queue.get()
             if err:
                 raise AssertionError(f"rank {rank} failed:\n{err}")
             results[rank] = value
-        for p in procs:
-            p.join(timeout)
-    finally:
-        os.chdir(cwd)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
     return [results[r] for r in range(world)]
 
 

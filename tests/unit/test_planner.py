@@ -20,23 +20,25 @@ from tessera.plan.estimate import (
     GiB,
     ModelFacts,
     activation_bytes_per_layer,
-    bubble_fraction,
     comm_bytes_by_op,
     comm_per_step,
     count_params,
-    flops_per_token,
     hf_tensor_numels,
     in_flight_microbatches,
-    matmul_params,
     memory_per_rank,
     model_facts,
     model_state_bytes,
     rank_params,
-    step_time,
 )
 from tessera.plan.hardware import HardwareProfile, load_hardware
 from tessera.plan.layout import ParallelLayout
 from tessera.plan.search import fit_reason, plan
+from tessera.plan.time_estimate import (
+    bubble_fraction,
+    flops_per_token,
+    matmul_params,
+    step_time,
+)
 
 FAMILIES = ["llama", "qwen2", "mistral", "gpt2", "mixtral"]
 HW = REPO / "configs" / "hardware"

@@ -246,14 +246,19 @@ class DeepSpeedEngine:
         self.engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
 
     def load(self, root: Path, tag: str) -> dict[str, Any]:
-        path, client_state = self.engine.load_checkpoint(
-            str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False
+        return load_deepspeed_checkpoint(self.engine, root, tag)
+
+
+def load_deepspeed_checkpoint(engine: Any, root: Path, tag: str) -> dict[str, Any]:
+    """Model, optimizer (no scheduler: the LR is a function of the step) and the client state."""
+    path, client_state = engine.load_checkpoint(
+        str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False
+    )
+    if path is None:
+        raise CheckpointError(
+            "DeepSpeed found no checkpoint to load",
+            field="checkpoint",
+            value=str(Path(root) / tag),
+            fix="check the run directory's checkpoints/",
         )
-        if path is None:
-            raise CheckpointError(
-                "DeepSpeed found no checkpoint to load",
-                field="checkpoint",
-                value=str(Path(root) / tag),
-                fix="check the run directory's checkpoints/",
-            )
-        return client_state or {}
+    return client_state or {}

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from tessera.config.schema import Recipe
 from tessera.engines.base import IGNORE_INDEX, StepResult, label_tokens
+from tessera.engines.deepspeed_engine import load_deepspeed_checkpoint
 from tessera.engines.held import (
     deepspeed_grad_bytes,
     deepspeed_params_and_optimizer,
@@ -459,7 +460,10 @@ class MegatronEngine:
     def load(self, root: Path, tag: str) -> dict[str, Any]:
         from megatron.core import tensor_parallel
 
-        state = self._load_deepspeed(root, tag) if self.uses_deepspeed else self._load_dist(root, tag)
+        if self.uses_deepspeed:
+            state = load_deepspeed_checkpoint(self.ds, root, tag)
+        else:
+            state = self._load_dist(root, tag)
         tensor_parallel.get_cuda_rng_tracker().set_states(torch.load(self._rng_file(root, tag)))
         return state
 
@@ -478,19 +482,6 @@ class MegatronEngine:
         dist.barrier()
         dist_checkpointing.save(self._sharded_state_dict(is_loading=False), str(path))
         dist.barrier()
-
-    def _load_deepspeed(self, root: Path, tag: str) -> dict[str, Any]:
-        path, client_state = self.ds.load_checkpoint(
-            str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False
-        )
-        if path is None:
-            raise CheckpointError(
-                "DeepSpeed found no checkpoint to load",
-                field="checkpoint",
-                value=str(Path(root) / tag),
-                fix="check the run directory's checkpoints/",
-            )
-        return client_state or {}
 
     def _load_dist(self, root: Path, tag: str) -> dict[str, Any]:
         from megatron.core import dist_checkpointing

@@ -25,20 +25,16 @@ default), so the expert-data-parallel group has dp/ep ranks.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from tessera.errors import RecipeError
 from tessera.models.megatron import ModelShape, adapter_for, padded_vocab
-from tessera.plan.hardware import HardwareProfile
 from tessera.plan.layout import ParallelLayout
 
 GiB = 2**30
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 RECOMPUTE = ("none", "selective", "full")
-#: Adam step memory traffic per updated parameter: read fp32 param, m, v (12) + grad, write param, m, v
-#: (12) and the compute-dtype copy; 28 bytes for bf16 (14 read + 14 written) and for fp32 (16 + 12)
-ADAM_BYTES_PER_PARAM = 28
 #: DeepSpeed's default ``zero_optimization.reduce_bucket_size`` (elements): its gradient bucket buffer
 DS_REDUCE_BUCKET = 500_000_000
 
@@ -120,7 +116,7 @@ def model_facts(hf_cfg: Any) -> ModelFacts:
 # ---- parameters --------------------------------------------------------------------------------------
 
 
-def _layer_params(f: ModelFacts) -> dict[str, int]:
+def layer_params(f: ModelFacts) -> dict[str, int]:
     """Parameters of one transformer layer by how tensor parallelism treats them:
     ``tp`` (split over tp ranks), ``repl`` (norms, row-parallel biases, router: on every tp rank) and
     ``expert`` (split over ep x expert-tp)."""
@@ -141,7 +137,7 @@ def _layer_params(f: ModelFacts) -> dict[str, int]:
 def count_params(f: ModelFacts) -> int:
     """Unique parameters of the whole model, as ``sum(p.numel() for p in model.parameters())`` counts them
     in HF (a tied head is the embedding, counted once)."""
-    layer = _layer_params(f)
+    layer = layer_params(f)
     emb = f.vocab_size * f.hidden
     final_norm = f.hidden * (2 if f.norm == "LayerNorm" else 1)
     head = 0 if f.tied else emb
@@ -169,7 +165,7 @@ def rank_params(
     norms and row-parallel biases replicated, layers split over pp, the vocabulary padded to a multiple
     of tp (megatron-core's ``VocabParallelEmbedding``), the embedding on the first stage, the LM head on
     the last (a tied head is a second copy when pp > 1) and experts split over ep x tp."""
-    layer = _layer_params(f)
+    layer = layer_params(f)
     dense_layer = layer["tp"] // tp + layer["repl"]
     expert_layer = layer["expert"] // (ep * tp)
     n = f.num_layers // pp
@@ -605,148 +601,3 @@ def comm_bytes_by_op(ops: list[CommOp]) -> dict[str, int]:
     for o in ops:
         out[o.key] = out.get(o.key, 0) + o.payload_bytes
     return out
-
-
-# ---- FLOPs, bubble, time -----------------------------------------------------------------------------
-
-
-def matmul_params(f: ModelFacts, *, active: bool = True) -> int:
-    """N of the FLOP formula: the non-embedding parameters (nanoGPT's convention): the input embedding
-    and learned positions are lookups, the LM head is a matmul even when tied. ``active``: MoE counts
-    topk / E of the expert weights (what one token runs through), not all of them."""
-    layer = _layer_params(f)
-    experts = layer["expert"] * (f.topk / f.num_experts if (active and f.moe) else 1)
-    per_layer = layer["tp"] + layer["repl"] + experts
-    return int(
-        f.num_layers * per_layer + f.hidden * (2 if f.norm == "LayerNorm" else 1) + f.vocab_size * f.hidden
-    )
-
-
-FLOPS_FORMULA = "6*N_active + 12*L*H*Q*T (PaLM, Chowdhery et al. 2022, App. B; N without input embeddings)"
-
-
-def flops_per_token(f: ModelFacts, seq_len: int) -> float:
-    """Model FLOPs per trained token, forward + backward: 6N + 12·L·H·Q·T (PaLM App. B). The attention
-    term counts QK^T and AV over the full sequence T (the usual MFU convention; causal kernels do half)."""
-    return 6 * matmul_params(f) + 12 * f.num_layers * f.num_heads * f.head_dim * seq_len
-
-
-def recompute_flops_per_token(f: ModelFacts, seq_len: int, recompute: str) -> float:
-    """Extra hardware FLOPs of recomputation: full = one more forward of the layers (2·N_layers +
-    4·L·H·Q·T); selective = the core attention forward again (4·L·H·Q·T)."""
-    attn = 4 * f.num_layers * f.num_heads * f.head_dim * seq_len
-    if recompute == "full":
-        return 2 * (matmul_params(f) - f.vocab_size * f.hidden) + attn
-    return attn if recompute == "selective" else 0.0
-
-
-def bubble_fraction(pp: int, vpp: int, num_microbatches: int) -> float:
-    """Share of a pipelined step spent idle: (p-1)/(v·m + p-1). Narayanan et al. 2021 give the bubble
-    relative to the ideal time, (p-1)/m (1F1B) and (p-1)/(v·m) (interleaved); this is the same bubble
-    as a fraction of the whole step, bubble / (ideal + bubble). 0 without pipelining."""
-    if pp <= 1:
-        return 0.0
-    return (pp - 1) / (vpp * num_microbatches + pp - 1)
-
-
-def link_bandwidth(hw: HardwareProfile, span: int) -> float:
-    """A group inside one node runs on the intra-node link (NVLink); one spanning nodes on the NIC."""
-    return hw.intra_node_bandwidth if span <= hw.devices_per_node else hw.inter_node_bandwidth
-
-
-@dataclass(frozen=True)
-class TimeEstimate:
-    """Seconds of one optimizer step on the busiest rank and the model FLOPs utilisation."""
-
-    step_s: float
-    compute_s: float
-    bubble_s: float
-    tp_ep_s: float
-    pp_s: float
-    dp_exposed_s: float
-    optimizer_s: float
-    model_flops_per_step: float
-    mfu: float
-
-    def to_json(self) -> dict[str, float]:
-        return asdict(self)
-
-
-def step_time(
-    f: ModelFacts,
-    layout: ParallelLayout,
-    *,
-    seq_len: int,
-    precision: str,
-    recompute: str,
-    hardware: HardwareProfile,
-    efficiency: float = 0.5,
-    ops: list[CommOp] | None = None,
-) -> TimeEstimate:
-    """Step time = (compute + TP/EP collectives) / (1 - bubble) + PP sends + exposed DP collectives +
-    optimizer step. Compute = (model + recompute FLOPs) x tokens / world / (peak x efficiency). Each
-    collective takes wire bytes / link bandwidth + latency per call. TP and EP collectives sit on the
-    critical path; DP ones hide behind the compute they overlap with (DeepSpeed / megatron bucket the
-    grad reduction into the backward and prefetch ZeRO-3 gathers), only what exceeds it is exposed.
-    The optimizer reads and writes 28 bytes per parameter of its shard at device-memory bandwidth (with
-    offload: at the host's share of host-memory bandwidth, plus the PCIe transfers of grads and params).
-    MFU = model FLOPs per step / (step time x peak x world), PaLM's definition (no recompute FLOPs)."""
-    L, hw, m = layout, hardware, layout.grad_accum
-    ops = comm_per_step(f, L, seq_len=seq_len, precision=precision) if ops is None else ops
-    tokens = L.global_batch * seq_len
-    model_flops = flops_per_token(f, seq_len) * tokens
-    hw_flops = (flops_per_token(f, seq_len) + recompute_flops_per_token(f, seq_len, recompute)) * tokens
-    peak = hw.peak_for(precision)
-    compute = hw_flops / L.world_size / (peak * efficiency)
-
-    def secs(o: CommOp) -> float:
-        return o.wire_bytes / link_bandwidth(hw, o.span) + hw.latency_s * o.calls
-
-    tp_ep = sum(secs(o) for o in ops if o.group in ("tp", "ep"))
-    pp_s = sum(secs(o) for o in ops if o.group in ("pp", "embd"))
-    mb = compute / m  # one micro-batch: forward 1/3, backward 2/3 of its compute
-    windows = {"fwd": mb / 3, "bwd": 2 * mb / 3}
-    per_mb: dict[str, float] = {"fwd": 0.0, "bwd": 0.0}
-    exposed = 0.0
-    last_bwd = 0.0
-    for o in ops:
-        if o.group not in ("dp", "edp"):
-            continue
-        if o.overlap in per_mb:
-            per_mb[o.overlap] += secs(o) / o.calls  # the same op once per micro-batch
-        elif o.overlap == "last_bwd":
-            last_bwd += secs(o)
-        else:
-            exposed += secs(o)
-    mega = L.engine == "megatron"
-    rp = largest_shard(f, L)
-    dense, expert = (rp.dense, rp.expert) if mega else (rp.total, 0)
-    if L.zero == 0:
-        shard = dense + expert
-    else:
-        shard = math.ceil(dense / L.dp) + (math.ceil(expert / expert_dp(L)) if expert else 0)
-    if L.offload_params and hw.host_link_bandwidth:  # ZeRO-Infinity: each gather first copies the shard in
-        copy = BYTES[precision] * shard / hw.host_link_bandwidth
-        per_mb["fwd"] += copy
-        per_mb["bwd"] += copy
-    exposed += m * sum(max(0.0, per_mb[k] - windows[k]) for k in per_mb) + max(0.0, last_bwd - windows["bwd"])
-    if L.offload_optimizer and hw.can_offload:
-        host_bw = hw.host_memory_bandwidth / hw.devices_per_node  # type: ignore[operator]
-        e = BYTES[precision]
-        optimizer = shard * ADAM_BYTES_PER_PARAM / host_bw + 2 * e * shard / hw.host_link_bandwidth  # type: ignore[operator]
-    else:
-        optimizer = shard * ADAM_BYTES_PER_PARAM / hw.hbm_bandwidth
-    bubble = bubble_fraction(L.pp, L.vpp, m)
-    pipelined = (compute + tp_ep) / (1 - bubble)
-    step = pipelined + pp_s + exposed + optimizer
-    return TimeEstimate(
-        step_s=step,
-        compute_s=compute,
-        bubble_s=max(0.0, pipelined - compute - tp_ep),
-        tp_ep_s=tp_ep,
-        pp_s=pp_s,
-        dp_exposed_s=exposed,
-        optimizer_s=optimizer,
-        model_flops_per_step=model_flops,
-        mfu=model_flops / (step * peak * L.world_size),
-    )

@@ -16,21 +16,23 @@ from typing import Any
 
 from tessera.errors import LayoutError, RecipeError, TesseraError
 from tessera.plan.estimate import (
-    FLOPS_FORMULA,
     RECOMPUTE,
     GiB,
     MemoryEstimate,
     ModelFacts,
-    TimeEstimate,
-    bubble_fraction,
     comm_bytes_by_op,
     comm_per_step,
     memory_per_rank,
     model_facts,
-    step_time,
 )
 from tessera.plan.hardware import HardwareProfile
 from tessera.plan.layout import ParallelLayout, check_megatron_layout, resolve_auto
+from tessera.plan.time_estimate import (
+    FLOPS_FORMULA,
+    TimeEstimate,
+    bubble_fraction,
+    step_time,
+)
 
 ENGINES = ("deepspeed", "megatron")
 #: the deepspeed engine runs the HF module, whose gradient checkpointing is per layer (full) only
