@@ -3,15 +3,28 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import multiprocessing as mp
 import os
 import socket
+from dataclasses import dataclass
 from pathlib import Path
+
+from tessera.rundir import RunDir
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_RECIPE = REPO / "recipes" / "tiny-llama-cpu.yaml"
 TEST_OVERRIDES = ["tracking.wandb.mode=disabled", "checkpoint.every=0", "run.device=cpu"]
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run for the rank processes: its directory, --resume, the exit code it must end with, and an
+    optional fault to inject (``TESSERA_FAULT``)."""
+
+    run_dir: str
+    resume: bool = False
+    expect: int = 0
+    fault: str | None = None
 
 
 def free_port() -> int:
@@ -20,21 +33,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, runs: list[tuple[str, bool]]) -> None:
-    """One rank running one or more runs in turn (several runs per process spare the imports)."""
+def _rank_main(rank: int, world: int, port: int, runs: list[RunSpec]) -> None:
+    """One rank running one or more runs in turn (several runs per process spare the imports). A run
+    may be expected to fail with a given code (a stop rule, bad input); the next one then still runs."""
     from tessera.launch.local import set_rank_env
 
     set_rank_env(rank, world, port)
     import torch
 
     torch.set_num_threads(1)
+    from tessera.train.faults import ENV
     from tessera.train.worker import exit_process, run_rank
 
     code = 0
-    for i, (run_dir, resume) in enumerate(runs):
-        code = run_rank(run_dir, resume, keep_process_group=i < len(runs) - 1)
-        if code:
+    for i, spec in enumerate(runs):
+        os.environ.pop(ENV, None)
+        if spec.fault:
+            os.environ[ENV] = spec.fault
+        code = run_rank(spec.run_dir, spec.resume, keep_process_group=i < len(runs) - 1)
+        if code != spec.expect:
             break
+        code = 0
     exit_process(code)
 
 
@@ -49,11 +68,11 @@ def prepare_run(run_dir: Path, overrides: list[str], recipe: Path = DEFAULT_RECI
 
 
 def spawn_ranks(
-    run_dir: Path | list[tuple[Path, bool]], world: int, *, resume: bool = False, timeout: float = 420
+    run_dir: Path | list[RunSpec], world: int, *, resume: bool = False, timeout: float = 420
 ) -> list[int]:
     """Start ``world`` processes, wait, return their exit codes (killing all on timeout). ``run_dir`` may
-    be a list of (run dir, resume) run one after the other by the same processes."""
-    runs = [(str(run_dir), resume)] if isinstance(run_dir, Path) else [(str(d), r) for d, r in run_dir]
+    be a list of runs done one after the other by the same processes (0 when each ended as expected)."""
+    runs = [RunSpec(str(run_dir), resume)] if isinstance(run_dir, Path) else run_dir
     ctx = mp.get_context("spawn")
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, runs)) for r in range(world)]
@@ -89,21 +108,25 @@ def train_run(
     return train_runs({run_dir: (recipe, overrides, resume)}, world=world)[run_dir]
 
 
-def train_runs(specs: dict[Path, tuple[Path, list[str], bool]], *, world: int) -> dict[Path, list[dict]]:
+def train_runs(specs: dict[Path, tuple], *, world: int) -> dict[Path, list[dict]]:
     """Several runs of the same world size in one set of rank processes, in order:
-    ``{run_dir: (recipe, overrides, resume)}`` -> ``{run_dir: metrics records}``."""
-    for run_dir, (recipe, overrides, resume) in specs.items():
+    ``{run_dir: (recipe, overrides, resume[, expected exit code[, fault]])}`` -> ``{run_dir: metrics
+    records}`` (an expected failure's records are what it wrote before it stopped)."""
+    runs = []
+    for run_dir, (recipe, overrides, resume, *rest) in specs.items():
         if not resume:
             prepare_run(run_dir, [f"run.world_size={world}", *overrides], recipe)
-    codes = spawn_ranks([(d, spec[2]) for d, spec in specs.items()], world, timeout=420 * len(specs))
+        expect, fault = (rest[0] if rest else 0), (rest[1] if len(rest) > 1 else None)
+        runs.append(RunSpec(str(run_dir), resume, expect, fault))
+    codes = spawn_ranks(runs, world, timeout=420 * len(specs))
     if any(codes):
         logs = "\n".join(
             f"--- {p}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-30:])
             for d in specs
-            for p in sorted((d / "logs").glob("*.log"))
+            for p in sorted(RunDir(d).logs.glob("*.log"))
         )
         raise AssertionError(f"ranks exited with {codes}\n{logs}")
-    return {d: read_metrics(d) for d in specs}
+    return {d: read_metrics(d) if RunDir(d).metrics.is_file() else [] for d in specs}
 
 
 def _fn_main(rank: int, world: int, port: int, fn, args: tuple, queue) -> None:
@@ -144,7 +167,7 @@ def run_on_ranks(fn, world: int, *args, timeout: float = 600) -> list:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    return RunDir(run_dir).read_metrics()
 
 
 def losses(records: list[dict]) -> list[float]:
@@ -170,13 +193,13 @@ def assert_comm_matches_plan(run_dir: Path, group: str, tol: float, *, step: int
     from tessera.plan.layout import layout_from_recipe
     from tessera.plan.search import estimate_layout
 
-    recipe = validate_recipe(yaml.safe_load((run_dir / "recipe.resolved.yaml").read_text()))
+    rd = RunDir(run_dir)
+    recipe = validate_recipe(yaml.safe_load(rd.recipe.read_text()))
     est = estimate_layout(recipe, layout_from_recipe(recipe), hardware=load_hardware("cpu-2core")).comm_bytes
     predicted = {k: v for k, v in est.items() if k.endswith(f":{group}") and v}
     assert predicted, est
     per_rank: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-    for line in (run_dir / "comm.jsonl").read_text().splitlines():
-        rec = json.loads(line)
+    for rec in rd.read_comm():
         if rec["phase"] == "step" and rec["step"] == step:
             for o in rec["ops"]:
                 per_rank[rec["rank"]][f"{o['op']}:{o['group']}"] += o["bytes"]
@@ -200,12 +223,180 @@ def assert_model_states_match_plan(run_dir: Path, tol: float = 0.05) -> dict[str
     from tessera.plan.layout import layout_from_recipe
     from tessera.plan.search import estimate_layout
 
-    recipe = validate_recipe(yaml.safe_load((run_dir / "recipe.resolved.yaml").read_text()))
+    rd = RunDir(run_dir)
+    recipe = validate_recipe(yaml.safe_load(rd.recipe.read_text()))
     mem = estimate_layout(recipe, layout_from_recipe(recipe), hardware=load_hardware("cpu-2core")).memory
     want = {k: getattr(mem, k) for k in ("params", "grads", "optimizer")}
-    held = json.loads((run_dir / "summary.json").read_text())["model_state_bytes_per_rank"]
+    held = rd.read_summary()["model_state_bytes_per_rank"]
     assert len(held) == recipe.run.world_size
     for rank, got in enumerate(held):
         for k, v in want.items():
             assert abs(got[k] - v) <= tol * v, (rank, k, got[k], v)
     return want
+
+
+# ---- checkpoint integrity checks shared by the engine tests --------------------------------------------
+
+PICKLE_MARKER = "PICKLE_PAYLOAD_RAN"
+
+
+def set_steps(run_dir: Path, steps: int) -> None:
+    """Raise train.steps of a run directory's recipe (what --resume reads) to continue it."""
+    import yaml
+
+    rd = RunDir(run_dir)
+    doc = yaml.safe_load(rd.recipe.read_text())
+    doc["train"]["steps"] = steps
+    rd.recipe.write_text(yaml.safe_dump(doc))
+
+
+class _Payload:
+    """Unpickling this creates a marker file: what a malicious checkpoint file would do."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (self.path,))
+
+
+def forge_checksum(ckpt: Path, rel: str) -> None:
+    """Rewrite meta.json so that file ``rel`` matches it again (an attacker, or a careless copy)."""
+    import json
+
+    from tessera.atomic import sha256_file
+    from tessera.checkpoint.manager import META
+
+    meta = json.loads((ckpt / META).read_text())
+    for f in meta["files"]:
+        if f["path"] == rel:
+            f["bytes"], f["sha256"] = (ckpt / rel).stat().st_size, sha256_file(ckpt / rel)
+    (ckpt / META).write_text(json.dumps(meta))
+
+
+def plant_pickle(run_dir: Path) -> None:
+    """Replace rank 0's RNG file of the latest checkpoint by a pickle with a payload, checksum forged."""
+    import pickle
+
+    from tessera.checkpoint.manager import CheckpointManager, rng_file_name
+
+    ckpt = CheckpointManager(RunDir(run_dir).checkpoints, keep=2, rank=0, world_size=1).latest()
+    (ckpt / rng_file_name(0)).write_bytes(pickle.dumps(_Payload(Path(run_dir) / PICKLE_MARKER)))
+    forge_checksum(ckpt, rng_file_name(0))
+
+
+def _all_tensors(obj, out: list) -> list:
+    import torch
+
+    if torch.is_tensor(obj):
+        out.append(obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _all_tensors(v, out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _all_tensors(v, out)
+    return out
+
+
+def assert_all_finite(ckpt: Path) -> None:
+    """Every floating-point tensor in every file of a checkpoint is finite (Tessera's safetensors, the
+    engines' own .pt files, megatron's dist_checkpointing shards through torch's DCP converter)."""
+    import tempfile
+
+    import torch
+
+    from tessera.tensorfile import load_tensors
+
+    tensors: list = []
+    for f in sorted(ckpt.rglob("*")):
+        if f.suffix == ".safetensors":
+            _all_tensors(load_tensors(f), tensors)
+        elif f.suffix == ".pt":  # the engine's own pickle, written by this very test run
+            _all_tensors(torch.load(f, map_location="cpu", weights_only=False), tensors)
+    if (ckpt / "megatron").is_dir():
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        with tempfile.TemporaryDirectory() as tmp:
+            dcp_to_torch_save(ckpt / "megatron", Path(tmp) / "all.pt")
+            _all_tensors(torch.load(Path(tmp) / "all.pt", weights_only=False), tensors)
+    floats = [t for t in tensors if t.is_floating_point() and t.numel()]
+    assert len(floats) > 3, f"no state found in {ckpt}"
+    bad = sum(int((~torch.isfinite(t)).sum()) for t in floats)
+    assert bad == 0, f"{bad} non-finite values in {ckpt}"
+
+
+def assert_nan_stop(run_dir: Path, records: list[dict], ref: list[dict]) -> None:
+    """A run with a NaN gradient injected at step 3 (checkpoints every 2 steps): every rank exits with
+    DIVERGED naming the gradient norm (NaN, or Inf where DeepSpeed calls it an overflow), steps 1-2 are recorded (and equal the reference), step 3 is not,
+    and ``latest`` is step 2, whose tensors are all finite."""
+    from tessera.checkpoint.manager import CheckpointManager, step_dir_name
+    from tessera.rundir import ExitCode
+
+    rd = RunDir(run_dir)
+    world = len(list(rd.logs.glob("rank_*.exit")))
+    assert [rd.rank_exit(r) for r in range(world)] == [ExitCode.DIVERGED] * world
+    assert [r["step"] for r in records] == [1, 2]
+    assert_close_rel(losses(records), losses(ref)[:2], 1e-5)
+    # DeepSpeed's ZeRO optimizer reports a NaN gradient as an overflow: an infinite norm
+    log = rd.rank_file(0, "log").read_text()
+    assert "training diverged: step 3: grad_norm nan" in log or "training diverged: step 3: grad_norm inf" in log
+    latest = CheckpointManager(rd.checkpoints, keep=2, rank=0, world_size=1).latest()
+    assert latest is not None and latest.name == step_dir_name(2)
+    assert not (rd.checkpoints / step_dir_name(3)).exists()
+    assert_all_finite(latest)
+
+
+def assert_damage_is_refused(run_dir: Path, tmp_path: Path) -> None:
+    """Each file of the run's latest checkpoint, one at a time, with one byte flipped (same size), cut
+    short, or deleted: verification names exactly that file. Then, through the CLI, ``tessera run
+    --resume`` on a copy with one flipped byte exits 2 naming the file, without a traceback and before
+    any rank starts."""
+    import shutil
+    import subprocess
+    import sys
+
+    import pytest
+
+    from tessera.checkpoint.manager import CheckpointManager, read_meta, verify_or_raise
+    from tessera.errors import CheckpointError
+
+    src = CheckpointManager(RunDir(run_dir).checkpoints, keep=2, rank=0, world_size=1).latest()
+    files = [f["path"] for f in read_meta(src)["files"]]
+    assert len(files) >= 4, files
+    for how in ("flip", "truncate", "delete"):
+        for i, rel in enumerate(files):
+            case = tmp_path / f"{how}{i}"
+            shutil.copytree(src, case)
+            f = case / rel
+            data = bytearray(f.read_bytes())
+            if how == "flip":
+                data[len(data) // 2] ^= 0x01
+                f.write_bytes(bytes(data))
+            elif how == "truncate":
+                f.write_bytes(bytes(data[: len(data) // 2]))
+            else:
+                f.unlink()
+            with pytest.raises(CheckpointError) as e:
+                verify_or_raise(case)
+            assert e.value.value == str(f), (how, rel, e.value.render())
+            shutil.rmtree(case)
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    rd = RunDir(copy)
+    rd.clear_rank_status()
+    ckpt = rd.checkpoints / src.name
+    victim = max(files, key=lambda r: (ckpt / r).stat().st_size)  # the engine's biggest state file
+    data = bytearray((ckpt / victim).read_bytes())
+    data[len(data) // 3] ^= 0x80
+    (ckpt / victim).write_bytes(bytes(data))
+    p = subprocess.run(
+        [sys.executable, "-m", "tessera.cli", "run", str(rd.recipe), f"run.out_dir={copy}", "--resume"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
+    assert str(ckpt / victim) in p.stderr and "sha256" in p.stderr and "Traceback" not in p.stderr
+    assert rd.rank_pid(0) is None  # refused before launch

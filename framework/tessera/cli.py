@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tessera.errors import EXIT_USER_ERROR, RecipeError, TesseraError
+from tessera.errors import RecipeError, TesseraError
+from tessera.rundir import ExitCode, RunDir
 
 
 def _console():
@@ -52,8 +53,16 @@ def _validate(path: str, overrides: list[str]):
             value="fp16",
             fix="use train.precision: bf16 or fp32 on CPU",
         )
-    from tessera.engines.deepspeed_engine import build_ds_config
+    from tessera.engines.registry import capabilities
+    from tessera.engines.zero import build_ds_config
 
+    if recipe.parallel.deepspeed_config and "deepspeed" not in capabilities(layout.engine).zero_impls:
+        raise RecipeError(
+            f"engine '{layout.engine}' does not run DeepSpeed, so a DeepSpeed JSON would be ignored",
+            field="parallel.deepspeed_config",
+            value=recipe.parallel.deepspeed_config,
+            fix="remove parallel.deepspeed_config, or use parallel.engine: deepspeed",
+        )
     build_ds_config(recipe, layout, device=device)  # user JSON conflicts are errors before launch
     from tessera.models.hf import check_vocab, load_hf_config
 
@@ -69,13 +78,15 @@ def run_dir_of(recipe, recipe_path: str) -> Path:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from tessera.checkpoint.manager import CheckpointManager, write_json_atomic
+    from tessera.checkpoint.manager import CheckpointManager
     from tessera.launch.launcher import build_command, run_and_monitor
     from tessera.train.worker import prepare_run_dir
 
     resolved, layout, device = _validate(args.recipe, args.overrides)
     recipe = resolved.recipe
     run_dir = run_dir_of(recipe, args.recipe).resolve()
+    for note in resolved.notes:
+        print(f"tessera: note: {note}", file=sys.stderr)
     cmd, env = build_command(recipe, run_dir, resume=args.resume, device=device)
     con = _console()
     env_txt = " ".join(f"{k}={v}" for k, v in env.items())
@@ -97,14 +108,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             value=str(run_dir),
             fix="point run.out_dir at a directory (new or an earlier run of this recipe)",
         )
-    ckpts = CheckpointManager(run_dir / "checkpoints", keep=recipe.checkpoint.keep, rank=0, world_size=1)
-    if args.resume and ckpts.latest() is None:
-        raise TesseraError(
-            "--resume found no complete checkpoint",
-            field="run.out_dir",
-            value=str(run_dir),
-            fix="run without --resume to start fresh",
-        )
+    rd = RunDir(run_dir)
+    ckpts = CheckpointManager(rd.checkpoints, keep=recipe.checkpoint.keep, rank=0, world_size=layout.world_size)
+    if args.resume:
+        _check_resumable(ckpts, layout, run_dir)
     if not args.resume and ckpts.complete():
         raise TesseraError(
             "this run directory already holds checkpoints; a fresh run would mix with them",
@@ -113,29 +120,28 @@ def cmd_run(args: argparse.Namespace) -> int:
             fix="pass --resume to continue it, or set run.out_dir (or run.name) to a new directory",
         )
     with con.status("preparing data (tokenizer + packing, cached by content hash)"):
-        data = prepare_run_dir(recipe, run_dir, root=Path.cwd())
-    write_json_atomic(run_dir / "plan.json", _plan_record(resolved, layout, device))
+        data = prepare_run_dir(recipe, rd, root=Path.cwd())
+    rd.write_json(RunDir.PLAN, _plan_record(resolved, layout, device))
     con.print(f"data: {len(data)} samples x {recipe.data.seq_len} tokens, vocab {data.vocab_size}")
-    write_json_atomic(
-        run_dir / "launch.json", {"command": printable, "argv": sys.argv, "resume": args.resume}
-    )
+    rd.write_json(RunDir.LAUNCH, {"command": printable, "argv": sys.argv, "resume": args.resume})
     con.print(f"[bold]launch[/] {printable}")
     rc, failure = run_and_monitor(cmd, env, run_dir, recipe.run.world_size)
     if failure is not None:
         con.print(
-            f"[bold red]rank {failure.rank} {failure.how}[/]; last log lines "
-            f"({run_dir}/logs/rank_{failure.rank:05d}.log):"
+            f"[bold red]rank {failure.rank} {failure.how}[/]; last log lines ({rd.rank_file(failure.rank, 'log')}):"
         )
         for line in failure.log_tail:
             print(f"  | {line}")
         print(f"tessera: run failed: rank {failure.rank} {failure.how} (exit code {rc})", file=sys.stderr)
-        return rc or 1
+        # a rank's own verdict (bad input, divergence) is the run's exit code, not the launcher's
+        if failure.code in (ExitCode.USER_ERROR, ExitCode.DIVERGED):
+            return int(failure.code)
+        return rc or ExitCode.FAILED
     if rc != 0:
-        print(f"tessera: launcher exited with code {rc}; logs in {run_dir}/logs", file=sys.stderr)
+        print(f"tessera: launcher exited with code {rc}; logs in {rd.logs}", file=sys.stderr)
         return rc
-    summary_path = run_dir / "summary.json"
-    if summary_path.is_file():
-        s = json.loads(summary_path.read_text())
+    s = rd.read_json_if_present(RunDir.SUMMARY)
+    if s is not None:
         con.print(f"[bold green]done[/]  final loss {s['final_loss']:.4f}")
         # plain prints: paths must stay copy-pasteable (rich would wrap them)
         print(f"run dir:          {s['run_dir']}")
@@ -145,6 +151,22 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"                  (upload with: wandb sync {s['wandb_dir']})")
         print(f"plots:            {', '.join(s['plots'])}")
     return 0
+
+
+def _check_resumable(ckpts, layout, run_dir: Path) -> None:
+    """Before launch: the checkpoint ``--resume`` would read exists, every file matches its checksum, and
+    it was written for this world size and layout (the ranks verify again before loading)."""
+    from tessera.train.worker import check_resume_layout
+
+    latest = ckpts.latest()
+    if latest is None:
+        raise TesseraError(
+            "--resume found no complete checkpoint",
+            field="run.out_dir",
+            value=str(run_dir),
+            fix="run without --resume to start fresh",
+        )
+    check_resume_layout(ckpts.verify(latest), layout, latest)
 
 
 def _plan_record(resolved, layout, device: str) -> dict[str, Any]:
@@ -310,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.fn(args) or 0)
     except TesseraError as e:
         print(f"tessera: error: {e.render()}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        return ExitCode.USER_ERROR
 
 
 def entry() -> None:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-EXIT_USER_ERROR = 2
-
 
 class TesseraError(Exception):
     """An error in what the user handed in, with the field, the value and the fix."""
@@ -45,3 +43,8 @@ class DataError(TesseraError):
 
 class CheckpointError(TesseraError):
     """A checkpoint that is missing, incomplete or does not match the run."""
+
+
+class TrainingDiverged(RuntimeError):
+    """Loss, gradient norm or model state became NaN / Inf; the last good checkpoint is kept. Not a user
+    error: a stop rule (exit code :attr:`tessera.rundir.ExitCode.DIVERGED`)."""

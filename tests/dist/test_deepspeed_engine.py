@@ -2,34 +2,83 @@
 
 from __future__ import annotations
 
-import json
+import shutil
 
 import pytest
-import yaml
 from helpers import (
     DEFAULT_RECIPE,
+    PICKLE_MARKER,
+    REPO,
+    assert_all_finite,
     assert_close_rel,
     assert_comm_matches_plan,
+    assert_damage_is_refused,
     assert_model_states_match_plan,
+    assert_nan_stop,
     losses,
+    plant_pickle,
+    set_steps,
     train_run,
+    train_runs,
 )
+
+from tessera.checkpoint.manager import LATEST, checkpoint_files, read_meta, step_dir_name
+from tessera.models.families import FAMILIES, FAMILY_NAMES
+from tessera.rundir import ExitCode, RunDir
 
 pytestmark = pytest.mark.slow
 
 STEPS = 20
+DDP = ["parallel.engine=ddp", "parallel.zero=0"]
+NAN = ["train.steps=4", "checkpoint.every=2"]  # NaN gradient injected at step 3
 
 
 @pytest.fixture(scope="module")
 def zero_runs(tmp_path_factory):
-    """20-step runs: ZeRO 0-3 on 2 ranks and one 1-rank reference; same seed, data, global batch."""
+    """20-step runs: ZeRO 0-3 and the ddp baseline on 2 ranks and one 1-rank reference (same seed, data,
+    global batch); the first halves of the resume checks; the stop-rule runs; offload, bf16 and every
+    family. Runs of one world size share one set of rank processes."""
     base = tmp_path_factory.mktemp("zero")
-    runs = {}
-    runs["ref"] = train_run(base / "ref", [f"train.steps={STEPS}", "parallel.zero=0"], world=1)
-    for z in (0, 1, 2, 3):
-        runs[z] = train_run(base / f"z{z}", [f"train.steps={STEPS}", f"parallel.zero={z}"], world=2)
-    runs["_base"] = base
+    runs = {"_base": base}
+    R = DEFAULT_RECIPE
+    got = train_runs({base / "ref": (R, [f"train.steps={STEPS}", "parallel.zero=0"], False)}, world=1)
+    two: dict = {base / f"z{z}": (R, [f"train.steps={STEPS}", f"parallel.zero={z}"], False) for z in range(4)}
+    two[base / "ddp"] = (R, [f"train.steps={STEPS}", *DDP], False)
+    for name, ov in RESUMED.items():  # checkpoint at step 10, continued to 20 below
+        two[base / f"resume_{name}"] = (R, ["train.steps=10", *ov], False)
+    # stop rules: a NaN gradient norm at step 3 ends the run (DIVERGED) before it records or saves step 3
+    for name, ov in (("z0", ["parallel.zero=0"]), ("z2", ["parallel.zero=2"]), ("ddp", DDP)):
+        two[base / f"nan_{name}"] = (R, [*NAN, *ov], False, ExitCode.DIVERGED, "nan_grad@3")
+    # non-finite state at a checkpoint (finite loss and norm): the save is refused, latest stays step 1
+    two[base / "nanstate_z2"] = (
+        R, ["train.steps=3", "checkpoint.every=1", "parallel.zero=2"], False, ExitCode.DIVERGED, "nan_param@2"
+    )  # fmt: skip
+    for name, ov in OFFLOAD.items():
+        two[base / name] = (R, [f"train.steps={STEPS}", *ov], False)
+    two[base / "bf16"] = (R, ["train.steps=8", "parallel.zero=2", "train.precision=bf16"], False)
+    for fam in FAMILY_NAMES:
+        two[base / f"family_{fam}"] = (
+            REPO / FAMILIES[fam].tiny_recipe, ["train.steps=5", "parallel.zero=2", "optim.warmup_steps=0"], False
+        )  # fmt: skip
+    got.update(train_runs(two, world=2))
+    for name in RESUMED:  # continue in the same run dirs: the recipe on disk is what --resume reads
+        set_steps(base / f"resume_{name}", STEPS)
+    # a checkpoint whose RNG file is a pickle that would create a marker when unpickled, checksum forged
+    evil = base / "pickle_z2"
+    shutil.copytree(base / "resume_z2", evil)
+    plant_pickle(evil)
+    resumed = {base / f"resume_{name}": (R, [], True) for name in RESUMED}
+    resumed[evil] = (R, [], True, ExitCode.USER_ERROR)
+    got.update(train_runs(resumed, world=2))
+    runs.update({d.name: rec for d, rec in got.items()})
     return runs
+
+
+RESUMED = {"z2": ["parallel.zero=2"], "z3": ["parallel.zero=3"], "ddp": DDP}
+OFFLOAD = {
+    "zero2-offload-opt": ["parallel.zero=2", "parallel.offload_optimizer=true"],
+    "zero3-offload-opt-params": ["parallel.zero=3", "parallel.offload_optimizer=true", "parallel.offload_params=true"],
+}
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
@@ -56,36 +105,114 @@ def test_dp_bytes_match_the_plan(zero_runs, zero):
 def test_zero_stages_match_single_rank(zero_runs, zero):
     ref = losses(zero_runs["ref"])
     assert len(ref) == STEPS and ref[-1] < ref[0]  # it trains
-    assert_close_rel(losses(zero_runs[zero]), ref, 1e-5)
+    assert_close_rel(losses(zero_runs[f"z{zero}"]), ref, 1e-5)
     # the same tokens went through every layout
-    assert [r["tokens"] for r in zero_runs[zero]] == [r["tokens"] for r in zero_runs["ref"]]
+    assert [r["tokens"] for r in zero_runs[f"z{zero}"]] == [r["tokens"] for r in zero_runs["ref"]]
 
 
 def test_grad_norm_and_lr_agree(zero_runs):
     ref = zero_runs["ref"]
-    for z in (0, 1, 2, 3):
-        assert_close_rel([r["grad_norm"] for r in zero_runs[z]], [r["grad_norm"] for r in ref], 1e-4)
-        assert [r["lr"] for r in zero_runs[z]] == [r["lr"] for r in ref]
+    for name in ("z0", "z1", "z2", "z3", "ddp"):
+        assert_close_rel([r["grad_norm"] for r in zero_runs[name]], [r["grad_norm"] for r in ref], 1e-4)
+        assert [r["lr"] for r in zero_runs[name]] == [r["lr"] for r in ref]
 
 
-@pytest.mark.parametrize("zero", [2, 3])
-def test_resume_is_bit_exact(tmp_path, zero_runs, zero):
-    run_dir = tmp_path / f"resume_z{zero}"
-    first = train_run(run_dir, ["train.steps=10", f"parallel.zero={zero}"], world=2)
-    assert len(first) == 10
-    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000010"
-    # continue the same run dir to 20 steps: the recipe on disk is what --resume reads
-    recipe_file = run_dir / "recipe.resolved.yaml"
-    doc = yaml.safe_load(recipe_file.read_text())
-    doc["train"]["steps"] = STEPS
-    recipe_file.write_text(yaml.safe_dump(doc))
-    resumed = train_run(run_dir, [], world=2, resume=True)
-    full = zero_runs[zero]
+# ---- engine ddp: the naive baseline ---------------------------------------------------------------------
+
+
+def test_ddp_matches_single_rank_and_zero0(zero_runs):
+    """torch DDP over full replicas, 2 ranks: the 1-rank reference and DeepSpeed without ZeRO, step by step."""
+    ddp = zero_runs["ddp"]
+    assert len(ddp) == STEPS
+    assert_close_rel(losses(ddp), losses(zero_runs["ref"]), 1e-5)
+    assert_close_rel(losses(ddp), losses(zero_runs["z0"]), 1e-5)
+    assert [r["tokens"] for r in ddp] == [r["tokens"] for r in zero_runs["ref"]]
+    manifest = RunDir(zero_runs["_base"] / "ddp").read_manifest()
+    assert manifest["layout"]["engine"] == "ddp" and manifest["layout"]["zero_impl"] == "ddp"
+
+
+def test_ddp_bytes_and_model_states_match_the_plan(zero_runs):
+    """One all-reduce of all fp32 gradients per step (4Ψ bytes, in DDP's buckets, seen through the comm
+    hook) within 2 %; a full replica's params / grads / Adam moments = 4Ψ / 4Ψ / 8Ψ within 5 %."""
+    run = zero_runs["_base"] / "ddp"
+    pred = assert_comm_matches_plan(run, "dp", 0.02)
+    psi4 = 4 * 139_584
+    assert pred == {"all_reduce:dp": psi4}
+    want = assert_model_states_match_plan(run)
+    assert want == {"params": psi4, "grads": psi4, "optimizer": 2 * psi4}
+    steps = [r for r in RunDir(run).read_comm() if r["phase"] == "step"]
+    # DDP's buckets (1 MiB first, then 25 MiB): the tiny model's 0.56 MB of gradients go in one message
+    assert all(o["count"] >= 1 for r in steps for o in r["ops"] if o["op"] == "all_reduce" and o["bytes"] > 1000)
+
+
+# ---- resume ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(RESUMED))
+def test_resume_is_bit_exact(zero_runs, name):
+    resumed, full = zero_runs[f"resume_{name}"], zero_runs[name]
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
     assert losses(resumed)[10:] == losses(full)[10:]  # bit-identical, not approximately equal
     assert [r["grad_norm"] for r in resumed][10:] == [r["grad_norm"] for r in full][10:]
-    manifest = json.loads((run_dir / "manifest.json").read_text())
-    assert manifest["resumed_from"].endswith("step_000010")
+    manifest = RunDir(zero_runs["_base"] / f"resume_{name}").read_manifest()
+    assert manifest["resumed_from"].endswith(step_dir_name(10))
+
+
+@pytest.mark.parametrize("name", ["z2", "ddp"])
+def test_checkpoint_is_self_describing(zero_runs, name):
+    """meta.json v2: format, engine and its sharding, the full layout, precision, the HF config, the
+    tokenizer hash, the layout-free sampler position, and the sha256 and size of every file."""
+    run = RunDir(zero_runs["_base"] / f"resume_{name}")
+    ckpt = run.checkpoints / step_dir_name(STEPS)
+    meta = read_meta(ckpt)
+    manifest = run.read_manifest()
+    assert meta["format_version"] == 2 and meta["step"] == STEPS
+    assert meta["engine"] == manifest["layout"]["engine"] and meta["layout"] == manifest["layout"]
+    assert meta["sharding"] == {"z2": "deepspeed-zero2", "ddp": "torch-ddp"}[name]
+    assert {"dp", "tp", "pp", "vpp", "ep", "etp", "zero", "zero_impl"} <= set(meta["layout"])
+    assert meta["precision"] == "fp32" and meta["model_config"]["model_type"] == "llama"
+    assert meta["tokenizer_hash"] == manifest["tokenizer_hash"]
+    assert meta["sampler"]["consumed_samples"] == STEPS * 16 and "rank" not in meta["sampler"]
+    assert {f["path"] for f in meta["files"]} == set(checkpoint_files(ckpt))
+    assert all(len(f["sha256"]) == 64 for f in meta["files"])
+
+
+@pytest.mark.parametrize("name", ["z2", "ddp"])
+def test_damaged_checkpoint_is_refused_naming_the_file(zero_runs, tmp_path, name):
+    """Every file of the checkpoint, one at a time: a flipped byte (same size), a truncation and a
+    deletion are refused naming the file; and `tessera run --resume` exits 2 with that name before
+    anything launches."""
+    assert_damage_is_refused(zero_runs["_base"] / f"resume_{name}", tmp_path)
+
+
+def test_a_pickle_in_place_of_the_rng_file_is_never_run(zero_runs):
+    """Ranks resuming from a checkpoint whose RNG file is a pickle (checksum forged to match) exit 2
+    naming the file, and the pickle's payload never runs."""
+    evil = RunDir(zero_runs["_base"] / "pickle_z2")
+    assert not (evil.path / PICKLE_MARKER).exists()
+    log = evil.rank_file(0, "log").read_text()
+    assert "not a readable safetensors file" in log and "rng_rank00000.safetensors" in log
+    assert evil.rank_exit(0) == ExitCode.USER_ERROR and evil.rank_exit(1) == ExitCode.USER_ERROR
+
+
+# ---- stop rules -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["z0", "z2", "ddp"])
+def test_nan_grad_norm_stops_the_run_and_keeps_a_finite_checkpoint(zero_runs, name):
+    assert_nan_stop(zero_runs["_base"] / f"nan_{name}", zero_runs[f"nan_{name}"], zero_runs["ref"])
+
+
+def test_non_finite_state_is_never_saved(zero_runs):
+    run = RunDir(zero_runs["_base"] / "nanstate_z2")
+    assert [r["step"] for r in zero_runs["nanstate_z2"]] == [1, 2]  # step 2 trained finely; its state did not
+    assert (run.checkpoints / LATEST).read_text().strip() == step_dir_name(1)
+    assert not (run.checkpoints / step_dir_name(2)).exists()
+    assert "non-finite model or optimizer state" in run.rank_file(0, "log").read_text()
+    assert_all_finite(run.checkpoints / step_dir_name(1))
+
+
+# ---- more layouts and families --------------------------------------------------------------------------
 
 
 def _uneven_jsonl(path):
@@ -126,33 +253,21 @@ def test_grad_accum_is_token_normalised(tmp_path):
     assert sum(a != b for a, b in per_step) >= 3, per_step
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gpt2", "mixtral"])
-def test_family_trains_under_zero2(tmp_path, family):
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_family_trains_under_zero2(zero_runs, family):
     from tessera.config.loader import load_recipe
 
-    recipe = DEFAULT_RECIPE.parent / f"tiny-{family}-cpu.yaml"
-    assert load_recipe(recipe).recipe.model.hf_config["model_type"] == family
-    rec = train_run(tmp_path / family, ["train.steps=5", "parallel.zero=2", "optim.warmup_steps=0"],
-                    world=2, recipe=recipe)
-    ls = losses(rec)
+    assert load_recipe(REPO / FAMILIES[family].tiny_recipe).recipe.model.hf_config["model_type"] == family
+    ls = losses(zero_runs[f"family_{family}"])
     assert len(ls) == 5 and ls[-1] < ls[0], ls
 
 
-@pytest.mark.parametrize(
-    "overrides",
-    [
-        ["parallel.zero=2", "parallel.offload_optimizer=true"],
-        ["parallel.zero=3", "parallel.offload_optimizer=true", "parallel.offload_params=true"],
-    ],
-    ids=["zero2-offload-opt", "zero3-offload-opt-params"],
-)
-def test_offload_matches_the_reference(tmp_path, zero_runs, overrides):
-    rec = train_run(tmp_path / "offload", [f"train.steps={STEPS}", *overrides], world=2)
-    assert_close_rel(losses(rec), losses(zero_runs["ref"]), 1e-5)
+@pytest.mark.parametrize("name", sorted(OFFLOAD))
+def test_offload_matches_the_reference(zero_runs, name):
+    assert_close_rel(losses(zero_runs[name]), losses(zero_runs["ref"]), 1e-5)
 
 
-def test_bf16_trains(tmp_path, zero_runs):
-    rec = train_run(tmp_path / "bf16", ["train.steps=8", "parallel.zero=2", "train.precision=bf16"], world=2)
-    ls, ref = losses(rec), losses(zero_runs["ref"])[:8]
+def test_bf16_trains(zero_runs):
+    ls, ref = losses(zero_runs["bf16"]), losses(zero_runs["ref"])[:8]
     assert ls[-1] < ls[0]
     assert_close_rel(ls, ref, 2e-2)  # bf16 compute stays near the fp32 curve

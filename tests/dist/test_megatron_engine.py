@@ -8,18 +8,21 @@ processes (train_runs) to pay the imports once.
 
 from __future__ import annotations
 
-import json
-
 import pytest
-import yaml
 from helpers import (
     REPO,
     assert_close_rel,
     assert_comm_matches_plan,
+    assert_damage_is_refused,
     assert_model_states_match_plan,
+    assert_nan_stop,
     losses,
+    set_steps,
     train_runs,
 )
+
+from tessera.checkpoint.manager import read_meta, step_dir_name
+from tessera.rundir import ExitCode, RunDir
 
 pytestmark = pytest.mark.slow
 
@@ -74,12 +77,11 @@ def runs(tmp_path_factory):
     # first halves of the resume checks (checkpoint at step 5), on the dist_checkpointing paths
     for k in ("dp2_distopt", "tp2"):
         two[f"resume_{k}"] = (TWO[k][0], ["train.steps=5"], False)
+    # a NaN gradient norm at step 3 (checkpoints every 2): the run stops with DIVERGED, latest is step 2
+    two["nan_tp2"] = (TWO["tp2"][0], ["train.steps=4", "checkpoint.every=2"], False, ExitCode.DIVERGED, "nan_grad@3")
     batch(two, 2)
     for k in ("dp2_distopt", "tp2"):  # continue both to 10 in the same run dirs
-        f = base / f"resume_{k}" / "recipe.resolved.yaml"
-        doc = yaml.safe_load(f.read_text())
-        doc["train"]["steps"] = STEPS
-        f.write_text(yaml.safe_dump(doc))
+        set_steps(base / f"resume_{k}", STEPS)
     batch({f"resume_{k}": (TWO[k][0], [], True) for k in ("dp2_distopt", "tp2")}, 2)
     # native megatron data parallelism first, then the runs that hand DP to DeepSpeed
     batch({k: (rec, COMMON, False) for k, rec in FOUR.items()}, 4)
@@ -127,10 +129,23 @@ def test_resume_on_same_layout_is_bit_exact(runs, name):
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
     assert losses(resumed)[5:] == losses(full)[5:]  # bit-identical
     assert [r["grad_norm"] for r in resumed][5:] == [r["grad_norm"] for r in full][5:]
-    run_dir = runs["_base"] / f"resume_{name}"
-    ckpt = run_dir / "checkpoints" / "step_000005"
+    run_dir = RunDir(runs["_base"] / f"resume_{name}")
+    ckpt = run_dir.checkpoints / step_dir_name(5)
     assert (ckpt / "megatron" / "metadata.json").is_file()  # megatron-core dist_checkpointing format
-    assert json.loads((run_dir / "manifest.json").read_text())["resumed_from"].endswith("step_000005")
+    assert run_dir.read_manifest()["resumed_from"].endswith(step_dir_name(5))
+    meta = read_meta(run_dir.checkpoints / step_dir_name(STEPS))
+    assert meta["engine"] == "megatron" and meta["layout"] == run_dir.read_manifest()["layout"]
+    assert meta["sharding"] == {"dp2_distopt": "megatron-distributed-optimizer", "tp2": "megatron-ddp"}[name]
+
+
+def test_damaged_megatron_checkpoint_is_refused_naming_the_file(runs, tmp_path):
+    """Every file of a TP2 dist_checkpointing checkpoint: flipped, truncated, deleted -> named; and
+    `tessera run --resume` exits 2 with that name before anything launches."""
+    assert_damage_is_refused(runs["_base"] / "resume_tp2", tmp_path)
+
+
+def test_nan_grad_norm_stops_megatron_and_keeps_a_finite_checkpoint(runs):
+    assert_nan_stop(runs["_base"] / "nan_tp2", runs["nan_tp2"], runs["llama"])
 
 
 @pytest.mark.parametrize("name,group,tol", [("tp2", "tp", 0.02), ("pp2_1f1b", "pp", 0.0), ("ep2_mixtral", "ep", 0.10)])

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO, free_port, read_metrics
+from tessera.checkpoint.manager import LATEST, MANIFEST, step_dir_name
+from tessera.rundir import ExitCode, RunDir
 
 TESSERA = [sys.executable, "-m", "tessera.cli"]
 RECIPE = "recipes/tiny-llama-cpu.yaml"
@@ -28,7 +30,7 @@ def test_dry_run_prints_command_and_layout(tmp_path):
     assert "--num_gpus 2 --bind_cores_to_rank" in p.stdout
     assert "--module tessera.train.worker" in p.stdout
     assert "dp=2" in p.stdout and "zero=2" in p.stdout and "grad_accum=2" in p.stdout
-    assert not (tmp_path / "logs").exists()  # nothing started
+    assert not RunDir(tmp_path).logs.exists()  # nothing started
 
 
 def test_dry_run_torchrun_and_hostfile(tmp_path):
@@ -50,11 +52,12 @@ def test_run_resume_through_deepspeed_launcher(tmp_path):
     p = tessera("run", RECIPE, *common)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "run dir:" in p.stdout and "last checkpoint:" in p.stdout and "W&B offline run:" in p.stdout
-    ck = out / "checkpoints"
-    assert (ck / "latest").read_text().strip() == "step_000006"
-    assert sorted(x.name for x in ck.glob("step_*")) == ["step_000003", "step_000006"]
+    rd = RunDir(out)
+    ck = rd.checkpoints
+    assert (ck / LATEST).read_text().strip() == step_dir_name(6)
+    assert sorted(x.name for x in ck.glob("step_*")) == [step_dir_name(3), step_dir_name(6)]
     assert not list(ck.glob(".tmp-*"))
-    manifest = json.loads((out / "manifest.json").read_text())
+    manifest = rd.read_manifest()
     for key in (
         "recipe",
         "recipe_hash",
@@ -71,11 +74,8 @@ def test_run_resume_through_deepspeed_launcher(tmp_path):
         assert key in manifest, key
     assert manifest["versions"]["deepspeed"] and manifest["layout"]["zero"] == 2
     assert "--bind_cores_to_rank" in manifest["launcher_command"]
-    assert (
-        json.loads((ck / "step_000006" / "manifest.json").read_text())["recipe_hash"]
-        == manifest["recipe_hash"]
-    )
-    for png in ("loss.png", "step_time.png", "memory.png"):
+    assert json.loads((ck / step_dir_name(6) / MANIFEST).read_text())["recipe_hash"] == manifest["recipe_hash"]
+    for png in RunDir.PLOTS:
         assert (out / png).stat().st_size > 1000
     wandb_runs = list((out / "wandb").glob("offline-run-*"))
     assert len(wandb_runs) == 1
@@ -86,21 +86,22 @@ def test_run_resume_through_deepspeed_launcher(tmp_path):
     assert [r["step"] for r in first] == list(range(1, 7))
     # a fresh run on a dir with checkpoints is refused (never mixes or overwrites)
     p = tessera("run", RECIPE, *common)
-    assert p.returncode == 2 and "--resume" in p.stderr
+    assert p.returncode == ExitCode.USER_ERROR and "--resume" in p.stderr
     # resume to 9 steps through the launcher again
     p = tessera("run", RECIPE, *common[:-2], "train.steps=9", "checkpoint.every=3", "--resume")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     after = read_metrics(out)
     assert [r["step"] for r in after] == list(range(1, 10))
     assert [r["loss"] for r in after[:6]] == [r["loss"] for r in first]
-    assert (ck / "latest").read_text().strip() == "step_000009"
+    assert (ck / LATEST).read_text().strip() == step_dir_name(9)
 
 
 @pytest.mark.slow
 def test_launchers_and_engines_agree(tmp_path):
     """The same recipe through torchrun and through the deepspeed launcher with a local hostfile gives the
     same 3 losses (one thread per rank in both), and the lr follows the recipe's warmup; the megatron
-    engine's TP2 recipe, run from the CLI like the default, gives them too."""
+    engine's TP2 recipe and the naive baseline (`parallel.engine=ddp` on the default recipe, whose ZeRO-2
+    layer then does not apply), run from the CLI like the default, give them too."""
     hf = tmp_path / "hosts"
     hf.write_text("localhost slots=2\n")
     runs = {}
@@ -108,6 +109,7 @@ def test_launchers_and_engines_agree(tmp_path):
         ("torchrun", RECIPE, ["run.launcher=torchrun"]),
         ("hostfile", RECIPE, [f"run.hostfile={hf}"]),
         ("megatron_tp2", "recipes/tiny-llama-cpu-mcore-tp2.yaml", []),
+        ("ddp", RECIPE, ["parallel.engine=ddp"]),
     )
     for name, recipe, extra in cases:
         out = tmp_path / name
@@ -122,18 +124,21 @@ def test_launchers_and_engines_agree(tmp_path):
         )
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
         runs[name] = read_metrics(out)
+        if name == "ddp":
+            assert "parallel.zero=2 (set by configs/deepspeed/zero2.yaml) does not apply to engine 'ddp'" in p.stderr
     assert [r["step"] for r in runs["torchrun"]] == [1, 2, 3]
     for a, b in zip(runs["torchrun"], runs["hostfile"]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
         assert a["tokens"] == b["tokens"] == 16 * 63  # global batch 16 rows x 63 predicted tokens
     assert [r["lr"] for r in runs["torchrun"]] == pytest.approx([3e-4, 6e-4, 9e-4])
-    for a, b in zip(runs["megatron_tp2"], runs["hostfile"]):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["tokens"] == b["tokens"]
-    layout = json.loads((tmp_path / "megatron_tp2" / "manifest.json").read_text())["layout"]
+    for name in ("megatron_tp2", "ddp"):
+        for a, b in zip(runs[name], runs["hostfile"]):
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["tokens"] == b["tokens"]
+    layout = RunDir(tmp_path / "megatron_tp2").read_manifest()["layout"]
     assert (layout["engine"], layout["tp"], layout["dp"]) == ("megatron", 2, 1)
-    assert (
-        tmp_path / "megatron_tp2" / "checkpoints" / "step_000003" / "megatron" / "metadata.json"
-    ).is_file()
+    assert (RunDir(tmp_path / "megatron_tp2").checkpoints / step_dir_name(3) / "megatron" / "metadata.json").is_file()
+    layout = RunDir(tmp_path / "ddp").read_manifest()["layout"]
+    assert (layout["engine"], layout["zero"], layout["dp"]) == ("ddp", 0, 2)
 
 
 @pytest.mark.slow
@@ -158,7 +163,7 @@ def test_sigkill_of_one_rank_fails_fast_and_names_it(tmp_path):
     )
     try:
         deadline = time.monotonic() + 240
-        metrics = out / "metrics.jsonl"
+        metrics = RunDir(out).metrics
         while time.monotonic() < deadline:
             if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
                 break
@@ -166,7 +171,7 @@ def test_sigkill_of_one_rank_fails_fast_and_names_it(tmp_path):
             time.sleep(0.5)
         else:
             pytest.fail("run never reached step 3")
-        victim = int((out / "logs" / "rank_00001.pid").read_text())
+        victim = RunDir(out).rank_pid(1)
         t0 = time.monotonic()
         os.kill(victim, signal.SIGKILL)
         output, _ = proc.communicate(timeout=90)
@@ -178,7 +183,7 @@ def test_sigkill_of_one_rank_fails_fast_and_names_it(tmp_path):
     assert elapsed < 60, elapsed
     assert "rank 1 died" in output, output[-3000:]
     # no rank survives the run
-    rank0 = int((out / "logs" / "rank_00000.pid").read_text())
+    rank0 = RunDir(out).rank_pid(0)
     assert not Path(f"/proc/{rank0}").exists() or "Z" in Path(f"/proc/{rank0}/stat").read_text().split()[2]
 
 
@@ -227,17 +232,18 @@ def test_parallel_auto_runs_the_planners_layout(tmp_path):
         "tracking.wandb.mode=disabled",
     )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    plan = json.loads((out / "plan.json").read_text())
+    rd = RunDir(out)
+    plan = rd.read_json(RunDir.PLAN)
     assert plan["source"] == "planner" and plan["chosen"] == plan["candidates"][0]
-    resolved = (out / "recipe.resolved.yaml").read_text()
+    resolved = rd.recipe.read_text()
     chosen = plan["chosen"]["layout"]
-    manifest = json.loads((out / "manifest.json").read_text())
+    manifest = rd.read_manifest()
     assert manifest["plan"] == plan["chosen"] and "auto: false" in resolved
     for k in ("engine", "dp", "tp", "pp", "ep", "zero", "micro_batch"):
         assert manifest["layout"][k] == chosen[k], k
     rec = read_metrics(out)
     assert len(rec) == 2 and all(0 <= r["comm_fraction"] <= 1 and r["comm_bytes"] > 0 for r in rec)
-    lines = [json.loads(x) for x in (out / "comm.jsonl").read_text().splitlines()]
+    lines = rd.read_comm()
     steps = [x for x in lines if x["phase"] == "step"]
     assert sorted((x["step"], x["rank"]) for x in steps) == [(1, 0), (1, 1), (2, 0), (2, 1)]
     assert all(x["bytes"] == sum(o["bytes"] for o in x["ops"]) for x in steps)

@@ -4,73 +4,276 @@ from __future__ import annotations
 
 import itertools
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from tessera.checkpoint.manager import CheckpointManager
-from tessera.errors import CheckpointError, RecipeError
+from tessera.checkpoint.manager import (
+    LATEST,
+    MANIFEST,
+    CheckpointManager,
+    read_meta,
+    rng_file_name,
+    step_dir_name,
+    verify_or_raise,
+)
+from tessera.errors import CheckpointError, RecipeError, TrainingDiverged
+from tessera.rundir import RunDir
+from tessera.tensorfile import load_tensors, save_tensors
 
 
 class TensorFileEngine:
-    """The smallest engine that honours the save/load protocol: one tensor file per rank."""
+    """The smallest engine that honours the save / load part of the protocol: one safetensors file per
+    rank holding one parameter, plus an optimizer moment."""
 
     def __init__(self, value: float, fail_on_save: bool = False):
-        self.t = torch.full((4,), value)
+        self.model = torch.nn.Linear(2, 2, bias=False)
+        with torch.no_grad():
+            self.model.weight.fill_(value)
+        self.moment = torch.full((2, 2), float(value))
         self.fail_on_save = fail_on_save
 
-    def save(self, root: Path, tag: str, client_state: dict) -> None:
-        d = root / tag
-        d.mkdir(parents=True, exist_ok=True)
-        torch.save(self.t, d / "shard_rank0.pt")
+    def modules(self):
+        return [self.model]
+
+    def optimizer_tensors(self):
+        yield "moment", self.moment
+
+    def save(self, path: Path) -> None:
+        save_tensors(path / "shard_rank0.safetensors", {"w": self.model.weight, "m": self.moment})
         if self.fail_on_save:
             raise RuntimeError("disk full (simulated crash mid-save)")
 
-    def load(self, root: Path, tag: str) -> dict:
-        self.t = torch.load(root / tag / "shard_rank0.pt")
-        return {}
+    def load(self, path: Path) -> None:
+        t = load_tensors(path / "shard_rank0.safetensors")
+        with torch.no_grad():
+            self.model.weight.copy_(t["w"])
+        self.moment = t["m"]
 
 
-def _mgr(tmp_path, keep=2):
-    return CheckpointManager(tmp_path / "checkpoints", keep=keep, rank=0, world_size=1)
+DESCRIBE = {"engine": "test", "sharding": "none", "layout": {"dp": 1}, "precision": "fp32",
+            "model_config": {}, "tokenizer_hash": "t"}
+
+
+def _mgr(tmp_path, keep=2, world_size=1):
+    return CheckpointManager(tmp_path / RunDir.CHECKPOINTS, keep=keep, rank=0, world_size=world_size)
+
+
+def _save(m, step, engine):
+    return m.save(step, engine, describe=DESCRIBE, sampler={"consumed_samples": step}, manifest={"m": step})
 
 
 def test_save_rename_latest_and_keep(tmp_path):
     m = _mgr(tmp_path)
     for step in (1, 2, 3):
-        m.save(step, TensorFileEngine(step), client_state={"step": step}, manifest={"m": step})
-    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
-    assert names == ["latest", "step_000002", "step_000003"]
+        _save(m, step, TensorFileEngine(step))
+    names = sorted(p.name for p in (tmp_path / RunDir.CHECKPOINTS).iterdir())
+    assert names == [LATEST, step_dir_name(2), step_dir_name(3)]
     assert m.latest().name == "step_000003"
-    meta = json.loads((m.latest() / "meta.json").read_text())
-    assert meta["step"] == 3 and {f["path"] for f in meta["files"]} >= {"shard_rank0.pt", "manifest.json"}
+    meta = m.verify(m.latest())
+    assert meta["format_version"] == 2 and meta["step"] == 3 and meta["engine"] == "test"
+    assert meta["sampler"] == {"consumed_samples": 3} and meta["layout"] == {"dp": 1}
+    listed = {f["path"]: f for f in meta["files"]}
+    assert set(listed) == {"shard_rank0.safetensors", MANIFEST, rng_file_name(0)}
+    for path, f in listed.items():
+        assert f["bytes"] == (m.latest() / path).stat().st_size and len(f["sha256"]) == 64
     e = TensorFileEngine(0)
-    m.load(m.latest(), e)
-    assert torch.equal(e.t, torch.full((4,), 3.0))
+    torch.manual_seed(0)
+    assert m.load(m.latest(), meta, e) == {"consumed_samples": 3}
+    assert torch.equal(e.model.weight, torch.full((2, 2), 3.0))
+
+
+def test_rng_state_round_trips_without_pickle(tmp_path):
+    import random
+
+    import numpy as np
+
+    m = _mgr(tmp_path)
+    torch.manual_seed(5)
+    np.random.seed(6)
+    random.seed(7)
+    np.random.standard_normal()  # numpy holds a cached gaussian now
+    p = _save(m, 1, TensorFileEngine(1))
+    want = (torch.rand(4), np.random.rand(4), random.random(), np.random.standard_normal())
+    torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
+    m.load(p, m.verify(p), TensorFileEngine(0))
+    got = (torch.rand(4), np.random.rand(4), random.random(), np.random.standard_normal())
+    assert torch.equal(want[0], got[0]) and (want[1] == got[1]).all() and want[2:] == got[2:]
 
 
 def test_crash_mid_save_keeps_the_last_good_checkpoint(tmp_path):
     m = _mgr(tmp_path)
-    m.save(5, TensorFileEngine(5), client_state={}, manifest={})
+    _save(m, 5, TensorFileEngine(5))
     with pytest.raises(RuntimeError, match="simulated"):
-        m.save(10, TensorFileEngine(10, fail_on_save=True), client_state={}, manifest={})
+        _save(m, 10, TensorFileEngine(10, fail_on_save=True))
     assert m.latest().name == "step_000005"
-    assert not (tmp_path / "checkpoints" / "step_000010").exists()
-    m.save(10, TensorFileEngine(10), client_state={}, manifest={})  # the next save clears the stray tmp
-    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+    assert not (tmp_path / RunDir.CHECKPOINTS / "step_000010").exists()
+    _save(m, 10, TensorFileEngine(10))  # the next save clears the stray tmp
+    assert not list((tmp_path / RunDir.CHECKPOINTS).glob(".tmp-*"))
     assert m.latest().name == "step_000010"
 
 
-def test_truncated_checkpoint_is_refused(tmp_path):
+def test_non_finite_state_is_never_saved(tmp_path):
     m = _mgr(tmp_path)
-    p = m.save(1, TensorFileEngine(1), client_state={}, manifest={})
-    (p / "shard_rank0.pt").write_bytes(b"x")
-    with pytest.raises(CheckpointError, match="missing or truncated"):
-        m.load(p, TensorFileEngine(0))
-    other = CheckpointManager(tmp_path / "checkpoints", keep=2, rank=0, world_size=4)
+    _save(m, 1, TensorFileEngine(1))
+    for poison in ("param", "moment"):
+        e = TensorFileEngine(2)
+        with torch.no_grad():
+            (e.model.weight if poison == "param" else e.moment)[0, 1] = float("nan" if poison == "param" else "inf")
+        with pytest.raises(TrainingDiverged, match="non-finite"):
+            _save(m, 2, e)
+        assert m.latest().name == "step_000001" and not (tmp_path / RunDir.CHECKPOINTS / "step_000002").exists()
+
+
+def _each_file_damaged(tmp_path, how):
+    """A fresh checkpoint per file, that file damaged ``how``; yields (checkpoint, damaged file)."""
+    src = _save(_mgr(tmp_path / "src"), 1, TensorFileEngine(1))
+    for rel in [f["path"] for f in read_meta(src)["files"]]:
+        case = tmp_path / f"{how}-{rel}"
+        shutil.copytree(src, case)
+        f = case / rel
+        data = bytearray(f.read_bytes())
+        if how == "flip":
+            data[len(data) // 2] ^= 0x01  # same size, one bit
+            f.write_bytes(bytes(data))
+        elif how == "truncate":
+            f.write_bytes(bytes(data[:-1]))
+        else:
+            f.unlink()
+        yield case, f
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate", "delete"])
+def test_every_damaged_file_is_named_before_anything_loads(tmp_path, how):
+    n = 0
+    for case, damaged in _each_file_damaged(tmp_path, how):
+        with pytest.raises(CheckpointError) as e:
+            verify_or_raise(case)
+        assert e.value.value == str(damaged), e.value.render()
+        assert "fix:" in e.value.render()
+        n += 1
+    assert n == 3
+
+
+def test_unlisted_and_escaping_files_are_refused(tmp_path):
+    p = _save(_mgr(tmp_path), 1, TensorFileEngine(1))
+    (p / "extra.pt").write_bytes(b"not listed")
+    with pytest.raises(CheckpointError, match="not listed"):
+        verify_or_raise(p)
+    (p / "extra.pt").unlink()
+    meta = json.loads((p / "meta.json").read_text())
+    meta["files"][0]["path"] = "../../etc/passwd"
+    (p / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="valid relative path"):
+        verify_or_raise(p)
+
+
+GARBAGE = {"random": bytes(range(256)) * 3, "empty-object": b"{}", "empty": b""}
+
+
+@pytest.mark.parametrize("kind", sorted(GARBAGE))
+def test_garbage_meta_latest_and_state_files_name_the_file(tmp_path, kind):
+    m = _mgr(tmp_path)
+    p = _save(m, 1, TensorFileEngine(1))
+    good = {f: (p / f).read_bytes() for f in ("meta.json", "rng_rank00000.safetensors")}
+    (p / "meta.json").write_bytes(GARBAGE[kind])
+    with pytest.raises(CheckpointError) as e:
+        m.verify(p)
+    assert e.value.value == str(p / "meta.json")
+    (p / "meta.json").write_bytes(good["meta.json"])
+    ptr = tmp_path / RunDir.CHECKPOINTS / "latest"
+    ptr.write_bytes(GARBAGE[kind])
+    with pytest.raises(CheckpointError) as e:
+        m.latest()
+    assert e.value.value == str(ptr)
+    ptr.write_text("step_000001\n")
+    # a state file with garbage of the same size passes no checksum; with a forged checksum the loader refuses it
+    state = p / "rng_rank00000.safetensors"
+    state.write_bytes(GARBAGE[kind])
+    with pytest.raises(CheckpointError) as e:
+        m.verify(p)
+    assert e.value.value == str(state)
+    meta = _forge(p, "rng_rank00000.safetensors")
+    with pytest.raises(CheckpointError) as e:
+        m.load(p, meta, TensorFileEngine(0))
+    assert e.value.value == str(state)
+
+
+def _forge(p: Path, rel: str) -> dict:
+    """Rewrite meta.json so that ``rel`` matches it again (what an attacker or a careless copy would do)."""
+    from tessera.atomic import sha256_file
+
+    meta = json.loads((p / "meta.json").read_text())
+    for f in meta["files"]:
+        if f["path"] == rel:
+            f["bytes"], f["sha256"] = (p / rel).stat().st_size, sha256_file(p / rel)
+    (p / "meta.json").write_text(json.dumps(meta))
+    return verify_or_raise(p)
+
+
+class _Marker:
+    """Unpickling this creates the marker file: what a malicious checkpoint would do."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (self.path,))
+
+
+def test_a_pickle_in_place_of_the_rng_file_never_runs(tmp_path):
+    import pickle
+
+    m = _mgr(tmp_path)
+    p = _save(m, 1, TensorFileEngine(1))
+    marker = tmp_path / "pwned"
+    (p / "rng_rank00000.safetensors").write_bytes(pickle.dumps(_Marker(marker)))
+    with pytest.raises(CheckpointError, match=r"sha256|bytes"):
+        m.verify(p)  # refused by its checksum
+    meta = _forge(p, "rng_rank00000.safetensors")  # and with the checksum forged to match
+    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
+        m.load(p, meta, TensorFileEngine(0))
+    assert not marker.exists()
+
+
+def test_v1_checkpoint_still_resumes_with_a_warning(tmp_path, capsys):
+    """The predecessor's layout: meta.json without checksums, client_state, pickled RNG state (read with
+    weights_only=True)."""
+    import random
+
+    import numpy as np
+
+    p = tmp_path / RunDir.CHECKPOINTS / "step_000004"
+    p.mkdir(parents=True)
+    TensorFileEngine(4).save(p)
+    torch.manual_seed(3)
+    rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    torch.save(rng, p / "rng_rank00000.pt")
+    want = torch.rand(3)
+    files = sorted(x.name for x in p.iterdir())
+    meta = {"step": 4, "world_size": 1, "client_state": {"step": 4, "sampler": {"consumed_samples": 64}},
+            "files": [{"path": f, "bytes": (p / f).stat().st_size} for f in files]}
+    (p / "meta.json").write_text(json.dumps(meta))
+    m = _mgr(tmp_path)
+    assert m.latest() == p
+    got = m.verify(p)
+    assert "carries no checksums" in capsys.readouterr().err
+    e = TensorFileEngine(0)
+    assert m.load(p, got, e) == {"consumed_samples": 64}
+    assert torch.equal(torch.rand(3), want) and torch.equal(e.model.weight, torch.full((2, 2), 4.0))
+    (p / "rng_rank00000.pt").write_bytes((p / "rng_rank00000.pt").read_bytes()[:-1])
+    with pytest.raises(CheckpointError, match="truncated"):
+        m.verify(p)
+
+
+def test_world_size_mismatch_is_refused(tmp_path):
+    p = _save(_mgr(tmp_path), 1, TensorFileEngine(1))
     with pytest.raises(CheckpointError, match="written by 1 ranks"):
-        other.load(p, TensorFileEngine(0))
+        _mgr(tmp_path, world_size=4).verify(p)
 
 
 def test_manifest_capture_and_diff():
@@ -98,7 +301,7 @@ def test_manifest_capture_and_diff():
 
 def test_lr_schedule_warmup_cosine():
     from tessera.config.schema import OptimSection
-    from tessera.train.schedule import lr_factor
+    from tessera.engines.optim import lr_factor
 
     o = OptimSection(lr=1.0, min_lr=0.1, warmup_steps=4, schedule="cosine")
     f = [lr_factor(s, optim=o, total_steps=14) for s in range(14)]
@@ -120,3 +323,25 @@ def test_hostfile_parsing(tmp_path):
     hf.write_text("node1 8\n")
     with pytest.raises(RecipeError, match="line 1"):
         parse_hostfile(str(hf))
+
+
+@pytest.mark.parametrize("kind", sorted(GARBAGE))
+def test_cli_resume_names_the_garbage_file_without_a_traceback(tmp_path, kind, capsys):
+    """`tessera run --resume` on a run directory whose meta.json, latest or a state file holds garbage:
+    exit 2 naming the file, and no traceback (the check runs before anything launches)."""
+    from helpers import DEFAULT_RECIPE
+    from tessera.cli import main
+
+    for place in ("meta.json", "latest", "state"):
+        run = tmp_path / place
+        m = CheckpointManager(RunDir(run).checkpoints, keep=2, rank=0, world_size=1)
+        p = _save(m, 1, TensorFileEngine(1))
+        target = {"meta.json": p / "meta.json", "latest": RunDir(run).checkpoints / LATEST}.get(
+            place, p / "shard_rank0.safetensors"
+        )
+        target.write_bytes(GARBAGE[kind])
+        rc = main(["run", str(DEFAULT_RECIPE), f"run.out_dir={run}", "run.world_size=1", "--resume"])
+        err = capsys.readouterr().err
+        assert rc == 2, (place, err)
+        assert str(target) in err and "fix:" in err and "Traceback" not in err, (place, err)
+        assert not RunDir(run).logs.exists()  # nothing launched

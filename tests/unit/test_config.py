@@ -137,7 +137,7 @@ def test_user_deepspeed_json_conflict_names_both(tmp_path, capsys):
 
 
 def test_user_deepspeed_json_is_merged():
-    from tessera.engines.deepspeed_engine import build_ds_config
+    from tessera.engines.zero import build_ds_config
 
     r = load_recipe(DEFAULT_RECIPE).recipe
     lay = layout_from_recipe(r)

@@ -11,6 +11,7 @@ import yaml
 from helpers import REPO
 from tessera.config.loader import load_recipe
 from tessera.errors import LayoutError
+from tessera.models.families import FAMILIES, FAMILY_NAMES
 from tessera.models.megatron import (
     Shard,
     adapter_for,
@@ -22,15 +23,11 @@ from tessera.models.megatron import (
 )
 from tessera.plan.layout import layout_from_recipe
 
-FAMILIES = ["llama", "qwen2", "mistral", "gpt2", "mixtral"]
-
 
 def _hf(family: str, **changes):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    d = yaml.safe_load((REPO / "configs" / "models" / f"tiny-{family}.yaml").read_text())["model"][
-        "hf_config"
-    ]
+    d = yaml.safe_load((REPO / FAMILIES[family].tiny_config).read_text())["model"]["hf_config"]
     d.update(changes)
     cfg = AutoConfig.for_model(d.pop("model_type"), **d)
     torch.manual_seed(3)
@@ -55,7 +52,10 @@ def _roundtrip(model, tp, pp, vpp, ep):
 LAYOUTS = [(1, 1, 1, 1), (2, 1, 1, 1), (1, 2, 1, 1), (2, 2, 1, 1), (1, 2, 2, 1)]
 
 
-CASES = [(f, *lay) for f in FAMILIES for lay in LAYOUTS] + [("mixtral", 1, 1, 1, 2), ("mixtral", 2, 1, 1, 2)]
+CASES = [(f, *lay) for f in FAMILY_NAMES for lay in LAYOUTS] + [
+    ("mixtral", 1, 1, 1, 2),
+    ("mixtral", 2, 1, 1, 2),
+]
 
 
 @pytest.mark.parametrize("family,tp,pp,vpp,ep", CASES)

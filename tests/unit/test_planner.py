@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +13,9 @@ import yaml
 
 from helpers import REPO
 from tessera.config.schema import ModelSection
+from tessera.engines.registry import ENGINE_NAMES
 from tessera.errors import RecipeError
+from tessera.models.families import FAMILIES, FAMILY_NAMES
 from tessera.models.hf import load_hf_config
 from tessera.models.megatron import Shard, adapter_for, hf_to_mcore
 from tessera.plan.estimate import (
@@ -23,6 +26,7 @@ from tessera.plan.estimate import (
     comm_bytes_by_op,
     comm_per_step,
     count_params,
+    ddp_bucket_count,
     hf_tensor_numels,
     in_flight_microbatches,
     memory_per_rank,
@@ -40,7 +44,6 @@ from tessera.plan.time_estimate import (
     step_time,
 )
 
-FAMILIES = ["llama", "qwen2", "mistral", "gpt2", "mixtral"]
 HW = REPO / "configs" / "hardware"
 H100 = load_hardware(HW / "h100-sxm-80g.yaml")
 LLAMA3_8B = 8_030_261_248  # meta-llama/Meta-Llama-3-8B
@@ -157,8 +160,8 @@ def _mcore_numel(model, *, tp: int, pp: int, ep: int, vpp: int, pp_rank: int) ->
 
 @pytest.mark.parametrize(
     "family,tp,pp,ep,vpp,changes",
-    [(f, 2, 1, 1, 1, {}) for f in FAMILIES]
-    + [(f, 1, 2, 1, 1, {}) for f in FAMILIES]
+    [(f, 2, 1, 1, 1, {}) for f in FAMILY_NAMES]
+    + [(f, 1, 2, 1, 1, {}) for f in FAMILY_NAMES]
     + [
         ("gpt2", 2, 2, 1, 1, {}),  # tied head: a second copy on the last stage
         ("qwen2", 2, 2, 1, 1, {}),
@@ -336,6 +339,90 @@ def test_step_time_of_one_rank_is_compute_plus_optimizer():
     assert t.mfu == pytest.approx(flops / (t.step_s * 989e12), rel=1e-12)
 
 
+# ---- the ddp engine (torch DDP, full replicas) -------------------------------------------------------
+
+TINY_LLAMA_PSI = 139_584
+
+
+def _tiny_llama_facts():
+    return model_facts(_cfg(Path(FAMILIES["llama"].tiny_config).stem))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_ddp_holds_an_fp32_replica_and_its_bucket_copy(precision):
+    f, psi = _tiny_llama_facts(), TINY_LLAMA_PSI
+    assert count_params(f) == psi
+    lay = _layout(engine="ddp", world_size=2, grad_accum=2)
+    assert lay.zero_impl == "ddp" and lay.etp == 1
+    m = memory_per_rank(f, lay, seq_len=128, precision=precision)
+    # torch AdamW on fp32 params (bf16 runs under autocast): the same 16Ψ in both precisions
+    assert (m.params, m.grads, m.optimizer) == (4 * psi, 4 * psi, 8 * psi)
+    e = 2 if precision == "bf16" else 4
+    logits = 128 * 512 * (e + (4 if e < 4 else 0) + 4)  # the loss's logits, as for every engine
+    assert m.buffers == 4 * psi + logits  # + DDP's flat fp32 copy of every gradient
+    assert "4Ψ" in m.formulas["buffers"] and m.formulas["model_states"].startswith("DDP fp32 replica")
+    # activations as the deepspeed engine's (the same HF module)
+    ds = memory_per_rank(
+        f, _layout(engine="deepspeed", world_size=2, grad_accum=2), seq_len=128, precision=precision
+    )
+    assert m.activations == ds.activations
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_ddp_all_reduces_the_fp32_grads_once_per_step(precision):
+    f, psi = _tiny_llama_facts(), TINY_LLAMA_PSI
+    ops = comm_per_step(
+        f, _layout(engine="ddp", world_size=2, grad_accum=4), seq_len=128, precision=precision
+    )
+    assert comm_bytes_by_op(ops) == {"all_reduce:dp": 4 * psi}  # no_sync on the first 3 micro-batches
+    (op,) = ops
+    assert (op.calls, op.messages, op.overlap) == (1, 1, "last_bwd")  # 558 kB: one bucket under 1 MiB
+    assert f"{4 * psi:,} bytes" in op.formula
+    one = comm_per_step(f, _layout(engine="ddp", world_size=1), seq_len=128, precision=precision)
+    assert comm_bytes_by_op(one) == {}  # dp 1: nothing to reduce
+
+
+def test_ddp_bucket_count_is_torchs_assignment():
+    """The count equals what torch's reducer assigns (``_compute_bucket_assignment_by_size`` with DDP's
+    default caps), for the gradients of Llama 3 8B in reverse parameter order and for edge cases."""
+    import torch.distributed as dist
+
+    def torch_count(nbytes: list[int]) -> int:
+        tensors = [torch.empty(n // 4, device="meta") for n in nbytes]
+        limits = [dist._DEFAULT_FIRST_BUCKET_BYTES, 25 * 1024 * 1024]
+        buckets, _ = dist._compute_bucket_assignment_by_size(tensors, limits, [False] * len(tensors))
+        return len(buckets)
+
+    grads = [4 * n for n in reversed(hf_tensor_numels(model_facts(_cfg("llama-3-8b"))))]
+    cases = [grads, [4 * 262_144, 40], [4 * 262_143, 4, 40], [4] * 10, [100 * 2**20]]
+    for nbytes in cases:
+        assert ddp_bucket_count(nbytes) == torch_count(nbytes)
+    assert 32 < ddp_bucket_count(grads) < len(grads)  # tensors > 25 MiB go alone, small ones share
+
+
+def test_ddp_step_time_is_deepspeed_zero0s_in_fp32():
+    """fp32: the same bytes, all-reduced once over the last backward, and the same optimizer step."""
+    f = _tiny_llama_facts()
+    cpu = load_hardware(HW / "cpu-2core.yaml")
+
+    def t(engine):
+        lay = _layout(engine=engine, world_size=2, grad_accum=2)
+        return step_time(f, lay, seq_len=128, precision="fp32", recompute="none", hardware=cpu)
+
+    assert t("ddp") == t("deepspeed")
+
+
+def test_ddp_ties_go_to_the_engine_listed_first():
+    cpu = load_hardware(HW / "cpu-2core.yaml")
+    r = plan(_cfg("tiny-llama"), world_size=2, seq_len=128, global_batch=8, precision="fp32", hardware=cpu)
+    order = [(c.layout.engine, c.layout.zero, c.layout.micro_batch) for c in r.candidates]
+    for mb in (1, 2, 4):
+        assert order.index(("deepspeed", 0, mb)) + 1 == order.index(("ddp", 0, mb))  # exact tie, fp32
+    assert r.chosen is not None and r.chosen.layout.engine != "ddp"
+    ddp = r.candidates[order.index(("ddp", 0, 1))].to_json()
+    assert ddp["layout"]["zero_impl"] == "ddp" and "comm:all_reduce:dp" in ddp["formulas"]
+
+
 # ---- scenarios -----------------------------------------------------------------------------------------
 
 
@@ -463,7 +550,7 @@ def test_tiny_model_plans_on_this_cpu():
     r = plan(_cfg("tiny-llama"), world_size=2, seq_len=128, global_batch=8, precision="fp32", hardware=cpu)
     c = r.chosen
     assert c is not None and c.time.step_s > 0 and c.memory.total < 1 * GiB
-    assert {x.layout.engine for x in r.candidates} == {"deepspeed", "megatron"}
+    assert {x.layout.engine for x in r.candidates} == set(ENGINE_NAMES)
 
 
 def test_plan_refuses_unknown_options():
@@ -492,7 +579,7 @@ def test_profile_is_a_frozen_dataclass():
 def test_hf_tensor_numels_are_the_hf_modules():
     from transformers import AutoModelForCausalLM
 
-    for fam in FAMILIES:
+    for fam in FAMILY_NAMES:
         cfg = _cfg(f"tiny-{fam}")
         model = AutoModelForCausalLM.from_config(cfg)
         real = sorted(p.numel() for p in model.parameters())  # tied weights appear once

@@ -32,7 +32,9 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, q) -> None
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     from tessera.config.loader import load_recipe
     from tessera.data import StepSampler, prepare_data
-    from tessera.engines.deepspeed_engine import DeepSpeedEngine, build_ds_config
+    from tessera.engines.base import ModelSource
+    from tessera.engines.deepspeed_engine import DeepSpeedEngine
+    from tessera.engines.zero import build_ds_config
     from tessera.models.hf import build_model
     from tessera.plan.layout import layout_from_recipe
 
@@ -46,9 +48,8 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, q) -> None
     sampler = StepSampler.for_layout(len(data), layout, rank=rank, seed=0)
     batches = [[(data.input_ids[i], data.labels[i]) for i in sampler.next_step()] for _ in range(args.steps)]
 
-    tess = DeepSpeedEngine(
-        build_model(recipe.model, seed=1, vocab_size=data.vocab_size), recipe, layout, device="cpu"
-    )
+    source = ModelSource(section=recipe.model, vocab_size=data.vocab_size, seed=1)
+    tess = DeepSpeedEngine(source, recipe, layout, device="cpu")
     raw_model = build_model(recipe.model, seed=1, vocab_size=data.vocab_size)
     raw, _, _, _ = deepspeed.initialize(
         model=raw_model,

@@ -1,15 +1,20 @@
-"""Atomic, sharded checkpoints: ``checkpoints/step_NNNNNN/`` + a ``latest`` pointer written last.
+"""Atomic, sharded, self-describing checkpoints: ``checkpoints/step_NNNNNN/`` + a ``latest`` pointer.
 
 Protocol of one save (all ranks take part):
 
-1. every rank writes its shard (the engine's format) and its RNG state into ``.tmp-step_NNNNNN/``;
-2. rank 0 adds the manifest and ``meta.json`` (step, sampler position, file sizes), then renames the
-   directory to ``step_NNNNNN`` (atomic on one file system);
-3. rank 0 rewrites ``latest`` via a temporary file + ``os.replace``, then prunes to the last ``keep``.
+1. every rank checks that its parameters and optimizer state are finite (the ranks agree on the answer);
+   a checkpoint is never written from non-finite state;
+2. every rank writes its shard (the engine's format) and its RNG state (safetensors) into
+   ``.tmp-step_NNNNNN/``; rank 0 adds the manifest;
+3. the ranks hash the files between them; rank 0 writes ``meta.json`` (format v2: engine, sharding,
+   layout, precision, HF model config, tokenizer hash, step, the layout-free sampler position, and the
+   sha256 and size of every file), then renames the directory to ``step_NNNNNN`` (atomic on one file
+   system), rewrites ``latest`` via a temporary file + ``os.replace``, and prunes to the last ``keep``.
 
-A crash anywhere before step 3 leaves ``latest`` pointing at the previous complete checkpoint; a
-stray ``.tmp-*`` directory is removed by the next save. A checkpoint without ``meta.json`` is never
-offered for resume.
+A crash anywhere before the rename leaves ``latest`` pointing at the previous complete checkpoint; a stray
+``.tmp-*`` directory is removed by the next save. Loading verifies every file against ``meta.json`` before
+anything reads it (:func:`verify_checkpoint`); DeepSpeed and megatron-core unpickle some of their own files,
+and only after that check. Tessera itself writes no pickle.
 """
 
 from __future__ import annotations
@@ -19,60 +24,177 @@ import os
 import random
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
-from tessera.comm.groups import barrier
-from tessera.errors import CheckpointError
+from tessera.atomic import sha256_file, write_json_atomic, write_text_atomic
+from tessera.comm.groups import all_gather_object, any_rank, barrier, multi_rank
+from tessera.errors import CheckpointError, TrainingDiverged
+from tessera.rundir import RunDir
+from tessera.tensorfile import load_tensors_and_meta, save_tensors
 
+FORMAT = "tessera-checkpoint"
+FORMAT_VERSION = 2
 STEP_RE = re.compile(r"^step_(\d{6,})$")
 META = "meta.json"
 LATEST = "latest"
+MANIFEST = RunDir.MANIFEST  # the run's manifest, copied into every checkpoint
+_FIX = "resume from an earlier step_* directory, or restore the checkpoint from a copy"
 
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that readers see the old or the new content, never a torn file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def rng_file_name(rank: int) -> str:
+    return f"rng_rank{rank:05d}.safetensors"
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
-    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+# ---- RNG state without pickle --------------------------------------------------------------------------
 
 
-def rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(),
-        "python": random.getstate(),
-    }
+def rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """This process's torch / CUDA / numpy / Python RNG states as tensors plus JSON."""
+    tensors = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"cuda.{i}"] = s
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    tensors["numpy.keys"] = torch.from_numpy(np.asarray(keys, dtype=np.int64))
+    version, py_state, py_gauss = random.getstate()
+    tensors["python.state"] = torch.tensor(py_state, dtype=torch.int64)
+    meta = {
+        "numpy": {"kind": kind, "pos": int(pos), "has_gauss": int(has_gauss), "gauss": float(gauss)},
+        "python": {"version": version, "gauss_next": py_gauss},
+    }
+    return tensors, meta
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+def set_rng_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    torch.set_rng_state(tensors["torch"])
+    n = meta["numpy"]
+    keys = tensors["numpy.keys"].numpy().astype(np.uint32)
+    np.random.set_state((n["kind"], keys, n["pos"], n["has_gauss"], n["gauss"]))
+    p = meta["python"]
+    random.setstate((p["version"], tuple(int(x) for x in tensors["python.state"].tolist()), p["gauss_next"]))
+    cuda = [tensors[k] for k in sorted(k for k in tensors if k.startswith("cuda."))]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def _load_v1_rng(path: Path) -> None:
+    """The predecessor's pickled RNG file, read with ``weights_only=True`` (numpy's array reconstruction
+    allow-listed, nothing else): a file that needs any other global is refused, never executed."""
+    import pickle
+
+    safe = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    try:
+        with torch.serialization.safe_globals(safe):
+            state = torch.load(path, weights_only=True)
+        torch.set_rng_state(state["torch"])
+        np.random.set_state(state["numpy"])
+        random.setstate(state["python"])
+    except (pickle.UnpicklingError, RuntimeError, KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(
+            f"cannot read this v1 RNG file safely ({type(e).__name__})", field="checkpoint", value=str(path), fix=_FIX
+        ) from None
+
+
+# ---- reading and verifying -------------------------------------------------------------------------
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """``meta.json`` of checkpoint directory ``path``; anything unreadable is an error naming it."""
+    meta_path = Path(path) / META
+    if not meta_path.is_file():
+        raise CheckpointError(
+            "checkpoint is incomplete (no meta.json)", field="checkpoint", value=str(meta_path), fix=_FIX
+        )
+    try:
+        meta = json.loads(meta_path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(
+            f"meta.json is not valid JSON ({type(e).__name__})", field="checkpoint", value=str(meta_path), fix=_FIX
+        ) from None
+    v2 = isinstance(meta, dict) and meta.get("format_version") == FORMAT_VERSION
+    need = ("step", "files", "engine", "layout", "sampler") if v2 else ("step", "world_size", "files", "client_state")
+    missing = [k for k in need if not isinstance(meta, dict) or k not in meta]
+    files = meta.get("files") if isinstance(meta, dict) else None
+    if missing or not isinstance(files, list) or not all(isinstance(f, dict) for f in files):
+        what = f"lacks {', '.join(missing)}" if missing else "has no valid file list"
+        raise CheckpointError(
+            f"meta.json {what}: not a Tessera checkpoint description",
+            field="checkpoint",
+            value=str(meta_path),
+            fix=_FIX,
+        )
+    if isinstance(meta.get("format_version"), int) and meta["format_version"] > FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint format {meta['format_version']} is newer than this Tessera reads ({FORMAT_VERSION})",
+            field="checkpoint",
+            value=str(meta_path),
+            fix="upgrade Tessera",
+        )
+    return meta
+
+
+def checkpoint_files(path: Path) -> list[str]:
+    """Every regular file under a checkpoint directory except meta.json, relative and sorted."""
+    return sorted(str(p.relative_to(path)) for p in Path(path).rglob("*") if p.is_file() and p.name != META)
+
+
+def verify_checkpoint(path: Path, *, rank: int = 0, world: int = 1) -> tuple[dict[str, Any], list[str]]:
+    """Check a checkpoint against its meta.json before anything loads it: every listed file present with
+    its size, nothing unlisted, and (v2) the sha256 of this rank's share of the files (``world`` ranks
+    split the hashing). Returns (meta, problems): each problem names the file; the caller raises."""
+    path = Path(path)
+    meta = read_meta(path)
+    problems: list[str] = []
+    v2 = meta.get("format_version") == FORMAT_VERSION
+    entries = meta["files"]
+    listed = set()
+    for i, entry in enumerate(entries):
+        rel = entry.get("path")
+        if not isinstance(rel, str) or rel.startswith("/") or ".." in Path(rel).parts:
+            problems.append(f"{path / META}: file entry {i} has no valid relative path")
+            continue
+        listed.add(rel)
+        f = path / rel
+        if not f.is_file():
+            problems.append(f"{f}: missing")
+        elif f.stat().st_size != entry.get("bytes"):
+            problems.append(f"{f}: {f.stat().st_size} bytes, meta.json says {entry.get('bytes')} (truncated or altered)")
+        elif v2 and i % world == rank and sha256_file(f) != entry.get("sha256"):
+            problems.append(f"{f}: sha256 does not match meta.json (the file was altered or corrupted)")
+    for rel in checkpoint_files(path):
+        if rel not in listed:
+            problems.append(f"{path / rel}: not listed in meta.json")
+    return meta, problems
+
+
+def raise_problems(problems: list[str]) -> None:
+    """Raise the first problem (in the order found: meta.json's own first, then the files)."""
+    if problems:
+        first = problems[0]
+        file, _, why = first.partition(": ")
+        more = f" ({len(problems) - 1} more problem(s) in this checkpoint)" if len(problems) > 1 else ""
+        raise CheckpointError(f"checkpoint verification failed: {why}{more}", field="checkpoint", value=file, fix=_FIX)
+
+
+def verify_or_raise(path: Path) -> dict[str, Any]:
+    """Single-process verification of every file (the CLI, before launch; tools)."""
+    meta, problems = verify_checkpoint(path)
+    raise_problems(problems)
+    return meta
 
 
 class CheckpointManager:
-    """Save / find / load checkpoints of one run directory (``<run_dir>/checkpoints``)."""
+    """Save / find / verify / load checkpoints of one run directory (``<run_dir>/checkpoints``)."""
 
     def __init__(self, root: Path, *, keep: int, rank: int, world_size: int):
         self.root = Path(root)
@@ -89,37 +211,70 @@ class CheckpointManager:
         return sorted(found, key=lambda p: int(STEP_RE.match(p.name).group(1)))  # type: ignore[union-attr]
 
     def latest(self) -> Path | None:
+        """The checkpoint ``latest`` names; without a ``latest`` file (a crash between the rename and its
+        write), the newest complete one. A ``latest`` that is unreadable or names nothing complete is an
+        error: resuming from some other step silently would be worse."""
         ptr = self.root / LATEST
-        if ptr.is_file():
-            cand = self.root / ptr.read_text().strip()
-            if (cand / META).is_file():
-                return cand
-        done = self.complete()
-        return done[-1] if done else None
+        if not ptr.is_file():
+            done = self.complete()
+            return done[-1] if done else None
+        try:
+            name = ptr.read_bytes().decode("ascii").strip()
+        except UnicodeDecodeError:
+            name = None
+        if not name or not STEP_RE.match(name):
+            raise CheckpointError(
+                "the latest pointer does not hold a step_NNNNNN name",
+                field="checkpoint",
+                value=str(ptr),
+                fix=f"write the name of a complete checkpoint into it (one of: {self._names()})",
+            )
+        cand = self.root / name
+        if not (cand / META).is_file():
+            raise CheckpointError(
+                f"the latest pointer names {name}, which is not a complete checkpoint",
+                field="checkpoint",
+                value=str(ptr),
+                fix=f"write the name of a complete checkpoint into it (one of: {self._names()})",
+            )
+        return cand
+
+    def _names(self) -> str:
+        return ", ".join(p.name for p in self.complete()) or "none left: start fresh"
 
     # ---- save ------------------------------------------------------------------------------------
-    def save(self, step: int, engine, *, client_state: dict[str, Any], manifest: dict[str, Any]) -> Path:
+    def save(self, step: int, engine: Any, *, describe: dict[str, Any], sampler: dict[str, Any],
+             manifest: dict[str, Any]) -> Path:  # fmt: skip
+        """Save ``engine`` at ``step``. ``describe``: engine-independent facts for meta.json (engine,
+        sharding, layout, precision, model_config, tokenizer_hash)."""
+        self.check_finite(engine, step)
         name = step_dir_name(step)
-        tmp_name = f".tmp-{name}"
-        tmp = self.root / tmp_name
+        tmp = self.root / f".tmp-{name}"
         final = self.root / name
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             for stale in self.root.glob(".tmp-*"):
                 shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir(parents=True)
         barrier()
-        engine.save(self.root, tmp_name, client_state)
-        tmp.mkdir(parents=True, exist_ok=True)
-        torch.save(rng_state(), tmp / f"rng_rank{self.rank:05d}.pt")
-        barrier()
+        engine.save(tmp)
+        tensors, rng_meta = rng_state()
+        save_tensors(tmp / rng_file_name(self.rank), tensors, rng_meta)
         if self.rank == 0:
-            write_json_atomic(tmp / "manifest.json", manifest)
-            files = sorted((str(p.relative_to(tmp)), p.stat().st_size) for p in tmp.rglob("*") if p.is_file())
+            write_json_atomic(tmp / MANIFEST, manifest)
+        barrier()
+        files = checkpoint_files(tmp)
+        mine = {f: (sha256_file(tmp / f), (tmp / f).stat().st_size) for f in files[self.rank :: self.world_size]}
+        hashed = {k: v for part in all_gather_object(mine) for k, v in part.items()}
+        if self.rank == 0:
             meta = {
+                "format": FORMAT,
+                "format_version": FORMAT_VERSION,
                 "step": step,
                 "world_size": self.world_size,
-                "client_state": client_state,
-                "files": [{"path": f, "bytes": b} for f, b in files],
+                **describe,
+                "sampler": sampler,
+                "files": [{"path": f, "bytes": hashed[f][1], "sha256": hashed[f][0]} for f in files],
             }
             write_json_atomic(tmp / META, meta)
             if final.exists():  # re-saving a step (e.g. after a resume): swap, never a half state
@@ -134,23 +289,32 @@ class CheckpointManager:
         barrier()
         return final
 
+    def check_finite(self, engine: Any, step: int) -> None:
+        """Refuse to save non-finite state: every rank checks its parameters and optimizer tensors, and
+        all ranks raise together when any one found NaN / Inf."""
+        from tessera.engines.base import first_nonfinite
+
+        params = ((n, p.detach()) for m in engine.modules() for n, p in m.named_parameters())
+        bad = first_nonfinite(params) or first_nonfinite(engine.optimizer_tensors())
+        if any_rank(bad is not None):
+            where = f"rank {self.rank}: {bad}" if bad else "another rank"
+            raise TrainingDiverged(f"step {step}: non-finite model or optimizer state ({where}); not saved")
+
     def _prune(self) -> None:
         done = self.complete()
         for old in done[: max(0, len(done) - self.keep)]:
             shutil.rmtree(old, ignore_errors=True)
 
-    # ---- load ------------------------------------------------------------------------------------
-    def load(self, path: Path, engine) -> dict[str, Any]:
-        """Restore engine state, this rank's RNG, and return the checkpoint's meta (client state)."""
-        meta_path = path / META
-        if not meta_path.is_file():
-            raise CheckpointError(
-                "checkpoint is incomplete (no meta.json)",
-                field="checkpoint",
-                value=str(path),
-                fix="resume from an earlier step_* directory",
-            )
-        meta = json.loads(meta_path.read_text())
+    # ---- verify + load ---------------------------------------------------------------------------
+    def verify(self, path: Path) -> dict[str, Any]:
+        """Check ``path`` before anything loads it, and that it was written by this many ranks. With a
+        process group, every rank hashes its share of the files and all raise the same error when any
+        failed; without one (the CLI before launch), this process hashes them all."""
+        share = (dist.get_rank(), dist.get_world_size()) if multi_rank() else (0, 1)
+        meta, problems = verify_checkpoint(path, rank=share[0], world=share[1])
+        raise_problems(list(dict.fromkeys(p for part in all_gather_object(problems) for p in part)))
+        if meta.get("format_version") != FORMAT_VERSION and self.rank == 0:
+            print(f"[tessera] warning: {path} is a v1 checkpoint: it carries no checksums", file=sys.stderr)
         if meta["world_size"] != self.world_size:
             raise CheckpointError(
                 f"checkpoint was written by {meta['world_size']} ranks, this run has {self.world_size}",
@@ -158,16 +322,22 @@ class CheckpointManager:
                 value=self.world_size,
                 fix=f"resume with run.world_size={meta['world_size']} (resharding is `tessera convert`)",
             )
-        for entry in meta["files"]:
-            f = path / entry["path"]
-            if not f.is_file() or f.stat().st_size != entry["bytes"]:
-                raise CheckpointError(
-                    "checkpoint file missing or truncated",
-                    field="checkpoint",
-                    value=str(f),
-                    fix="resume from an earlier step_* directory",
-                )
-        engine.load(path.parent, path.name)
-        rng_file = path / f"rng_rank{self.rank:05d}.pt"
-        set_rng_state(torch.load(rng_file, weights_only=False))
         return meta
+
+    def load(self, path: Path, meta: dict[str, Any], engine: Any) -> dict[str, Any]:
+        """Restore the engine and this rank's RNG from a verified checkpoint; returns the sampler state."""
+        engine.load(path)
+        failed: CheckpointError | None = None
+        try:  # every rank reads its own RNG file; a bad one on any rank stops all of them together
+            if meta.get("format_version") == FORMAT_VERSION:
+                set_rng_state(*load_tensors_and_meta(path / rng_file_name(self.rank)))
+            else:
+                _load_v1_rng(path / f"rng_rank{self.rank:05d}.pt")
+        except CheckpointError as e:
+            failed = e
+        errors = [e for e in all_gather_object(failed and (failed.message, failed.value)) if e]
+        if errors:
+            msg, value = errors[0]
+            raise CheckpointError(msg, field="checkpoint", value=value, fix=_FIX)
+        return meta["sampler"] if meta.get("format_version") == FORMAT_VERSION else meta["client_state"]["sampler"]
+

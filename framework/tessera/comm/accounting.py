@@ -234,6 +234,13 @@ def install(namer: Callable[[Any], str] | None = None) -> CommCounter:
     return _COUNTER
 
 
+def add_async_seconds(op: str, group: Any, payload: Any, seconds: float) -> None:
+    """Time of an async op whose completion is awaited through a future rather than ``wait()`` (DDP's
+    comm hooks): added to the op the wrapper already counted. No-op when nothing is installed."""
+    if _COUNTER is not None and _COUNTER.enabled:
+        _COUNTER.add_seconds(op, group, payload, seconds)
+
+
 def group_namer(layout: Any, known: dict[Any, str] | None = None) -> Callable[[Any], str]:
     """Name a process group: first by identity (``known``: the engine's own groups, e.g. megatron's
     expert group, which can hold the same ranks as the dp group), else by the layout axes its members

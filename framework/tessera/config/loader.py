@@ -33,6 +33,7 @@ class ResolvedRecipe:
     sources: dict[str, str] = field(default_factory=dict)
     path: Path | None = None
     plan: dict[str, Any] | None = None  # the planner's answer when the recipe said `parallel: auto`
+    notes: list[str] = field(default_factory=list)  # inherited values adapted to the chosen engine
 
     def source_of(self, dotted: str) -> str:
         return self.sources.get(dotted, DEFAULT)
@@ -211,8 +212,46 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Resolve
         key, val = parse_override(ov)
         _set_dotted(data, key, val)
         _record(sources, key, val, f"override {ov}")
+    notes = _fit_inherited_to_engine(data, sources)
     recipe = validate_recipe(data)
-    return ResolvedRecipe(recipe=recipe, sources=sources, path=path)
+    return ResolvedRecipe(recipe=recipe, sources=sources, path=path, notes=notes)
+
+
+def _fit_inherited_to_engine(data: dict[str, Any], sources: dict[str, str]) -> list[str]:
+    """When an override switches ``parallel.engine`` (``parallel.engine=ddp`` on a ZeRO-2 recipe), the
+    parallel settings the recipe's layers made for the old engine and the new one cannot run fall back to
+    the new engine's defaults, each with a note naming the layer that set it. A value given as an
+    override itself is never changed: a conflict there is an error, raised by the layout rules."""
+    from tessera.engines.registry import ENGINES
+
+    par = data.get("parallel")
+    if not isinstance(par, dict) or not sources.get("parallel.engine", "").startswith("override"):
+        return []
+    spec = ENGINES.get(par.get("engine"))  # type: ignore[arg-type]
+    if spec is None:
+        return []  # the schema names the unknown engine
+    caps = spec.caps
+    fallback = {
+        "zero": (lambda v: v in caps.zero, caps.zero[0]),
+        "zero_impl": (lambda v: v == "auto" or v in caps.zero_impls, "auto"),
+        "tp": (lambda v: caps.tp or v == 1, 1),
+        "pp": (lambda v: caps.pp or v == 1, 1),
+        "vpp": (lambda v: caps.pp or v == 1, 1),
+        "ep": (lambda v: caps.ep or v == 1, 1),
+        "offload_optimizer": (lambda v: caps.offload or not v, False),
+        "offload_params": (lambda v: caps.offload or not v, False),
+    }
+    notes = []
+    for key, (ok, default) in fallback.items():
+        dotted = f"parallel.{key}"
+        src = sources.get(dotted, DEFAULT)
+        if key in par and not src.startswith("override") and not ok(par[key]):
+            notes.append(
+                f"{dotted}={par[key]!r} (set by {src}) does not apply to engine '{spec.name}': using {default!r}"
+            )
+            par[key] = default
+            sources[dotted] = f"engine {spec.name} default"
+    return notes
 
 
 def validate_recipe(data: dict[str, Any]) -> Recipe:

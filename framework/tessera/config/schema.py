@@ -12,7 +12,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-FAMILIES = ("llama", "qwen2", "mistral", "gpt2", "mixtral")
+from tessera.engines.registry import ENGINE_NAMES, ENGINES
+from tessera.models.families import MODEL_TYPES
+
+#: what ``parallel.zero_impl`` may say: auto, or a sharding implementation of some engine
+ZERO_IMPLS: tuple[str, ...] = ("auto", *dict.fromkeys(i for e in ENGINES.values() for i in e.caps.zero_impls))
 
 
 class _Section(BaseModel):
@@ -36,7 +40,7 @@ class ModelSection(_Section):
         if (self.hf_config is None) == (self.path is None):
             raise ValueError("give exactly one of model.hf_config (inline dict) or model.path (local dir)")
         if self.hf_config is not None and "model_type" not in self.hf_config:
-            raise ValueError("model.hf_config needs a model_type (one of " + ", ".join(FAMILIES) + ")")
+            raise ValueError("model.hf_config needs a model_type (one of " + ", ".join(MODEL_TYPES) + ")")
         if self.pretrained and self.path is None:
             raise ValueError("model.pretrained: true needs model.path pointing at a pretrained directory")
         return self
@@ -79,17 +83,20 @@ class ParallelSection(_Section):
         description="take the planner's layout (`parallel: auto` in YAML): engine, dp/tp/pp/vpp/ep, zero, "
         "micro_batch; parallel.global_batch is kept when set",
     )
-    engine: Literal["deepspeed", "megatron"] = Field("deepspeed", description="training engine")
+    engine: Literal[ENGINE_NAMES] = Field(  # type: ignore[valid-type]  # the names of engines/registry.py
+        "deepspeed", description="training engine: " + ", ".join(ENGINE_NAMES)
+    )
     dp: int | Literal["auto"] = Field("auto", description="data-parallel degree; auto = world_size / (tp*pp)")
     tp: int = Field(1, ge=1, description="tensor-parallel degree")
     pp: int = Field(1, ge=1, description="pipeline-parallel degree")
     vpp: int = Field(1, ge=1, description="virtual pipeline stages per rank (interleaved schedule)")
     ep: int = Field(1, ge=1, description="expert-parallel degree (MoE families)")
     zero: int = Field(0, description="ZeRO stage 0-3 (sharding of optimizer state / grads / params over dp)")
-    zero_impl: Literal["auto", "megatron", "deepspeed"] = Field(
+    zero_impl: Literal[ZERO_IMPLS] = Field(  # type: ignore[valid-type]
         "auto",
-        description="engine megatron: who shards over dp - megatron's DistributedOptimizer (zero 0-1) or "
-        "DeepSpeed ZeRO over the dp group (zero 1-3, pp = 1); auto = megatron for 0-1, deepspeed for 2-3",
+        description="who shards over dp; only engine megatron has a choice: megatron's DistributedOptimizer "
+        "(zero 0-1) or DeepSpeed ZeRO over the dp group (zero 1-3, pp = 1); auto = the engine's own, for "
+        "megatron: megatron for 0-1, deepspeed for 2-3",
     )
     sequence_parallel: bool | Literal["auto"] = Field(
         "auto",

@@ -13,8 +13,6 @@ Two rules keep that safe without any coordination between ranks:
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import os
 import shutil
 import uuid
@@ -22,28 +20,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from tessera.atomic import sha256_file, sha256_json
+
 try:  # POSIX only; without it every rank simply builds and the first rename wins.
     import fcntl
 except ImportError:  # pragma: no cover - Windows is not a training platform for us
     fcntl = None  # type: ignore[assignment]
-
-_CHUNK = 1 << 20
-
-
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file's bytes, read in chunks so large parquet files do not sit in memory."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def sha256_json(obj: Any) -> str:
-    """Hex sha256 of a canonical JSON encoding, so that key order never changes a cache key."""
-    blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-    return hashlib.sha256(blob.encode()).hexdigest()
-
 
 def sha256_dir(path: Path, names: list[str] | None = None) -> str:
     """Hash of the regular files of a directory (or of ``names`` in it), sorted by name.

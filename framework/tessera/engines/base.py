@@ -1,20 +1,30 @@
-"""The small protocol every engine implements, and the loss that all of them share.
+"""The engine protocol every engine implements completely, and the step logic all of them share.
 
-Loss normalisation is by tokens, not by micro-batches: a step's loss is the sum of token
-cross-entropies over the whole global batch (all micro-batches, all data-parallel ranks) divided by the
-number of label tokens in it. That is what a single-rank, no-accumulation run computes, so layouts that
-split the same global batch differently give the same numbers even when micro-batches carry different
-numbers of tokens (padding).
+An engine owns one rank's model, optimizer and the collectives of its layout; the training loop
+(:mod:`tessera.train.loop`) only calls the methods of :class:`Engine`, and engines are built through the
+registry (:mod:`tessera.engines.registry`) with one signature, ``Engine(source, recipe, layout,
+device=...)``, so nothing above this layer branches on an engine's name.
+
+Loss normalisation is by tokens, not by micro-batches: a step's loss is the sum of token cross-entropies
+over the whole global batch (all micro-batches, all data-parallel ranks) divided by the number of label
+tokens in it. That is what a single-rank, no-accumulation run computes, so layouts that split the same
+global batch differently give the same numbers even when micro-batches carry different numbers of tokens.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+
+from tessera.config.schema import ModelSection, Recipe
+from tessera.plan.layout import ParallelLayout
 
 IGNORE_INDEX = -100
 
@@ -24,22 +34,115 @@ class StepResult:
     """What one optimizer step reports (global values, identical on every rank)."""
 
     loss: float
-    grad_norm: float
+    grad_norm: float | None  # the pre-clip global norm; None when the engine reports none
     lr: float
     tokens: int  # label tokens in the global batch
     input_tokens: int  # input positions in the global batch (throughput counts these)
 
 
+@dataclass(frozen=True)
+class ModelSource:
+    """Where an engine's initial weights come from: the recipe's model section (an inline HF config or a
+    local directory, random init from ``seed`` or pretrained), with the tokenizer's vocabulary size."""
+
+    section: ModelSection
+    vocab_size: int
+    seed: int
+
+    @classmethod
+    def of(cls, recipe: Recipe, *, vocab_size: int) -> ModelSource:
+        return cls(section=recipe.model, vocab_size=vocab_size, seed=recipe.train.seed)
+
+    def hf_config(self) -> Any:
+        from tessera.models.hf import load_hf_config
+
+        return load_hf_config(self.section, vocab_size=self.vocab_size)
+
+    def build_hf(self) -> torch.nn.Module:
+        """The full HF model in fp32, initialised from the seed: every engine and layout starts from it,
+        so runs are comparable step by step."""
+        from tessera.models.hf import build_model
+
+        return build_model(self.section, seed=self.seed, vocab_size=self.vocab_size)
+
+
+@dataclass(frozen=True)
+class TensorSlice:
+    """The part of a full HF tensor that one rank holds.
+
+    ``index`` gives, per dimension of the full tensor (shape ``full_shape``), the ``(start, stop)`` range
+    held, and ``tensor`` has exactly that shape. ``flat`` instead says the rank holds elements
+    ``[start, stop)`` of the flattened full tensor (ZeRO-3 partitions), with ``tensor`` 1-D."""
+
+    tensor: torch.Tensor
+    full_shape: tuple[int, ...]
+    index: tuple[tuple[int, int], ...] | None = None
+    flat: tuple[int, int] | None = None
+
+    @classmethod
+    def whole(cls, t: torch.Tensor) -> TensorSlice:
+        return cls(tensor=t, full_shape=tuple(t.shape), index=tuple((0, n) for n in t.shape))
+
+    def place(self, full: torch.Tensor) -> None:
+        """Write this slice into ``full`` (a tensor of ``full_shape``)."""
+        if self.flat is not None:
+            full.view(-1)[self.flat[0] : self.flat[1]] = self.tensor.reshape(-1)
+        else:
+            assert self.index is not None
+            full[tuple(slice(a, b) for a, b in self.index)] = self.tensor
+
+
+#: HF parameter name -> the slices of it this rank holds (a fused tensor can hold several of one name)
+ShardedStateDict = dict[str, list[TensorSlice]]
+
+
+@runtime_checkable
 class Engine(Protocol):
-    """build (constructor), train_step, save, load, close."""
+    """One rank's model + optimizer under a layout. Built as ``cls(source, recipe, layout, device=...)``."""
 
-    def train_step(self, micro_batches: list[dict[str, torch.Tensor]], step: int) -> StepResult: ...
+    device: torch.device
+    #: how the data-parallel state is sharded and saved, recorded in checkpoints (e.g. "deepspeed-zero2")
+    sharding: str
 
-    def save(self, root: Path, tag: str, client_state: dict[str, Any]) -> None: ...
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]], step: int) -> StepResult:
+        """One optimizer step over this rank's micro-batches (``step`` is 1-based and sets the LR)."""
+        ...
 
-    def load(self, root: Path, tag: str) -> dict[str, Any]: ...
+    def named_groups(self) -> dict[Any, str]:
+        """The engine's own process groups by name (dp, tp, pp, ep, ...) for the comm accounting."""
+        ...
 
-    def close(self) -> None: ...
+    def held_state(self) -> dict[str, int]:
+        """Bytes of model states this rank holds now: ``params``, ``grads`` (as held at the gradient
+        accumulation boundary), ``optimizer``. Computed on demand from the engine's own tensors."""
+        ...
+
+    def state_dict(self) -> ShardedStateDict:
+        """This rank's parameters keyed by HF parameter names, each with the slice of the full tensor."""
+        ...
+
+    def optimizer_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(label, tensor) of every optimizer-state tensor this rank holds (master copies, moments)."""
+        ...
+
+    def modules(self) -> list[torch.nn.Module]:
+        """The local model modules (chunks) this rank runs forward and backward through."""
+        ...
+
+    def save(self, path: Path) -> None:
+        """Write this rank's share of model and optimizer state into the checkpoint directory ``path``."""
+        ...
+
+    def load(self, path: Path) -> None:
+        """Restore model and optimizer state from the (verified) checkpoint directory ``path``."""
+        ...
+
+    def close(self) -> None:
+        """Release what the engine initialised (global parallel state); the process group stays."""
+        ...
+
+
+# ---- shared step logic -------------------------------------------------------------------------------
 
 
 def label_tokens(labels: torch.Tensor) -> int:
@@ -57,3 +160,48 @@ def summed_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
         ignore_index=IGNORE_INDEX,
         reduction="sum",
     )
+
+
+def dp_sum(t: torch.Tensor, layout: ParallelLayout, group: Any = None) -> torch.Tensor:
+    """Sum ``t`` in place over the data-parallel group (``None``: the whole world)."""
+    if layout.dp > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t
+
+
+def global_counts(
+    micro_batches: list[dict[str, torch.Tensor]], layout: ParallelLayout, *, device: torch.device, group: Any
+) -> tuple[float, float]:
+    """(label tokens, input positions) of the global batch: this rank's counts summed over dp."""
+    local = [
+        float(sum(label_tokens(mb["labels"]) for mb in micro_batches)),
+        float(sum(mb["input_ids"].numel() for mb in micro_batches)),
+    ]
+    tokens, inputs = dp_sum(torch.tensor(local, dtype=torch.float64, device=device), layout, group).tolist()
+    return tokens, inputs
+
+
+def step_result(
+    loss_sum: float, grad_norm: Any, *, lr: float, tokens: float, inputs: float
+) -> StepResult:
+    """The step's report; an engine that has no norm passes ``None`` (never NaN, which means diverged)."""
+    norm = None if grad_norm is None else float(grad_norm)
+    return StepResult(
+        loss=float(loss_sum) / max(tokens, 1.0),
+        grad_norm=norm,
+        lr=lr,
+        tokens=int(tokens),
+        input_tokens=int(inputs),
+    )
+
+
+def first_nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> str | None:
+    """The label of the first tensor holding NaN or Inf, or None."""
+    for name, t in named:
+        if torch.is_tensor(t) and t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+            return name
+    return None
+
+
+def is_finite_number(x: float | None) -> bool:
+    return x is None or math.isfinite(x)

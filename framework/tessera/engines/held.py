@@ -29,13 +29,13 @@ def tensor_bytes(tensors: Iterable[Any]) -> int:
     return total
 
 
-def _flat(x: Any) -> list[torch.Tensor]:
+def flat_tensors(x: Any) -> list[torch.Tensor]:
     if torch.is_tensor(x):
         return [x]
     if isinstance(x, dict):
-        return [t for v in x.values() for t in _flat(v)]
+        return [t for v in x.values() for t in flat_tensors(v)]
     if isinstance(x, (list, tuple)):
-        return [t for v in x for t in _flat(v)]
+        return [t for v in x for t in flat_tensors(v)]
     return []
 
 
@@ -56,7 +56,7 @@ def deepspeed_grad_bytes(engine: Any, zero: int) -> int:
     (``averaged_gradients``) with it."""
     if zero == 0:
         return tensor_bytes(p.grad for p in engine.module.parameters() if p.grad is not None)
-    return tensor_bytes(_flat(getattr(engine.optimizer, "averaged_gradients", {})))
+    return tensor_bytes(flat_tensors(getattr(engine.optimizer, "averaged_gradients", {})))
 
 
 def deepspeed_params_and_optimizer(engine: Any, zero: int) -> dict[str, int]:
@@ -67,7 +67,7 @@ def deepspeed_params_and_optimizer(engine: Any, zero: int) -> dict[str, int]:
         held = tensor_bytes(params)
     opt = engine.optimizer
     inner = getattr(opt, "optimizer", opt)
-    masters = _flat(getattr(opt, "fp32_partitioned_groups_flat", [])) if zero >= 3 else []
+    masters = flat_tensors(getattr(opt, "fp32_partitioned_groups_flat", [])) if zero >= 3 else []
     return {"params": held, "optimizer": optimizer_bytes(inner, params) + tensor_bytes(masters)}
 
 

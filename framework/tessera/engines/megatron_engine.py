@@ -14,6 +14,7 @@ sum of token losses of the global batch divided by its token count, whatever the
 from __future__ import annotations
 
 import queue
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,14 +22,19 @@ import torch
 import torch.distributed as dist
 
 from tessera.config.schema import Recipe
-from tessera.engines.base import IGNORE_INDEX, StepResult, label_tokens
-from tessera.engines.deepspeed_engine import load_deepspeed_checkpoint
-from tessera.engines.held import (
-    deepspeed_grad_bytes,
-    deepspeed_params_and_optimizer,
-    megatron_grad_bytes,
-    megatron_params_and_optimizer,
+from tessera.engines.base import (
+    IGNORE_INDEX,
+    ModelSource,
+    ShardedStateDict,
+    StepResult,
+    TensorSlice,
+    dp_sum,
+    global_counts,
+    step_result,
 )
+from tessera.engines.held import megatron_grad_bytes, megatron_params_and_optimizer
+from tessera.engines.optim import LRSchedule
+from tessera.engines.zero import DeepSpeedRunner
 from tessera.errors import CheckpointError
 from tessera.models.megatron import (
     COL,
@@ -39,11 +45,12 @@ from tessera.models.megatron import (
     adapter_for,
     hf_to_mcore,
     layer_range,
+    mcore_to_hf_slices,
     padded_vocab,
     tp_splits,
 )
 from tessera.plan.layout import ParallelLayout
-from tessera.train.schedule import lr_factor
+from tessera.tensorfile import save_tensors
 
 CPU_CONFIG = dict(  # megatron-core's fused CUDA kernels off: the pure-torch paths run anywhere
     use_cpu_initialization=True,
@@ -105,6 +112,7 @@ def init_parallel_state(layout: ParallelLayout, *, seed: int, device: str) -> An
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
         expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp or None,  # None: megatron's default, = tp
     )
     rank = dist.get_rank()
     coords = layout.coords(rank)
@@ -244,29 +252,32 @@ def _shifted(mb: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.T
 class MegatronEngine:
     """megatron-core GPTModel chunks + (DistributedOptimizer | DeepSpeed ZeRO); one train_step = one update."""
 
-    def __init__(
-        self, hf_model: torch.nn.Module, recipe: Recipe, layout: ParallelLayout, *, device: str, seq_len: int
-    ) -> None:
+    def __init__(self, source: ModelSource, recipe: Recipe, layout: ParallelLayout, *, device: str) -> None:
         self.layout = layout
         self.device = torch.device(device if device == "cpu" else f"cuda:{torch.cuda.current_device()}")
-        self._optim_cfg, self._total_steps = recipe.optim, recipe.train.steps
-        self.seq_len = seq_len
+        self.schedule = LRSchedule(recipe)
+        self.seq_len = recipe.data.seq_len
         self.ps = ps = init_parallel_state(layout, seed=recipe.train.seed, device=device)
-        hf_cfg = hf_model.config
+        hf_model = source.build_hf()
+        self.hf_config = hf_cfg = hf_model.config
         self.config = transformer_config(
-            hf_cfg, layout, seq_len=seq_len, precision=recipe.train.precision, device=device
+            hf_cfg, layout, seq_len=self.seq_len, precision=recipe.train.precision, device=device
         )
         hf_state = {k: v.detach().float() for k, v in hf_model.state_dict().items()}
+        del hf_model
         chunks = build_model_chunks(hf_cfg, hf_state, self.config, layout, ps)
         del hf_state
         if device == "cuda":
             chunks = [c.cuda() for c in chunks]
         self.dp_group = ps.get_data_parallel_group()
         self.uses_deepspeed = layout.zero_impl == "deepspeed"
+        self.ds: DeepSpeedRunner | None = None
         if self.uses_deepspeed:
             self._init_deepspeed(chunks[0], recipe, device)
+            self.sharding = f"megatron+{self.ds.sharding}"  # type: ignore[union-attr]
         else:
             self._init_megatron(chunks, recipe)
+            self.sharding = "megatron-" + ("distributed-optimizer" if layout.zero == 1 else "ddp")
 
     # ---- setup -------------------------------------------------------------------------------------
     def _init_megatron(self, chunks: list[torch.nn.Module], recipe: Recipe) -> None:
@@ -315,37 +326,17 @@ class MegatronEngine:
         self.forward_backward = get_forward_backward_func()
 
     def _init_deepspeed(self, model: torch.nn.Module, recipe: Recipe, device: str) -> None:
-        import deepspeed
-
-        from tessera.engines.deepspeed_engine import build_ds_config, build_optimizer
-
-        ds_cfg = build_ds_config(recipe, self.layout, device=device)
-        optimizer = build_optimizer(recipe, model.named_parameters(), device=device, offload=False)
-        engine, _, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, config=ds_cfg, mpu=MpuAdapter(self.ps)
-        )
-        verify_deepspeed_groups(engine, self.layout)
-        self.ds = engine
-        self.chunks = [engine.module]
-        self.optimizer = engine.optimizer
+        self.ds = DeepSpeedRunner(model, recipe, self.layout, device=device, mpu=MpuAdapter(self.ps))
+        verify_deepspeed_groups(self.ds.engine, self.layout)
+        self.chunks = [self.ds.module]
+        self.optimizer = self.ds.engine.optimizer
 
     @property
     def module(self) -> torch.nn.Module:
         return self.chunks[0]
 
     # ---- the step ----------------------------------------------------------------------------------
-    def set_lr(self, step: int) -> float:
-        lr = self._optim_cfg.lr * lr_factor(step - 1, optim=self._optim_cfg, total_steps=self._total_steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        return lr
-
-    def _dp_sum(self, t: torch.Tensor) -> torch.Tensor:
-        if self.layout.dp > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.dp_group)
-        return t
-
-    def _loss_sum(self, model: torch.nn.Module, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _loss_sum(self, model: Any, mb: dict[str, torch.Tensor]) -> torch.Tensor:
         """Summed token loss of one micro-batch (vocab-parallel cross-entropy on this TP shard)."""
         ids, pos, target, mask = _shifted(mb, self.device)
         per_token = model(ids, pos, None, labels=target)  # [b, s], fp32 cross-entropy
@@ -353,32 +344,22 @@ class MegatronEngine:
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]], step: int) -> StepResult:
         assert len(micro_batches) == self.layout.grad_accum, "sampler and layout disagree"  # internal
-        lr = self.set_lr(step)
-        local = [
-            float(sum(label_tokens(mb["labels"]) for mb in micro_batches)),
-            float(sum(mb["input_ids"].numel() for mb in micro_batches)),
-        ]
-        global_tokens, global_inputs = self._dp_sum(
-            torch.tensor(local, dtype=torch.float64, device=self.device)
-        ).tolist()
-        scale = self.layout.grad_accum * self.layout.dp / max(global_tokens, 1.0)
+        lr = self.schedule.set(self.optimizer, step)
+        tokens, inputs = global_counts(micro_batches, self.layout, device=self.device, group=self.dp_group)
+        # the schedules (or DeepSpeed) divide by the micro-batch count and DDP averages over dp
+        scale = self.layout.grad_accum * self.layout.dp / max(tokens, 1.0)
         for c in self.chunks:
             c.train()
-        if self.uses_deepspeed:
-            loss_sum, grad_norm = self._step_deepspeed(micro_batches, scale)
+        if self.ds is not None:
+            loss_t, grad_norm = self.ds.step(micro_batches, scale, self._loss_sum)
+            loss_sum = float(dp_sum(loss_t, self.layout, self.dp_group))
         else:
             loss_sum, grad_norm = self._step_megatron(micro_batches, scale)
-        return StepResult(
-            loss=float(loss_sum) / max(global_tokens, 1.0),
-            grad_norm=grad_norm,
-            lr=lr,
-            tokens=int(global_tokens),
-            input_tokens=int(global_inputs),
-        )
+        return step_result(loss_sum, grad_norm, lr=lr, tokens=tokens, inputs=inputs)
 
     def _step_megatron(
         self, micro_batches: list[dict[str, torch.Tensor]], scale: float
-    ) -> tuple[float, float]:
+    ) -> tuple[float, float | None]:
         for c in self.chunks:
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -403,12 +384,7 @@ class MegatronEngine:
             micro_batch_size=self.layout.micro_batch,
             forward_only=False,
         )
-        grads_held = megatron_grad_bytes(self.chunks)
         ok, grad_norm, _ = self.optimizer.step()
-        self.held_state_bytes = {
-            "grads": grads_held,
-            **megatron_params_and_optimizer(self.chunks, self.optimizer),
-        }
         if not ok:  # only fp16 loss scaling skips a step, and fp16 is refused before launch
             raise RuntimeError("megatron optimizer skipped the step")
         # the loss lives on the last stage; tp ranks hold copies: count one rank per dp replica
@@ -421,53 +397,89 @@ class MegatronEngine:
                 mine += d["loss_sum"].double()
         if dist.get_world_size() > 1:
             dist.all_reduce(mine)
-        return float(mine), float(grad_norm) if grad_norm is not None else float("nan")
+        return float(mine), None if grad_norm is None else float(grad_norm)
 
-    def _step_deepspeed(
-        self, micro_batches: list[dict[str, torch.Tensor]], scale: float
-    ) -> tuple[float, float]:
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for mb in micro_batches:
-            token_loss = self._loss_sum(self.ds, mb)
-            loss_sum += token_loss.detach()
-            self.ds.backward(token_loss * scale)
-            if mb is micro_batches[-1]:
-                grads_held = deepspeed_grad_bytes(self.ds, self.layout.zero)
-            self.ds.step()
-        self.held_state_bytes = {
-            "grads": grads_held,
-            **deepspeed_params_and_optimizer(self.ds, self.layout.zero),
+    # ---- what this rank holds ----------------------------------------------------------------------
+    def held_state(self) -> dict[str, int]:
+        if self.ds is not None:
+            return self.ds.held_state()
+        return {
+            "grads": megatron_grad_bytes(self.chunks),  # megatron DDP's grad buffers live between steps
+            **megatron_params_and_optimizer(self.chunks, self.optimizer),
         }
-        self._dp_sum(loss_sum)
-        norm = self.ds.get_global_grad_norm()
-        return float(loss_sum), float(norm) if norm is not None else float("nan")
+
+    def _local_modules(self) -> list[torch.nn.Module]:
+        """The GPTModel chunks inside megatron's DDP / Float16Module wrappers (or DeepSpeed's)."""
+        out = []
+        for c in self.chunks:
+            while hasattr(c, "module") and not hasattr(c, "decoder"):
+                c = c.module
+            out.append(c)
+        return out
+
+    def state_dict(self) -> ShardedStateDict:
+        """HF names with the slice of the full HF tensor each local megatron tensor holds (fused QKV and
+        gate_up give several slices; see :func:`tessera.models.megatron.mcore_to_hf_slices`)."""
+        adapter = adapter_for(self.hf_config.model_type)
+        out: ShardedStateDict = {}
+        for vp, model in enumerate(self._local_modules()):
+            local = {k: v.detach() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+            shard = shard_of(self.ps, self.layout, vp)
+            for name, pieces in mcore_to_hf_slices(local, adapter, self.hf_config, shard).items():
+                out.setdefault(name, []).extend(
+                    TensorSlice(tensor=t, full_shape=full, index=index) for t, index, full in pieces
+                )
+        return out
+
+    def optimizer_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.ds is not None:
+            yield from self.ds.optimizer_tensors()
+            return
+        for j, opt in enumerate(getattr(self.optimizer, "chained_optimizers", [self.optimizer])):
+            inner = opt.optimizer
+            for g, group in enumerate(inner.param_groups):
+                for i, p in enumerate(group["params"]):
+                    yield f"optimizer[{j}].group[{g}].param[{i}]", p
+                    for k, v in inner.state.get(p, {}).items():
+                        if torch.is_tensor(v):
+                            yield f"optimizer[{j}].group[{g}].param[{i}].{k}", v
+
+    def modules(self) -> list[torch.nn.Module]:
+        return self._local_modules()
 
     # ---- checkpoints -------------------------------------------------------------------------------
-    def _rng_file(self, root: Path, tag: str) -> Path:
-        return Path(root) / tag / f"megatron_rng_rank{dist.get_rank():05d}.pt"
+    def _rng_file(self, path: Path) -> Path:
+        return Path(path) / f"megatron_rng_rank{dist.get_rank():05d}.safetensors"
 
-    def save(self, root: Path, tag: str, client_state: dict[str, Any]) -> None:
+    def save(self, path: Path) -> None:
         """Model + optimizer (dist_checkpointing, or DeepSpeed's format with zero_impl deepspeed) and
-        this rank's megatron RNG tracker states (TP-region dropout); the manager adds the rest."""
+        this rank's megatron RNG tracker states (TP-region dropout) as safetensors."""
         from megatron.core import tensor_parallel
 
-        if self.uses_deepspeed:
-            self.ds.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
+        if self.ds is not None:
+            self.ds.save(path)
         else:
-            self._save_dist(root, tag)
-        torch.save(tensor_parallel.get_cuda_rng_tracker().get_states(), self._rng_file(root, tag))
+            self._save_dist(path)
+        states = tensor_parallel.get_cuda_rng_tracker().get_states()
+        save_tensors(self._rng_file(path), states)
 
-    def load(self, root: Path, tag: str) -> dict[str, Any]:
+    def load(self, path: Path) -> None:
         from megatron.core import tensor_parallel
 
-        if self.uses_deepspeed:
-            state = load_deepspeed_checkpoint(self.ds, root, tag)
-        else:
-            state = self._load_dist(root, tag)
-        tensor_parallel.get_cuda_rng_tracker().set_states(torch.load(self._rng_file(root, tag)))
-        return state
+        from tessera.tensorfile import load_tensors
 
-    def _save_dist(self, root: Path, tag: str) -> None:
+        if self.ds is not None:
+            self.ds.load(path)
+        else:
+            self._load_dist(path)
+        rng = self._rng_file(path)
+        if not rng.is_file() and rng.with_suffix(".pt").is_file():  # a v1 checkpoint: tensors only
+            states = torch.load(rng.with_suffix(".pt"), weights_only=True)
+        else:
+            states = load_tensors(rng)
+        tensor_parallel.get_cuda_rng_tracker().set_states(states)
+
+    def _save_dist(self, ckpt: Path) -> None:
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing.strategies import filesystem_async
 
@@ -476,17 +488,17 @@ class MegatronEngine:
         # process: seconds per run on CPU, and a server left orphaned when a rank exits fast)
         if filesystem_async._results_queue is None:
             filesystem_async._results_queue = queue.Queue()
-        path = Path(root) / tag / "megatron"
+        path = Path(ckpt) / "megatron"
         if dist.get_rank() == 0:
             path.mkdir(parents=True, exist_ok=True)
         dist.barrier()
         dist_checkpointing.save(self._sharded_state_dict(is_loading=False), str(path))
         dist.barrier()
 
-    def _load_dist(self, root: Path, tag: str) -> dict[str, Any]:
+    def _load_dist(self, ckpt: Path) -> None:
         from megatron.core import dist_checkpointing
 
-        path = Path(root) / tag / "megatron"
+        path = Path(ckpt) / "megatron"
         if not path.is_dir():
             raise CheckpointError(
                 "no megatron dist_checkpointing directory in this checkpoint",
@@ -501,7 +513,6 @@ class MegatronEngine:
         with torch.no_grad():  # the distributed optimizer copies into views of the fp32 parameters
             self.optimizer.load_state_dict(state["optimizer"])
         self._restore_adam_steps(state["optimizer"])
-        return {}
 
     def _restore_adam_steps(self, loaded: dict[str, Any]) -> None:
         """megatron-core 0.16.1 without Apex / TE mishandles torch AdamW's per-parameter "step" on load:

@@ -122,7 +122,7 @@ def capture_manifest(
 
 
 # keys that differ between two launches of the same experiment and mean nothing for the numbers
-_VOLATILE = {"launcher_command", "hardware.hostname"}
+_VOLATILE = {"launcher_command", "hardware.hostname", "checkpoint_step", "resumed_from"}
 
 
 def diff_manifests(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[tuple[str, Any, Any]]:

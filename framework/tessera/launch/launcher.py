@@ -20,6 +20,7 @@ from pathlib import Path
 
 from tessera.config.schema import Recipe
 from tessera.errors import LayoutError, RecipeError
+from tessera.rundir import ExitCode, RunDir
 
 GRACE_S = 10.0  # after a rank fails: time the launcher gets to stop the others itself
 POLL_S = 0.25
@@ -133,6 +134,7 @@ class RankFailure:
     rank: int
     how: str
     log_tail: list[str]
+    code: int | None = None  # the rank's exit code, when it wrote one
 
 
 def _alive(pid: int) -> bool:
@@ -147,32 +149,21 @@ def _alive(pid: int) -> bool:
             return False
 
 
-def _tail(path: Path, n: int = 15) -> list[str]:
-    try:
-        return path.read_text(errors="replace").splitlines()[-n:]
-    except OSError:
-        return []
-
-
-TERMINATED = 143  # a rank stopped by SIGTERM (the launcher stopping the others) writes this code
-
-
-def _scan(logs: Path, world: int, pids: dict[int, int], dead_seen: dict[int, float]) -> RankFailure | None:
+def _scan(rd: RunDir, world: int, pids: dict[int, int], dead_seen: dict[int, float]) -> RankFailure | None:
     """The rank that failed first: a vanished process beats a non-zero exit, which beats a rank that was
     only terminated because another one failed."""
     vanished: list[tuple[float, int]] = []
-    exited: list[tuple[int, float, int, str]] = []
+    exited: list[tuple[int, float, int, int]] = []
     for rank in range(world):
-        pid_f, exit_f = logs / f"rank_{rank:05d}.pid", logs / f"rank_{rank:05d}.exit"
-        if rank not in pids and pid_f.is_file():
-            try:
-                pids[rank] = int(pid_f.read_text().strip())
-            except ValueError:
-                continue
-        if exit_f.is_file():
-            code = exit_f.read_text().strip()
-            if code and code != "0":
-                prio = 1 if code == str(TERMINATED) else 0
+        if rank not in pids:
+            pid = rd.rank_pid(rank)
+            if pid is not None:
+                pids[rank] = pid
+        exit_f = rd.rank_file(rank, "exit")
+        code = rd.rank_exit(rank)
+        if code is not None:
+            if code != ExitCode.OK:
+                prio = 1 if code == ExitCode.TERMINATED else 0
                 exited.append((prio, exit_f.stat().st_mtime, rank, code))
         elif rank in pids and not _alive(pids[rank]):
             dead_seen.setdefault(rank, time.monotonic())
@@ -181,14 +172,12 @@ def _scan(logs: Path, world: int, pids: dict[int, int], dead_seen: dict[int, flo
     if vanished:
         rank = min(vanished)[1]
         return RankFailure(
-            rank,
-            "died without exiting (killed by a signal, e.g. SIGKILL or the OOM killer)",
-            _tail(logs / f"rank_{rank:05d}.log"),
+            rank, "died without exiting (killed by a signal, e.g. SIGKILL or the OOM killer)", rd.log_tail(rank)
         )
     if exited:
         _, _, rank, code = min(exited)
-        how = "was terminated" if code == str(TERMINATED) else f"exited with code {code}"
-        return RankFailure(rank, how, _tail(logs / f"rank_{rank:05d}.log"))
+        how = "was terminated" if code == ExitCode.TERMINATED else f"exited with code {code}"
+        return RankFailure(rank, how, rd.log_tail(rank), code=code)
     return None
 
 
@@ -213,10 +202,8 @@ def run_and_monitor(
     cmd: list[str], env_add: dict[str, str], run_dir: Path, world: int
 ) -> tuple[int, RankFailure | None]:
     """Run the launcher; returns (exit code, the failed rank if one failed)."""
-    logs = run_dir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    for stale in list(logs.glob("rank_*.pid")) + list(logs.glob("rank_*.exit")):
-        stale.unlink()
+    rd = RunDir(run_dir)
+    rd.clear_rank_status()
     env = {**os.environ, **env_add}
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     pids: dict[int, int] = {}
@@ -227,7 +214,7 @@ def run_and_monitor(
         while True:
             rc = proc.poll()
             if failure is None:
-                failure = _scan(logs, world, pids, dead_seen)
+                failure = _scan(rd, world, pids, dead_seen)
                 if failure is not None:
                     failed_at = time.monotonic()
             if rc is not None:
@@ -238,7 +225,7 @@ def run_and_monitor(
             time.sleep(POLL_S)
     except KeyboardInterrupt:
         _stop_group(proc, pids)
-        return 130, None
+        return ExitCode.INTERRUPTED, None
     # the launcher is gone; make sure no rank outlives it
     for pid in pids.values():
         if _alive(pid):
@@ -246,10 +233,10 @@ def run_and_monitor(
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
-    rc = proc.returncode if proc.returncode is not None else 1
+    rc = proc.returncode if proc.returncode is not None else ExitCode.FAILED
     if rc != 0:  # re-scan with everything settled: a vanished rank beats the first exit we saw
         time.sleep(0.6)
-        failure = _scan(logs, world, pids, dead_seen) or failure
+        failure = _scan(rd, world, pids, dead_seen) or failure
     if failure is not None and rc == 0:
-        rc = 1
+        rc = ExitCode.FAILED
     return rc, failure

@@ -1,74 +1,20 @@
-"""Hugging Face causal LMs from an inline config dict or a local directory, one registered family each.
+"""Hugging Face causal LMs from an inline config dict or a local directory.
 
-A family entry says which HF ``model_type`` values it covers. The megatron adapters (issue 3) hang off
-the same registry.
+Which families exist is :mod:`tessera.models.families` (listed once); :func:`family_of` is re-exported
+here for the callers that load models.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from tessera.config.schema import FAMILIES, ModelSection
+from tessera.config.schema import ModelSection
 from tessera.errors import RecipeError
+from tessera.models.families import Family, family_of
 
-
-@dataclass(frozen=True)
-class Family:
-    name: str
-    model_types: tuple[str, ...]
-
-
-_REGISTRY: dict[str, Family] = {}
-
-
-def register_family(name: str, *, model_types: tuple[str, ...]) -> Callable[[type], type]:
-    """Class decorator: ``@register_family("llama", model_types=("llama",))`` on an adapter class."""
-
-    def deco(cls: type) -> type:
-        _REGISTRY[name] = Family(name=name, model_types=model_types)
-        cls.family = _REGISTRY[name]
-        return cls
-
-    return deco
-
-
-@register_family("llama", model_types=("llama",))
-class LlamaFamily: ...
-
-
-@register_family("qwen2", model_types=("qwen2",))
-class Qwen2Family: ...
-
-
-@register_family("mistral", model_types=("mistral",))
-class MistralFamily: ...
-
-
-@register_family("gpt2", model_types=("gpt2",))
-class GPT2Family: ...
-
-
-@register_family("mixtral", model_types=("mixtral",))
-class MixtralFamily: ...
-
-
-assert set(_REGISTRY) == set(FAMILIES)  # schema and registry list the same families
-
-
-def family_of(model_type: str) -> Family:
-    for fam in _REGISTRY.values():
-        if model_type in fam.model_types:
-            return fam
-    raise RecipeError(
-        "model family not supported",
-        field="model.hf_config.model_type",
-        value=model_type,
-        fix="use one of " + ", ".join(sorted(t for f in _REGISTRY.values() for t in f.model_types)),
-    )
+__all__ = ["Family", "build_model", "check_vocab", "family_of", "load_hf_config"]
 
 
 def load_hf_config(section: ModelSection, *, vocab_size: int | None = None):

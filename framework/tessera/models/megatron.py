@@ -1,6 +1,7 @@
 """HF families on megatron-core: config adapters and the declarative HF <-> megatron weight map.
 
-One adapter per family, registered by decorator. An adapter turns the HF config into the model-shape
+One adapter per family of :mod:`tessera.models.families`, registered by decorator under the name the
+family entry gives (checked at import). An adapter turns the HF config into the model-shape
 part of a megatron-core ``TransformerConfig`` plus ``GPTModel`` arguments, refuses what megatron-core's
 local (non-TransformerEngine) layer spec cannot express, and lists its weight :class:`Rule` s. The
 conversion itself (:func:`hf_to_mcore`, :func:`mcore_to_hf`) is one generic function pair driven by
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera.errors import RecipeError
+from tessera.models.families import FAMILIES, family_of
 
 # split kinds
 REPL, COL, ROW, VOCAB = "repl", "col", "row", "vocab"
@@ -150,17 +152,8 @@ def register_adapter(family: str) -> Callable[[Callable[[], Adapter]], Callable[
 
 
 def adapter_for(model_type: str) -> Adapter:
-    from tessera.models.hf import family_of
-
-    fam = family_of(model_type).name
-    if fam not in ADAPTERS:
-        raise RecipeError(
-            "this family has no megatron-core adapter",
-            field="model.hf_config.model_type",
-            value=model_type,
-            fix="use parallel.engine: deepspeed, or one of " + ", ".join(sorted(ADAPTERS)),
-        )
-    return ADAPTERS[fam]
+    """The adapter of the family covering HF ``model_type`` (a RecipeError for an unsupported type)."""
+    return ADAPTERS[family_of(model_type).adapter]
 
 
 def _refuse(key: str, value: Any, why: str, fix: str) -> None:
@@ -448,6 +441,13 @@ def _gpt2() -> Adapter:
     return Adapter(family="gpt2", transformer=transformer, gpt=gpt, rules=rules, shape=shape)
 
 
+_missing = sorted(
+    f"{fam.name} (adapter {fam.adapter!r})" for fam in FAMILIES.values() if fam.adapter not in ADAPTERS
+)
+if _missing:  # the family registry and the adapters must list the same families
+    raise RuntimeError("families without a megatron-core adapter: " + ", ".join(_missing))
+
+
 # ---- conversion ----------------------------------------------------------------------------------
 
 
@@ -634,3 +634,75 @@ def hf_keys_covered(adapter: Adapter, hf_cfg: Any) -> set[str]:
         for _, hf_key, _ in _instances(rule, shape, Shard()):
             keys.update(hf_key(n) for n in names)
     return keys
+
+
+def mcore_to_hf_slices(
+    sd: dict[str, torch.Tensor], adapter: Adapter, hf_cfg: Any, shard: Shard
+) -> dict[str, list[tuple[torch.Tensor, tuple[tuple[int, int], ...], tuple[int, ...]]]]:
+    """What one chunk holds, in HF terms: HF key -> [(tensor, index, full HF shape)], where ``index`` is the
+    ``(start, stop)`` range per dimension of the full HF tensor that ``tensor`` fills. The fused tensors
+    give several entries: a TP shard of megatron's QKV is a contiguous range of q, of k and of v rows (its
+    query groups), of gate_up a range of gate and of up rows. Vocabulary padding is left out. Replicated
+    tensors appear on every rank that holds them (the reader picks one)."""
+    shape = adapter.shape(hf_cfg)
+    out: dict[str, list[tuple[torch.Tensor, tuple[tuple[int, int], ...], tuple[int, ...]]]] = {}
+    for rule in adapter.rules(hf_cfg):
+        if not _stage_has(rule, shard, shape):
+            continue
+        tp, r = _tp_of(rule, shard)
+        names = rule.hf if isinstance(rule.hf, tuple) else (rule.hf,)
+        for key, hf_key, expert in _instances(rule, shape, shard):
+            for name_i, t, row0, rows, col0, cols in _local_pieces(rule, sd[key], shape, tp, r):
+                index = [(row0, row0 + t.shape[0])]
+                full = [rows]
+                if t.dim() == 2:
+                    index.append((col0, col0 + t.shape[1]))
+                    full.append(cols)
+                if rule.transpose and t.dim() == 2:
+                    t, index, full = t.t(), index[::-1], full[::-1]
+                if rule.hf_expert_dim:
+                    t = t.unsqueeze(0)
+                    index = [(expert, expert + 1), *index]
+                    full = [shape.num_experts, *full]
+                out.setdefault(hf_key(names[name_i]), []).append((t, tuple(index), tuple(full)))
+    return out
+
+
+def _local_pieces(
+    rule: Rule, t: torch.Tensor, shape: ModelShape, tp: int, r: int
+) -> list[tuple[int, torch.Tensor, int, int, int, int]]:
+    """The HF pieces of one local megatron tensor, in megatron orientation (rows = output features):
+    (index into the rule's HF names, tensor, first row, full rows, first column, full columns)."""
+    cols = t.shape[1] if t.dim() == 2 else 0
+    if rule.fuse == "qkv":
+        g, hq, d = shape.num_query_groups // tp, shape.num_heads // tp, shape.head_dim
+        local = ModelShape(
+            num_layers=1, num_heads=hq, num_query_groups=g, head_dim=d, vocab_size=shape.vocab_size
+        )
+        q, k, v = _qkv_split(t, local)
+        qf, kf = shape.num_heads * d, shape.num_query_groups * d
+        if isinstance(rule.hf, tuple):  # separate q / k / v tensors
+            return [
+                (0, q, r * hq * d, qf, 0, cols),
+                (1, k, r * g * d, kf, 0, cols),
+                (2, v, r * g * d, kf, 0, cols),
+            ]
+        full = qf + 2 * kf  # one [q; k; v] tensor (GPT-2's c_attn)
+        return [(0, q, r * hq * d, full, 0, cols), (0, k, qf + r * g * d, full, 0, cols),
+                (0, v, qf + kf + r * g * d, full, 0, cols)]  # fmt: skip
+    if rule.fuse in ("gate_up", "gate_up_fused"):
+        half = t.shape[0] // 2
+        gate, up = t[:half], t[half:]
+        if rule.fuse == "gate_up":
+            return [(0, gate, r * half, half * tp, 0, cols), (1, up, r * half, half * tp, 0, cols)]
+        ffn = half * tp
+        return [(0, gate, r * half, 2 * ffn, 0, cols), (0, up, ffn + r * half, 2 * ffn, 0, cols)]
+    if rule.split == VOCAB:
+        start = r * t.shape[0]
+        keep = max(0, min(t.shape[0], shape.vocab_size - start))
+        return [(0, t[:keep], start, shape.vocab_size, 0, cols)] if keep else []
+    if rule.split == COL:
+        return [(0, t, r * t.shape[0], t.shape[0] * tp, 0, cols)]
+    if rule.split == ROW:
+        return [(0, t, 0, t.shape[0], r * cols, cols * tp)]
+    return [(0, t, 0, t.shape[0], 0, cols)]

@@ -18,17 +18,19 @@ Sources:
   interleaved; reported here as a fraction of the whole step, (p-1)/(v·m + p-1).
 
 Rank layout follows megatron-core's "tp-cp-ep-dp-pp" order (see ``ParallelLayout.coords``): tp ranks are
-adjacent, dp ranks stride tp, pp ranks stride tp·dp; experts use expert-TP = tp (megatron-core's
-default), so the expert-data-parallel group has dp/ep ranks.
+adjacent, dp ranks stride tp, pp ranks stride tp·dp; experts are split over ep x etp ranks (the layout's
+etp, megatron-core's default = tp), so the expert-data-parallel group has dp·tp/(ep·etp) ranks.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tessera.errors import RecipeError
+from tessera.models.families import family_of
 from tessera.models.megatron import ModelShape, adapter_for, padded_vocab
 from tessera.plan.layout import ParallelLayout
 
@@ -37,11 +39,16 @@ BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 RECOMPUTE = ("none", "selective", "full")
 #: DeepSpeed's default ``zero_optimization.reduce_bucket_size`` (elements): its gradient bucket buffer
 DS_REDUCE_BUCKET = 500_000_000
+#: torch DDP's default bucket caps (bytes): ``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`` for the first
+#: bucket, ``bucket_cap_mb=25`` MiB for the others
+DDP_FIRST_BUCKET_BYTES = 1024 * 1024
+DDP_BUCKET_BYTES = 25 * 1024 * 1024
 
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """Everything the estimates need to know of a model: the adapter's shape plus the sizes HF holds."""
+    """Everything the estimates need to know of a model: the adapter's shape plus the facts its family entry
+    (:mod:`tessera.models.families`) reads from the HF config."""
 
     family: str
     hidden: int
@@ -53,6 +60,7 @@ class ModelFacts:
     vocab_size: int
     norm: str = "RMSNorm"  # "RMSNorm" (weight) or "LayerNorm" (weight + bias)
     gated_mlp: bool = True  # SwiGLU: fc1 is [gate; up] (2·ffn outputs)
+    fused_qkv: bool = False  # the HF module keeps q, k, v in one tensor (GPT-2's Conv1D)
     qkv_bias: bool = False
     proj_bias: bool = False  # attention output projection bias
     mlp_bias: bool = False
@@ -70,46 +78,23 @@ class ModelFacts:
 
 
 def model_facts(hf_cfg: Any) -> ModelFacts:
-    """The :class:`ModelFacts` of an HF config (one of the registered families)."""
+    """The :class:`ModelFacts` of an HF config: the family adapter's shape plus the family entry's facts."""
+    fam = family_of(hf_cfg.model_type)
     shape = adapter_for(hf_cfg.model_type).shape(hf_cfg)
-    c = hf_cfg
-    common = dict(
+    facts = fam.facts(hf_cfg)
+    if not shape.num_experts:
+        facts["topk"] = 0
+    return ModelFacts(
+        family=fam.name,
         num_layers=shape.num_layers,
         num_heads=shape.num_heads,
         num_kv_heads=shape.num_query_groups,
         head_dim=shape.head_dim,
         vocab_size=shape.vocab_size,
         tied=shape.tied,
-        shape=shape,
-    )
-    if c.model_type == "gpt2":
-        return ModelFacts(
-            family="gpt2",
-            hidden=c.n_embd,
-            ffn=c.n_inner or 4 * c.n_embd,
-            norm="LayerNorm",
-            gated_mlp=False,
-            qkv_bias=True,
-            proj_bias=True,
-            mlp_bias=True,
-            positions=c.n_positions,
-            attn_dropout=float(c.attn_pdrop) > 0,
-            hidden_dropout=float(c.resid_pdrop) > 0,
-            **common,
-        )
-    qwen2 = c.model_type == "qwen2"  # q/k/v carry a bias, o_proj does not
-    bias = bool(getattr(c, "attention_bias", False))
-    return ModelFacts(
-        family=c.model_type,
-        hidden=c.hidden_size,
-        ffn=c.intermediate_size,
-        qkv_bias=qwen2 or bias,
-        proj_bias=bias and not qwen2,
-        mlp_bias=bool(getattr(c, "mlp_bias", False)),
         num_experts=shape.num_experts,
-        topk=int(getattr(c, "num_experts_per_tok", 0)) if shape.num_experts else 0,
-        attn_dropout=float(getattr(c, "attention_dropout", 0.0)) > 0,
-        **common,
+        shape=shape,
+        **facts,
     )
 
 
@@ -159,15 +144,23 @@ class RankParams:
 
 
 def rank_params(
-    f: ModelFacts, *, tp: int = 1, pp: int = 1, ep: int = 1, first: bool = True, last: bool = True
+    f: ModelFacts,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    etp: int | None = None,
+    first: bool = True,
+    last: bool = True,
 ) -> RankParams:
     """What one rank of a (first / last / middle) pipeline stage holds: dense weights split over tp,
     norms and row-parallel biases replicated, layers split over pp, the vocabulary padded to a multiple
     of tp (megatron-core's ``VocabParallelEmbedding``), the embedding on the first stage, the LM head on
-    the last (a tied head is a second copy when pp > 1) and experts split over ep x tp."""
+    the last (a tied head is a second copy when pp > 1) and experts split over ep x etp (etp defaults to
+    tp, megatron-core's default)."""
     layer = layer_params(f)
     dense_layer = layer["tp"] // tp + layer["repl"]
-    expert_layer = layer["expert"] // (ep * tp)
+    expert_layer = layer["expert"] // (ep * (tp if etp is None else etp))
     n = f.num_layers // pp
     vocab_shard = padded_vocab(f.vocab_size, tp) // tp * f.hidden
     emb = (vocab_shard + f.positions * f.hidden) if first else 0
@@ -184,10 +177,10 @@ def rank_params(
 def largest_shard(f: ModelFacts, layout: ParallelLayout) -> RankParams:
     """The parameters of the pipeline stage holding the most (first or last; the only one if pp = 1)."""
     L = layout
-    ep = L.ep if L.engine == "megatron" else 1
     ends = [(True, True)] if L.pp == 1 else [(True, False), (False, True)]
     return max(
-        (rank_params(f, tp=L.tp, pp=L.pp, ep=ep, first=a, last=b) for a, b in ends), key=lambda r: r.total
+        (rank_params(f, tp=L.tp, pp=L.pp, ep=L.ep, etp=L.etp, first=a, last=b) for a, b in ends),
+        key=lambda r: r.total,
     )
 
 
@@ -236,6 +229,32 @@ def deepspeed_state_bytes(
     p, shard = BYTES[precision], math.ceil(psi / n)
     params = p * psi if zero < 3 else p * shard + p * persistent
     return {"params": params, "grads": p * shard, "optimizer": (4 + 8) * shard}
+
+
+def ddp_state_bytes(psi: int) -> dict[str, int]:
+    """What the ddp engine holds per rank: a full replica whatever the precision, because torch DDP +
+    torch AdamW keep the parameters in fp32 (bf16 runs under ``torch.autocast``): params 4Ψ, grads 4Ψ,
+    AdamW m + v 8Ψ = 16Ψ, the ZeRO paper's mixed-precision total of a plain data-parallel replica."""
+    return {"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi}
+
+
+DDP_FORMULA = "DDP fp32 replica params 4Ψ + grads 4Ψ + AdamW m,v 8Ψ = 16Ψ (bf16 under autocast too)"
+
+
+def ddp_bucket_count(
+    grad_bytes: Sequence[int], *, first_cap: int = DDP_FIRST_BUCKET_BYTES, cap: int = DDP_BUCKET_BYTES
+) -> int:
+    """Messages torch DDP all-reduces the gradients in: ``grad_bytes`` per parameter in the order the
+    gradients become ready (reverse parameter order), filled into buckets the way DDP's reducer does once
+    it has rebuilt them after the first step (``_compute_bucket_assignment_by_size``): a tensor joins the
+    open bucket, which closes once it holds ``>=`` its cap; 1 MiB for the first, 25 MiB after (the first
+    step, before the rebuild, reduces everything in one bucket)."""
+    buckets, size, limit = 0, 0, first_cap
+    for b in grad_bytes:
+        size += b
+        if size >= limit:
+            buckets, size, limit = buckets + 1, 0, cap
+    return buckets + (1 if size else 0)
 
 
 # ---- activations -------------------------------------------------------------------------------------
@@ -342,14 +361,20 @@ class MemoryEstimate:
         return {**out, "total": self.total, "host": self.host}
 
 
-def _deepspeed_dp(layout: ParallelLayout) -> bool:
-    """Whether DeepSpeed (not megatron's DDP / DistributedOptimizer) does the data-parallel sharding."""
-    return layout.engine == "deepspeed" or layout.zero_impl == "deepspeed"
-
-
 def expert_dp(layout: ParallelLayout) -> int:
-    """Size of the group that shards expert states: dp*tp / (ep * expert_tp) with expert_tp = tp."""
-    return max(1, layout.dp // layout.ep) if layout.engine == "megatron" else layout.dp
+    """Size of the group that shards expert states: dp*tp / (ep * etp) (dp for the engines without EP,
+    whose ep = etp = tp = 1)."""
+    L = layout
+    return max(1, L.dp * L.tp // (L.ep * L.etp))
+
+
+def _state_bytes(layout: ParallelLayout, psi: int, precision: str, *, persistent: int = 0) -> dict[str, int]:
+    """Model-state bytes of ``psi`` dense parameters by who shards them (``layout.zero_impl``)."""
+    if layout.zero_impl == "ddp":
+        return ddp_state_bytes(psi)
+    if layout.zero_impl == "deepspeed":
+        return deepspeed_state_bytes(psi, layout.dp, layout.zero, precision, persistent=persistent)
+    return model_state_bytes(psi, layout.dp, layout.zero, precision)
 
 
 def memory_per_rank(
@@ -364,9 +389,12 @@ def memory_per_rank(
     """Device bytes per rank of the stage that needs the most: ZeRO model states (dense states over dp,
     expert states over the expert-dp group), activations of the in-flight micro-batches, and buffers
     (the fp32 logits of the loss on the last stage, the ZeRO-3 gathered layers, DeepSpeed's gradient
-    bucket). Offload moves the optimizer states (+ the fp32 gradient partition) or the parameters to host."""
+    bucket, DDP's bucket copy of the gradients). Offload moves the optimizer states (+ the fp32 gradient
+    partition) or the parameters to host. An engine that trains the HF module (``hf_module``) has no
+    separate expert states: DeepSpeed shards its experts like any other tensor."""
     e = p = BYTES[precision]  # activation and parameter bytes (the compute dtype)
     L, t = layout, layout.tp
+    hf_module = L.caps.hf_module
     m = L.grad_accum
     stages = [("only", True, True)] if L.pp == 1 else [("first", True, False), ("last", False, True)]
     per_layer = activation_bytes_per_layer(
@@ -381,15 +409,11 @@ def memory_per_rank(
     )
     best: MemoryEstimate | None = None
     for name, first, last in stages:
-        rp = rank_params(f, tp=t, pp=L.pp, ep=L.ep if L.engine == "megatron" else 1, first=first, last=last)
-        dense, expert = (rp.dense, rp.expert) if L.engine == "megatron" else (rp.total, 0)
-        if L.engine == "deepspeed":
-            small = sum(x for x in hf_tensor_numels(f) if x < ZERO3_PERSISTENCE_THRESHOLD)
-            st = deepspeed_state_bytes(dense, L.dp, L.zero, precision, persistent=small)
-        elif L.zero_impl == "deepspeed":
-            st = deepspeed_state_bytes(dense, L.dp, L.zero, precision)
-        else:
-            st = model_state_bytes(dense, L.dp, L.zero, precision)
+        rp = rank_params(f, tp=t, pp=L.pp, ep=L.ep, etp=L.etp, first=first, last=last)
+        dense, expert = (rp.total, 0) if hf_module else (rp.dense, rp.expert)
+        # ZeRO-3 keeps the HF module's small tensors whole (megatron-core's fused tensors are not counted)
+        small = sum(x for x in hf_tensor_numels(f) if x < ZERO3_PERSISTENCE_THRESHOLD) if hf_module else 0
+        st = _state_bytes(L, dense, precision, persistent=small)
         if expert:
             for k, v in model_state_bytes(expert, expert_dp(L), L.zero, precision).items():
                 st[k] += v
@@ -420,11 +444,25 @@ def memory_per_rank(
             act += 2 * e * sbh // (t if L.sequence_parallel else 1)
             logits = seq_len * L.micro_batch * (padded_vocab(f.vocab_size, t) // t)
             buffers += logits * (e + (4 if e < 4 else 0) + 4)
+        if L.zero_impl == "ddp":
+            states = f"{DDP_FORMULA}, Ψ={dense:,}, whole on each of the {L.dp} ranks"
+        else:
+            states = zero_formula(L.zero, precision, dense, L.dp) + (
+                f"; experts: {zero_formula(L.zero, precision, expert, expert_dp(L))}" if expert else ""
+            )
+        formulas = {"model_states": states, "activations": activation_formula(recompute, fused_attention)}
         if L.zero >= 3:
             # gathered full (dp-unsharded) params: the largest module in use + the prefetched layer
             buffers += p * (max(rp.per_layer, rp.embedding) + rp.per_layer)
-        elif _deepspeed_dp(L) and L.dp > 1:
+        elif L.zero_impl == "deepspeed" and L.dp > 1:
             buffers += p * min(rp.total, DS_REDUCE_BUCKET)
+        elif L.zero_impl == "ddp":
+            # DDP's reducer allocates its buckets whatever the world size
+            buffers += 4 * rp.total
+            formulas["buffers"] = (
+                "DDP reducer's flat fp32 bucket copy of every gradient (gradient_as_bucket_view=False, "
+                f"the default): 4Ψ, Ψ={rp.total:,}"
+            )
         est = MemoryEstimate(
             params=st["params"],
             grads=st["grads"],
@@ -433,11 +471,7 @@ def memory_per_rank(
             buffers=buffers,
             host=host,
             stage=name,
-            formulas={
-                "model_states": zero_formula(L.zero, precision, dense, L.dp)
-                + (f"; experts: {zero_formula(L.zero, precision, expert, expert_dp(L))}" if expert else ""),
-                "activations": activation_formula(recompute, fused_attention),
-            },
+            formulas=formulas,
         )
         if best is None or est.total > best.total:
             best = est
@@ -454,7 +488,8 @@ class CommOp:
     (the full tensor: the all-reduced buffer, the gathered output, the scattered input, the all-to-all
     send buffer, the sent activation). ``span``: consecutive ranks the group covers (decides the link).
     ``overlap``: what it can hide behind - "none", "fwd" / "bwd" (each micro-batch's forward / backward)
-    or "last_bwd" (the backward of the step's last micro-batch)."""
+    or "last_bwd" (the backward of the step's last micro-batch). ``messages``: how many messages one
+    call is issued as (DDP's gradient buckets), recorded with its ``formula`` but not yet timed."""
 
     op: str
     group: str
@@ -463,6 +498,8 @@ class CommOp:
     group_size: int
     span: int
     overlap: str = "none"
+    messages: int = 1
+    formula: str = ""
 
     @property
     def key(self) -> str:
@@ -497,23 +534,25 @@ ZERO3_PERSISTENCE_THRESHOLD = 100_000
 
 
 def hf_tensor_numels(f: ModelFacts) -> list[int]:
-    """Element counts of the HF module's parameter tensors (what DeepSpeed partitions tensor by tensor):
-    GPT-2 fuses q/k/v into one Conv1D; transformers v5 MoE families keep all experts' gate/up and down
-    in one tensor each."""
+    """Element counts of the HF module's parameter tensors (what DeepSpeed partitions tensor by tensor),
+    roughly in parameter order (embeddings, then per layer norms, attention, MLP; final norm, head):
+    ``fused_qkv`` families (GPT-2's Conv1D) keep q/k/v in one tensor; transformers v5 MoE families keep
+    all experts' gate/up and down in one tensor each."""
     h, qo, kvo, ffn = f.hidden, f.num_heads * f.head_dim, f.num_kv_heads * f.head_dim, f.ffn
+    qkv = qo + 2 * kvo
     norm = [h, h] if f.norm == "LayerNorm" else [h]
     out = [f.vocab_size * h] + ([f.positions * h] if f.positions else [])
     layer: list[int] = norm + norm
-    if f.family == "gpt2":
-        layer += [h * 3 * h, 3 * h, qo * h, h, h * ffn, ffn, ffn * h, h]
+    if f.fused_qkv:
+        layer += [h * qkv] + ([qkv] if f.qkv_bias else [])
     else:
-        layer += [h * qo, h * kvo, h * kvo, qo * h]
-        layer += [qo, kvo, kvo] if f.qkv_bias else []
-        layer += [h] if f.proj_bias else []
-        if f.moe:
-            layer += [f.num_experts * h, f.num_experts * 2 * ffn * h, f.num_experts * h * ffn]
-        else:
-            layer += [h * ffn, h * ffn, ffn * h] + ([ffn, ffn, h] if f.mlp_bias else [])
+        layer += [h * qo, h * kvo, h * kvo] + ([qo, kvo, kvo] if f.qkv_bias else [])
+    layer += [qo * h] + ([h] if f.proj_bias else [])
+    fc1 = (2 if f.gated_mlp else 1) * ffn  # gate + up (SwiGLU) or the one up projection
+    if f.moe:
+        layer += [f.num_experts * h, f.num_experts * fc1 * h, f.num_experts * h * ffn]
+    else:
+        layer += [h * ffn] * (fc1 // ffn) + [ffn * h] + ([ffn] * (fc1 // ffn) + [h] if f.mlp_bias else [])
     out += layer * f.num_layers + norm
     return out + ([] if f.tied else [f.vocab_size * h])
 
@@ -526,7 +565,9 @@ def comm_per_step(
     DP (ZeRO 0: all-reduce of the grads once per step; ZeRO 1: reduce-scatter of the grads + all-gather
     of the updated params once per step, the same 2(N-1)/N·Ψ volume; ZeRO 2: the reduce-scatter every
     micro-batch, DeepSpeed reduces as the backward goes; ZeRO 3: all-gather of the params in every
-    forward and backward + reduce-scatter of the grads every micro-batch, 3Ψ at m = 1). Expert states
+    forward and backward + reduce-scatter of the grads every micro-batch, 3Ψ at m = 1; torch DDP: one
+    all-reduce of the fp32 grads, 4Ψ bytes whatever the precision, once per step in its buckets, the
+    other micro-batches run under ``no_sync``). Expert states
     go over the expert-dp group ("edp"). TP: 2 all-reduces forward and 2 backward of b·s·h per layer
     and micro-batch (with SP: all-gather + reduce-scatter pairs, same volume; the embedding / head
     collectives, 1/(4L) more, are left out). PP: activation and gradient sends of b·s·h (/t with SP).
@@ -536,17 +577,26 @@ def comm_per_step(
     L, e = layout, BYTES[precision]
     t, dp, pp, m, b = L.tp, L.dp, L.pp, L.grad_accum, L.micro_batch
     ops: list[CommOp] = []
-    mega = L.engine == "megatron"
+    hf_module = L.caps.hf_module
     rp = largest_shard(f, L)
-    groups = [("dp", rp.dense if mega else rp.total, dp, t * dp)]
-    if mega and rp.expert:
+    groups = [("dp", rp.total if hf_module else rp.dense, dp, t * dp)]
+    if not hf_module and rp.expert:
         groups.append(("edp", rp.expert, expert_dp(L), t * dp))
     for name, psi, n, span in groups:
         if n == 1 or psi == 0:
             continue
         grad_b, param_b = e * psi, e * psi
-        deepspeed_dp = not mega or L.zero_impl == "deepspeed"
-        if L.zero == 0:
+        deepspeed_dp = L.zero_impl == "deepspeed"
+        if L.zero_impl == "ddp":
+            # fp32 gradients (fp32 params under autocast), reduced once per step: no_sync on the others
+            grads = [4 * x for x in reversed(hf_tensor_numels(f))]
+            buckets = ddp_bucket_count(grads)
+            why = (
+                f"DDP all_reduce of the fp32 gradients once per step: 4Ψ = {4 * psi:,} bytes, Ψ={psi:,}, in "
+                f"{buckets} bucket message(s) (reverse parameter order, first <= 1 MiB, then <= 25 MiB)"
+            )
+            ops.append(CommOp("all_reduce", name, 4 * psi, 1, n, span, "last_bwd", buckets, why))
+        elif L.zero == 0:
             ops.append(CommOp("all_reduce", name, grad_b, 1, n, span, "last_bwd"))
         elif L.zero in (1, 2):
             per_mb = L.zero == 2
@@ -559,7 +609,7 @@ def comm_per_step(
         else:
             # persistent (small) tensors are whole on every rank: one all-gather after the update;
             # the others are gathered for every forward and backward
-            small = sum(x for x in hf_tensor_numels(f) if x < ZERO3_PERSISTENCE_THRESHOLD) if not mega else 0
+            small = sum(x for x in hf_tensor_numels(f) if x < ZERO3_PERSISTENCE_THRESHOLD) if hf_module else 0
             big_b = e * max(psi - small, 0)
             if small:
                 ops.append(CommOp("all_gather", name, e * small, 1, n, span, "none"))
@@ -581,7 +631,7 @@ def comm_per_step(
             ops.append(CommOp("all_reduce", "tp", act, (4 * layers + edge) * m, t, t))
             if pp == 1:
                 ops.append(CommOp("all_reduce", "tp", seq_len * b * 4, 3 * m, t, t))
-    if mega and L.ep > 1 and f.moe:
+    if L.ep > 1 and f.moe:
         tokens = seq_len * b // (t if L.sequence_parallel else 1)
         ops.append(CommOp("all_to_all", "ep", tokens * f.topk * f.hidden * e, 4 * layers * m, L.ep, t * L.ep))
     if pp > 1:
@@ -593,6 +643,11 @@ def comm_per_step(
             emb = padded_vocab(f.vocab_size, t) // t * f.hidden * e
             ops.append(CommOp("all_reduce", "embd", emb, 1, 2, L.world_size))
     return ops
+
+
+def comm_formulas(ops: list[CommOp]) -> dict[str, str]:
+    """The formulas the ops carry (DDP's bucketed all-reduce), keyed ``"comm:op:group"`` for the plan."""
+    return {f"comm:{o.key}": o.formula for o in ops if o.formula}
 
 
 def comm_bytes_by_op(ops: list[CommOp]) -> dict[str, int]:

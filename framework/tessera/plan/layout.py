@@ -11,20 +11,24 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from tessera.config.schema import Recipe
+from tessera.engines.registry import ENGINE_NAMES, ENGINES, Capabilities, capabilities
 from tessera.errors import LayoutError, RecipeError
 
-#: What each engine can run today. One table, read by validation and (later) the planner.
-ENGINE_SUPPORT: dict[str, dict[str, Any]] = {
-    "deepspeed": {"tp": False, "pp": False, "ep": False, "available": True},
-    "megatron": {"tp": True, "pp": True, "ep": True, "available": True},
-}
+#: ZeRO stages each data-parallel sharding implementation can run: what ``zero_impl: auto`` picks from
+#: (megatron-core's DistributedOptimizer shards optimizer state only; torch DDP shards nothing)
+ZERO_IMPL_STAGES: dict[str, tuple[int, ...]] = {"deepspeed": (0, 1, 2, 3), "megatron": (0, 1), "ddp": (0,)}
+
+_AXIS_NAMES = {"tp": "tensor parallelism", "pp": "pipeline parallelism", "ep": "expert parallelism"}
 
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelLayout:
-    """Degrees of parallelism and batch split for one run.
+    """Degrees of parallelism and batch split for one run: every axis, so that a checkpoint can store
+    ``to_dict()`` and rebuild the layout with ``ParallelLayout(**d)``.
 
-    world_size = dp * tp * pp; global_batch = micro_batch * grad_accum * dp.
+    world_size = dp * tp * pp; global_batch = micro_batch * grad_accum * dp. Experts are split over
+    ep x etp ranks carved out of dp x tp. The engine's capabilities (``engines/registry.py``) are checked
+    on construction, so a layout its engine cannot run does not exist.
     """
 
     engine: str
@@ -34,6 +38,8 @@ class ParallelLayout:
     pp: int = 1
     vpp: int = 1
     ep: int = 1
+    #: expert tensor-parallel degree; 0 = megatron-core's default, tp (1 for the engines without TP)
+    etp: int = 0
     zero: int = 0
     micro_batch: int = 1
     grad_accum: int = 1
@@ -41,9 +47,38 @@ class ParallelLayout:
     offload_optimizer: bool = False
     offload_params: bool = False
     sequence_parallel: bool = False
-    zero_impl: str = "deepspeed"  # engine megatron: "megatron" (DistributedOptimizer) or "deepspeed"
+    #: who shards the data-parallel state (one of the engine's ``zero_impls``); "auto" = :func:`resolve_auto`
+    zero_impl: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise LayoutError(
+                "unknown engine",
+                field="parallel.engine",
+                value=self.engine,
+                fix="use one of " + ", ".join(ENGINE_NAMES),
+            )
+        if self.zero_impl == "auto":
+            object.__setattr__(self, "zero_impl", resolve_auto(self.engine, zero=self.zero, tp=self.tp)[0])
+        if self.etp == 0:
+            object.__setattr__(self, "etp", self.tp)
+        check_capabilities(
+            self.engine,
+            tp=self.tp,
+            pp=self.pp,
+            ep=self.ep,
+            zero=self.zero,
+            offload_optimizer=self.offload_optimizer,
+            offload_params=self.offload_params,
+            zero_impl=self.zero_impl,
+        )
+        if self.etp < 1 or (self.etp > 1 and not self.caps.tp):
+            raise LayoutError(
+                f"engine '{self.engine}' cannot split experts over etp={self.etp} ranks",
+                field="layout.etp",
+                value=self.etp,
+                fix="leave etp at its default (0 = tp)",
+            )
         if self.dp * self.tp * self.pp != self.world_size:
             raise LayoutError(
                 f"dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = {self.dp * self.tp * self.pp} "
@@ -67,6 +102,11 @@ class ParallelLayout:
                 value=self.ep,
                 fix="set parallel.ep to a divisor of dp*tp",
             )
+
+    @property
+    def caps(self) -> Capabilities:
+        """What this layout's engine can run (its entry in the capability table)."""
+        return capabilities(self.engine)
 
     @property
     def dp_enabled(self) -> bool:
@@ -93,38 +133,96 @@ class ParallelLayout:
         return asdict(self)
 
     def describe(self) -> str:
+        """One line for logs and the CLI: every axis the engine has (etp with EP, the sharding
+        implementation where the engine has a choice, SP with TP), offload when on, the batch split."""
+        caps = self.caps
+        axes = ["dp", "tp", "pp", "vpp", "ep"] + (["etp"] if caps.ep else []) + ["zero"]
+        axes += (["zero_impl"] if len(caps.zero_impls) > 1 else []) + (
+            ["sequence_parallel"] if caps.tp else []
+        )
+        text = f"engine={self.engine} world={self.world_size} "
+        text += " ".join(f"{'sp' if a == 'sequence_parallel' else a}={getattr(self, a)}" for a in axes)
+        offload = [k for k in ("optimizer", "params") if getattr(self, f"offload_{k}")]
+        text += f" offload={'+'.join(offload)}" if offload else ""
         return (
-            f"engine={self.engine} world={self.world_size} dp={self.dp} tp={self.tp} pp={self.pp} "
-            f"vpp={self.vpp} ep={self.ep} zero={self.zero}"
-            + (
-                f" zero_impl={self.zero_impl} sp={self.sequence_parallel}"
-                if self.engine == "megatron"
-                else ""
-            )
+            text
             + f" micro_batch={self.micro_batch} grad_accum={self.grad_accum} global_batch={self.global_batch}"
+        )
+
+
+def _engines_with(test: Any) -> str:
+    """The engines whose capabilities pass ``test``, as "a or b" (for the fix of a refusal)."""
+    return " or ".join(n for n, spec in ENGINES.items() if test(spec.caps))
+
+
+def check_capabilities(
+    engine: str,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    zero: int = 0,
+    offload_optimizer: bool = False,
+    offload_params: bool = False,
+    zero_impl: str = "auto",
+) -> None:
+    """Refuse what ``engine`` cannot run at all, by its row of the capability table: the rules every
+    engine shares. What depends on the model or on combinations (megatron's) is :func:`check_megatron_layout`."""
+    spec = ENGINES[engine]
+    caps = spec.caps
+    for name, deg in (("tp", tp), ("pp", pp), ("ep", ep)):
+        if deg > 1 and not getattr(caps, name):
+            raise LayoutError(
+                f"engine '{engine}' cannot do {name} > 1 ({spec.summary})",
+                field=f"parallel.{name}",
+                value=deg,
+                fix=f"set parallel.{name}: 1, or use parallel.engine: "
+                f"{_engines_with(lambda c, n=name: getattr(c, n))} for {_AXIS_NAMES[name]}",
+            )
+    if (offload_optimizer or offload_params) and not caps.offload:
+        where = _engines_with(lambda c: c.offload)
+        raise LayoutError(
+            f"CPU offload is wired for the {where} engine only",
+            field="parallel.offload_optimizer" if offload_optimizer else "parallel.offload_params",
+            value=True,
+            fix=f"use parallel.engine: {where} for offload",
+        )
+    if zero not in caps.zero:
+        if caps.zero == (0,):
+            why = f"engine '{engine}' has no ZeRO sharding ({spec.summary})"
+        else:
+            why = f"engine '{engine}' runs ZeRO stages {', '.join(map(str, caps.zero))} only"
+        nearest = max((z for z in caps.zero if z <= zero), default=min(caps.zero))
+        raise LayoutError(
+            why,
+            field="parallel.zero",
+            value=zero,
+            fix=f"set parallel.zero: {nearest}, or use parallel.engine: "
+            f"{_engines_with(lambda c: zero in c.zero)} for ZeRO-{zero}",
+        )
+    if zero_impl != "auto" and zero_impl not in caps.zero_impls:
+        raise LayoutError(
+            f"engine '{engine}' shards data-parallel state with {' or '.join(caps.zero_impls)} only",
+            field="parallel.zero_impl",
+            value=zero_impl,
+            fix="set parallel.zero_impl: auto",
         )
 
 
 def layout_from_recipe(recipe: Recipe) -> ParallelLayout:
     """Derive and validate the layout of ``recipe``; user mistakes raise LayoutError / RecipeError."""
     p, ws = recipe.parallel, recipe.run.world_size
-    support = ENGINE_SUPPORT[p.engine]
-    if not support["available"]:
-        raise LayoutError(
-            "this engine is not available yet in this version of Tessera",
-            field="parallel.engine",
-            value=p.engine,
-            fix="use parallel.engine: deepspeed (ZeRO 0-3 data parallelism)",
-        )
-    for name in ("tp", "pp", "ep"):
-        deg = getattr(p, name)
-        if deg > 1 and not support[name]:
-            raise LayoutError(
-                f"engine '{p.engine}' cannot do {name} > 1 (it shards data-parallel only)",
-                field=f"parallel.{name}",
-                value=deg,
-                fix=f"set parallel.{name}: 1 (tensor / pipeline / expert parallelism needs the megatron engine)",
-            )
+    caps = capabilities(p.engine)
+    check_capabilities(
+        p.engine,
+        tp=p.tp,
+        pp=p.pp,
+        ep=p.ep,
+        zero=p.zero,
+        offload_optimizer=p.offload_optimizer,
+        offload_params=p.offload_params,
+        zero_impl=p.zero_impl,
+    )
     if p.vpp > 1 and p.pp == 1:
         raise LayoutError(
             "virtual pipeline stages need pipeline parallelism",
@@ -161,7 +259,7 @@ def layout_from_recipe(recipe: Recipe) -> ParallelLayout:
         else:
             ga = p.grad_accum
     shape = None
-    if p.engine == "megatron":
+    if not caps.hf_module:  # megatron-core's GPTModel, built from the HF config by the family's adapter
         from tessera.models.hf import load_hf_config
         from tessera.models.megatron import adapter_for
 
@@ -186,6 +284,7 @@ def layout_from_recipe(recipe: Recipe) -> ParallelLayout:
         pp=p.pp,
         vpp=p.vpp,
         ep=p.ep,
+        etp=p.tp,  # megatron-core's default expert_tensor_parallel_size
         zero=p.zero,
         micro_batch=mb,
         grad_accum=ga,
@@ -209,18 +308,23 @@ def resolve_auto(
     sequence_parallel: bool | str = "auto",
     sp_ok: bool = False,
 ) -> tuple[str, bool]:
-    """What ``parallel.zero_impl: auto`` and ``parallel.sequence_parallel: auto`` mean: megatron's own
-    data parallelism for zero 0-1 and DeepSpeed for 2-3; SP where the layer spec has it (``sp_ok``),
-    tp > 1 and megatron shards over dp. The deepspeed engine is always "deepspeed", without SP."""
-    if engine != "megatron":
-        return "deepspeed", bool(sequence_parallel is True)
-    impl = zero_impl if zero_impl != "auto" else ("megatron" if zero <= 1 else "deepspeed")
-    sp = sequence_parallel if sequence_parallel != "auto" else (sp_ok and tp > 1 and impl == "megatron")
-    return impl, bool(sp)
+    """What ``parallel.zero_impl: auto`` and ``parallel.sequence_parallel: auto`` mean. An engine with one
+    sharding implementation uses it (deepspeed: "deepspeed", ddp: "ddp"), without SP. Otherwise auto is the
+    first of the engine's implementations that runs the stage (megatron: its own data parallelism for
+    zero 0-1, DeepSpeed for 2-3); SP where the layer spec has it (``sp_ok``), tp > 1 and megatron shards
+    over dp."""
+    impls = capabilities(engine).zero_impls
+    if len(impls) == 1:
+        return impls[0], bool(sequence_parallel is True)
+    if zero_impl == "auto":
+        zero_impl = next((i for i in impls if zero in ZERO_IMPL_STAGES.get(i, ())), impls[0])
+    sp = sequence_parallel if sequence_parallel != "auto" else (sp_ok and tp > 1 and zero_impl == "megatron")
+    return zero_impl, bool(sp)
 
 
 def check_megatron_layout(layout: ParallelLayout, shape: Any) -> None:
-    """Every combination the megatron engine cannot run, with its reason: the one place that decides.
+    """Every combination the megatron engine cannot run, with its reason: the one place that decides
+    (what the engine cannot run at all, e.g. CPU offload, is in :func:`check_capabilities`).
 
     ``shape`` is the model's :class:`tessera.models.megatron.ModelShape`.
     """
@@ -263,11 +367,13 @@ def check_megatron_layout(layout: ParallelLayout, shape: Any) -> None:
             "set parallel.ep to a divisor of the expert count",
         ),
         (
-            ep > 1 and L.dp % ep != 0,
+            ep > 1 and (L.dp * tp) % (ep * L.etp) != 0,
             "parallel.ep",
             ep,
             f"ep={ep} does not divide dp={L.dp}: experts are tensor-parallel like the dense layers "
-            "(megatron-core's default expert_tensor_parallel = tp), so expert groups are carved out of dp",
+            "(megatron-core's default expert_tensor_parallel = tp), so expert groups are carved out of dp"
+            if L.etp == tp
+            else f"ep*etp={ep}*{L.etp} does not divide dp*tp={L.dp * tp}",
             "set parallel.ep to a divisor of dp (raise dp or lower tp)",
         ),
         (
@@ -327,13 +433,6 @@ def check_megatron_layout(layout: ParallelLayout, shape: Any) -> None:
             L.grad_accum,
             f"the interleaved schedule needs the micro-batch count ({L.grad_accum}) divisible by pp={pp}",
             f"use a grad_accum multiple of {pp} (raise parallel.global_batch)",
-        ),
-        (
-            L.offload_optimizer or L.offload_params,
-            "parallel.offload_optimizer",
-            True,
-            "CPU offload is wired for the deepspeed engine only",
-            "use parallel.engine: deepspeed for offload",
         ),
     ]
     for broken, field, value, why, fix in rules:

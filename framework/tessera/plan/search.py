@@ -1,11 +1,13 @@
 """The planner's search: enumerate layouts, keep what the engines can run and the device can hold, rank by
 estimated step time.
 
-Validity is never decided here: every candidate is built as a :class:`ParallelLayout` and, for the
-megatron engine, passed to :func:`check_megatron_layout` (the one place with the rules); a LayoutError's
-message becomes the rejection reason. What this module adds is the search space (bounded: powers of two
-for tp and ep, divisors of the world for pp, a few virtual-stage and micro-batch sizes), the memory fit
-("does not fit: needs X GiB per rank ...") and the ranking.
+Validity is never decided here: every candidate is built as a :class:`ParallelLayout` (which checks the
+engine's capabilities) and, for an engine that builds megatron-core's model, passed to
+:func:`check_megatron_layout` (the one place with its rules); a LayoutError's message becomes the
+rejection reason. What this module adds is the search space, read from each engine's row of the capability
+table (``engines/registry.py``) and bounded: powers of two for tp and ep, divisors of the world for pp, a
+few virtual-stage and micro-batch sizes; the memory fit ("does not fit: needs X GiB per rank ...") and the
+ranking (ties go to the engine listed first in the table).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tessera.engines.registry import ENGINE_NAMES, Capabilities, capabilities
 from tessera.errors import LayoutError, RecipeError, TesseraError
 from tessera.plan.estimate import (
     RECOMPUTE,
@@ -21,6 +24,7 @@ from tessera.plan.estimate import (
     MemoryEstimate,
     ModelFacts,
     comm_bytes_by_op,
+    comm_formulas,
     comm_per_step,
     memory_per_rank,
     model_facts,
@@ -34,9 +38,6 @@ from tessera.plan.time_estimate import (
     step_time,
 )
 
-ENGINES = ("deepspeed", "megatron")
-#: the deepspeed engine runs the HF module, whose gradient checkpointing is per layer (full) only
-ENGINE_RECOMPUTE = {"deepspeed": ("none", "full"), "megatron": ("none", "selective", "full")}
 BUBBLE_FORMULA = (
     "(p-1)/(v*m + p-1): Narayanan et al. 2021 (p-1)/(v*m) of the ideal time, as a share of the step"
 )
@@ -66,6 +67,7 @@ class Candidate:
     comm_bytes: dict[str, int]
     bubble: float
     time: TimeEstimate
+    comm_formulas: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -78,6 +80,7 @@ class Candidate:
             "step_time_breakdown_s": {k: v for k, v in self.time.to_json().items() if k.endswith("_s")},
             "formulas": {
                 **self.memory.formulas,
+                **self.comm_formulas,
                 "flops_per_token": FLOPS_FORMULA,
                 "bubble": BUBBLE_FORMULA,
                 "mfu": "model_flops_per_step / (step_time_s * peak_flops * world_size)",
@@ -140,31 +143,30 @@ def _powers_of_two(limit: int) -> list[int]:
     return out
 
 
-def _structures(f: ModelFacts, engine: str, world_size: int, hw: HardwareProfile) -> Iterator[dict[str, Any]]:
-    """The layouts to try, without the batch split. Bounded: tp a power of two up to the head count,
-    pp a divisor of what tp leaves, vpp in {1, 2, 4}, ep a power of two up to the expert count, ZeRO 0-3;
-    the rules (not this enumeration) reject what no engine runs."""
-    if engine == "deepspeed":
-        for zero in range(4):
-            yield dict(tp=1, pp=1, vpp=1, ep=1, zero=zero)
-            if hw.can_offload and zero >= 1:
-                yield dict(tp=1, pp=1, vpp=1, ep=1, zero=zero, offload_optimizer=True)
-            if hw.can_offload and zero == 3:
-                yield dict(tp=1, pp=1, vpp=1, ep=1, zero=zero, offload_optimizer=True, offload_params=True)
-        return
-    eps = [1] + ([e for e in _powers_of_two(f.num_experts) if e > 1] if f.moe else [])
-    for tp in _powers_of_two(min(world_size, f.num_heads)):
-        if world_size % tp:
-            continue
-        for pp in (p for p in range(1, world_size // tp + 1) if (world_size // tp) % p == 0):
-            if pp > f.num_layers:
-                continue
+def _structures(
+    f: ModelFacts, caps: Capabilities, world_size: int, hw: HardwareProfile
+) -> Iterator[dict[str, Any]]:
+    """The layouts to try, without the batch split, inside what the engine can run (``caps``). Bounded:
+    tp a power of two up to the head count, pp a divisor of what tp leaves, vpp in {1, 2, 4}, ep a power
+    of two up to the expert count, the engine's ZeRO stages, CPU offload of the optimizer (ZeRO >= 1) and
+    of the parameters (ZeRO-3) where the engine and the hardware have it; the rules (not this enumeration)
+    reject what the engine cannot run with this model."""
+    tps = [t for t in _powers_of_two(min(world_size, f.num_heads)) if world_size % t == 0] if caps.tp else [1]
+    offload = caps.offload and hw.can_offload
+    for tp in tps:
+        rest = world_size // tp
+        pps = [p for p in range(1, rest + 1) if rest % p == 0 and p <= f.num_layers] if caps.pp else [1]
+        for pp in pps:
+            eps = [1] + ([e for e in _powers_of_two(f.num_experts) if e > 1] if caps.ep and f.moe else [])
             for vpp in (1,) if pp == 1 else (1, 2, 4):
-                for ep in eps:
-                    if ep > world_size // pp:
-                        continue
-                    for zero in range(4):
-                        yield dict(tp=tp, pp=pp, vpp=vpp, ep=ep, zero=zero)
+                for ep in (e for e in eps if e <= world_size // pp):
+                    for zero in caps.zero:
+                        base = dict(tp=tp, pp=pp, vpp=vpp, ep=ep, zero=zero)
+                        yield base
+                        if offload and zero >= 1:
+                            yield dict(base, offload_optimizer=True)
+                        if offload and zero == 3:
+                            yield dict(base, offload_optimizer=True, offload_params=True)
 
 
 def plan(
@@ -175,7 +177,7 @@ def plan(
     global_batch: int,
     precision: str,
     hardware: HardwareProfile,
-    engines: Sequence[str] = ENGINES,
+    engines: Sequence[str] = ENGINE_NAMES,
     recompute: Sequence[str] = ("none", "selective", "full"),
     micro_batches: Sequence[int] = (1, 2, 4, 8),
     attn_implementation: str = "eager",
@@ -186,12 +188,17 @@ def plan(
     ``attn_implementation``: the HF kernel the deepspeed engine runs ("sdpa" never stores the s x s
     scores); megatron-core's local layer spec always materialises them. ``efficiency``: the fraction of
     peak FLOP/s the matmuls reach (0.4-0.6 for large dense models on H100-class GPUs). Candidates are
-    sorted by estimated step time; ``chosen`` is the fastest, None when nothing fits.
+    sorted by estimated step time, then memory, then the engine's place in the capability table (so that
+    an exact tie, e.g. torch DDP and DeepSpeed ZeRO-0 in fp32, goes to the engine listed first);
+    ``chosen`` is the fastest, None when nothing fits.
     """
     for eng in engines:
-        if eng not in ENGINES:
+        if eng not in ENGINE_NAMES:
             raise RecipeError(
-                "unknown engine", field="parallel.engine", value=eng, fix="use deepspeed or megatron"
+                "unknown engine",
+                field="parallel.engine",
+                value=eng,
+                fix="use one of " + ", ".join(ENGINE_NAMES),
             )
     if precision not in ("bf16", "fp16", "fp32"):
         raise RecipeError(
@@ -216,13 +223,15 @@ def plan(
     )
     result = PlanResult(chosen=None)
     for engine in engines:
-        fused = engine == "deepspeed" and attn_implementation == "sdpa"
-        options = [r for r in recompute if r in ENGINE_RECOMPUTE[engine]]
+        caps = capabilities(engine)
+        # the HF module runs the kernel the recipe names; megatron-core's local spec always materialises
+        fused = caps.hf_module and attn_implementation == "sdpa"
+        options = [r for r in recompute if r in caps.recompute]
         if not options:
             continue
-        for st in _structures(f, engine, world_size, hardware):
+        for st in _structures(f, caps, world_size, hardware):
             _try_structure(result, q, engine, st, options, fused)
-    result.candidates.sort(key=lambda c: (c.time.step_s, c.memory.total))
+    result.candidates.sort(key=lambda c: (c.time.step_s, c.memory.total, ENGINE_NAMES.index(c.layout.engine)))
     result.chosen = result.candidates[0] if result.candidates else None
     return result
 
@@ -258,11 +267,12 @@ def _try_structure(
             layout = ParallelLayout(
                 **desc,
                 **st,
+                etp=st["tp"],  # megatron-core's default expert_tensor_parallel_size
                 grad_accum=max(1, global_batch // (mb * dp)),
                 zero_impl=zero_impl,
                 sequence_parallel=sp,
             )
-            if engine == "megatron":
+            if not layout.caps.hf_module:
                 assert f.shape is not None
                 check_megatron_layout(layout, f.shape)
         except LayoutError as e:
@@ -314,6 +324,7 @@ def _try_structure(
                     comm_bytes=comm_bytes_by_op(ops),
                     bubble=bubble_fraction(layout.pp, layout.vpp, layout.grad_accum),
                     time=t,
+                    comm_formulas=comm_formulas(ops),
                 )
             )
 
@@ -333,8 +344,8 @@ def hardware_for(recipe: Any, *, device: str, override: str | None = None) -> Ha
 def plan_recipe(
     recipe: Any, *, world_size: int, hardware: HardwareProfile, engines: Sequence[str] | None = None
 ) -> PlanResult:
-    """Plan the recipe's model and batch on ``world_size`` devices. Recompute is not offered: neither
-    engine implements it yet, so a plan that relies on it could not run."""
+    """Plan the recipe's model and batch on ``world_size`` devices. Recompute is not offered: no engine
+    implements it yet, so a plan that relies on it could not run."""
     from tessera.models.hf import load_hf_config
 
     p = recipe.parallel
@@ -347,7 +358,7 @@ def plan_recipe(
         global_batch=gb,
         precision=recipe.train.precision,
         hardware=hardware,
-        engines=engines or ENGINES,
+        engines=engines or ENGINE_NAMES,
         recompute=("none",),
         micro_batches=tuple(sorted({1, 2, 4, 8, p.micro_batch})),
         attn_implementation=recipe.model.attn_implementation,
@@ -390,7 +401,7 @@ def estimate_layout(
     f = model_facts(load_hf_config(recipe.model, vocab_size=recipe.data.vocab_size))
     kw = dict(seq_len=recipe.data.seq_len, precision=recipe.train.precision)
     ops = comm_per_step(f, layout, backend=_backend(hardware), **kw)
-    fused = layout.engine == "deepspeed" and recipe.model.attn_implementation == "sdpa"
+    fused = layout.caps.hf_module and recipe.model.attn_implementation == "sdpa"
     return Candidate(
         layout=layout,
         recompute=recompute,
@@ -398,4 +409,5 @@ def estimate_layout(
         comm_bytes=comm_bytes_by_op(ops),
         bubble=bubble_fraction(layout.pp, layout.vpp, layout.grad_accum),
         time=step_time(f, layout, recompute=recompute, hardware=hardware, ops=ops, **kw),
+        comm_formulas=comm_formulas(ops),
     )

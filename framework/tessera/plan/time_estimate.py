@@ -103,7 +103,8 @@ def step_time(
     optimizer step. Compute = (model + recompute FLOPs) x tokens / world / (peak x efficiency). Each
     collective takes wire bytes / link bandwidth + latency per call. TP and EP collectives sit on the
     critical path; DP ones hide behind the compute they overlap with (DeepSpeed / megatron bucket the
-    grad reduction into the backward and prefetch ZeRO-3 gathers), only what exceeds it is exposed.
+    grad reduction into the backward and prefetch ZeRO-3 gathers; torch DDP's buckets are timed like
+    ZeRO-0's all-reduce, over the last backward), only what exceeds it is exposed.
     The optimizer reads and writes 28 bytes per parameter of its shard at device-memory bandwidth (with
     offload: at the host's share of host-memory bandwidth, plus the PCIe transfers of grads and params).
     MFU = model FLOPs per step / (step time x peak x world), PaLM's definition (no recompute FLOPs)."""
@@ -134,9 +135,8 @@ def step_time(
             last_bwd += secs(o)
         else:
             exposed += secs(o)
-    mega = L.engine == "megatron"
     rp = largest_shard(f, L)
-    dense, expert = (rp.dense, rp.expert) if mega else (rp.total, 0)
+    dense, expert = (rp.total, 0) if L.caps.hf_module else (rp.dense, rp.expert)
     if L.zero == 0:
         shard = dense + expert
     else:

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from tessera.rundir import RunDir
+
 
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak allocated accelerator memory, or this process's peak RSS on CPU."""
@@ -41,10 +43,6 @@ class MetricsWriter:
         self._f.close()
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln.strip()]
-
-
 def plot_run(
     run_dir: Path, records: list[dict[str, Any]], memory_per_rank: list[int] | None = None
 ) -> list[Path]:
@@ -70,8 +68,9 @@ def plot_run(
     out: list[Path] = []
     steps = [r["step"] for r in records]
     losses = [r["loss"] for r in records]
+    loss_png, time_png, memory_png = RunDir.PLOTS
     figure(
-        "loss.png",
+        loss_png,
         f"loss — {run_dir.name}",
         "step",
         "loss",
@@ -79,7 +78,7 @@ def plot_run(
     )
     times = [r["step_time_s"] for r in records[1:]] or [records[0]["step_time_s"]]  # step 1 includes warmup
     figure(
-        "step_time.png",
+        time_png,
         "step-time distribution (first step excluded)",
         "step time (s)",
         "steps",
@@ -88,7 +87,7 @@ def plot_run(
     if memory_per_rank:
         mib = [m / 2**20 for m in memory_per_rank]
         figure(
-            "memory.png",
+            memory_png,
             "peak memory per rank",
             "rank",
             "peak memory (MiB)",

@@ -44,7 +44,7 @@ class Progress:
         else:
             print(
                 f"[tessera] step {step}/{self.total}  {self.status(rec)}  "
-                f"gnorm {rec['grad_norm']:.3f}  {rec['step_time_s'] * 1000:.0f} ms",
+                f"gnorm {_num(rec['grad_norm'])}  {rec['step_time_s'] * 1000:.0f} ms",
                 flush=True,
             )
 
@@ -60,3 +60,7 @@ class Progress:
         if self._bar is not None:
             self._bar.stop()
             self._bar = None
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"

@@ -1,0 +1,217 @@
+"""DeepSpeed ZeRO, as both engines use it: the config built from the recipe (and where it conflicts with
+a user's JSON), ``deepspeed.initialize``, the gradient-accumulation step loop, the model-state accounting,
+and its checkpoint save / load.
+
+The deepspeed engine runs it on the HF module over the whole world; the megatron engine runs it on a
+megatron-core model over megatron's data-parallel group (``mpu``), for ZeRO 1-3 with pp = 1.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tessera.config.schema import Recipe
+from tessera.engines.held import (
+    deepspeed_grad_bytes,
+    deepspeed_params_and_optimizer,
+    flat_tensors,
+)
+from tessera.engines.optim import LRSchedule, build_optimizer
+from tessera.errors import CheckpointError, RecipeError
+from tessera.plan.layout import ParallelLayout
+
+# recipe field -> (DeepSpeed JSON path, how the recipe value reads in DeepSpeed terms)
+_CONFLICT_KEYS: list[tuple[str, tuple[str, ...]]] = [
+    ("parallel.micro_batch", ("train_micro_batch_size_per_gpu",)),
+    ("parallel.grad_accum", ("gradient_accumulation_steps",)),
+    ("parallel.global_batch", ("train_batch_size",)),
+    ("parallel.zero", ("zero_optimization", "stage")),
+    ("optim.grad_clip", ("gradient_clipping",)),
+    ("train.precision", ("bf16", "enabled")),
+    ("train.precision", ("fp16", "enabled")),
+    ("parallel.offload_optimizer", ("zero_optimization", "offload_optimizer", "device")),
+    ("parallel.offload_params", ("zero_optimization", "offload_param", "device")),
+]
+# sections Tessera builds itself from the recipe; a user JSON may not bring its own
+_OWNED_SECTIONS = {"optimizer": "optim.*", "scheduler": "optim.schedule / optim.warmup_steps"}
+
+
+def _get_path(d: dict[str, Any], path: tuple[str, ...]) -> Any:
+    cur: Any = d
+    for p in path:
+        if not isinstance(cur, dict) or p not in cur:
+            return None
+        cur = cur[p]
+    return cur
+
+
+def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def build_ds_config(recipe: Recipe, layout: ParallelLayout, *, device: str) -> dict[str, Any]:
+    """The DeepSpeed JSON for this run: recipe values, plus the user's JSON where it does not conflict."""
+    zero: dict[str, Any] = {"stage": layout.zero}
+    if layout.zero > 0:
+        # contiguous, deterministic buckets; overlap only helps where there is a separate comm stream
+        zero.update(contiguous_gradients=True, overlap_comm=device == "cuda", reduce_scatter=True)
+    if layout.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": device == "cuda"}
+    if layout.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": device == "cuda"}
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": layout.micro_batch,
+        "gradient_accumulation_steps": layout.grad_accum,
+        "train_batch_size": layout.global_batch,
+        "gradient_clipping": recipe.optim.grad_clip,
+        "zero_optimization": zero,
+        "bf16": {"enabled": recipe.train.precision == "bf16"},
+        "fp16": {"enabled": recipe.train.precision == "fp16"},
+        "steps_per_print": 10**9,  # Tessera logs; keep DeepSpeed's own step printing quiet
+        "wall_clock_breakdown": False,
+        # torch's AdamW with offload is allowed (bit-exact resume, no JIT op build)
+        "zero_force_ds_cpu_optimizer": False,
+    }
+    user_path = recipe.parallel.deepspeed_config
+    if user_path is None:
+        return cfg
+    try:
+        user = json.loads(Path(user_path).read_text())
+    except FileNotFoundError:
+        raise RecipeError(
+            "DeepSpeed config file not found",
+            field="parallel.deepspeed_config",
+            value=user_path,
+            fix="give the path of an existing JSON file",
+        ) from None
+    except json.JSONDecodeError as e:
+        raise RecipeError(
+            f"not valid JSON: {e}",
+            field="parallel.deepspeed_config",
+            value=user_path,
+            fix="fix the JSON syntax",
+        ) from None
+    for section, owner in _OWNED_SECTIONS.items():
+        if section in user:
+            raise RecipeError(
+                f"'{section}' in {user_path} conflicts with the recipe, which builds it from {owner}",
+                field="parallel.deepspeed_config",
+                value=user_path,
+                fix=f"remove '{section}' from the JSON and set {owner} in the recipe",
+            )
+    for field, path in _CONFLICT_KEYS:
+        theirs = _get_path(user, path)
+        ours = _get_path(cfg, path)
+        if theirs is None or theirs == "auto":
+            continue
+        if path[-1] == "device":  # offload: recipe says on/off, the JSON says a device
+            ours, theirs = ours is not None, theirs != "none"
+        if theirs != ours:
+            raise RecipeError(
+                f"conflicts with {'.'.join(path)} = {theirs!r} in {user_path} (the recipe gives {ours!r})",
+                field=field,
+                value=ours,
+                fix=f"remove {'.'.join(path)} from the JSON or set {field} to match it",
+            )
+    return _deep_merge(cfg, user)
+
+
+class DeepSpeedRunner:
+    """``deepspeed.initialize`` on ``model`` plus the step loop: one ``step`` = one optimizer update."""
+
+    def __init__(
+        self, model: torch.nn.Module, recipe: Recipe, layout: ParallelLayout, *, device: str, mpu: Any = None
+    ) -> None:
+        import deepspeed
+
+        self.layout = layout
+        self.config = build_ds_config(recipe, layout, device=device)
+        optimizer = build_optimizer(
+            recipe, model.named_parameters(), device=device, offload=layout.offload_optimizer
+        )
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=self.config, mpu=mpu
+        )
+        self.schedule = LRSchedule(recipe)
+        self._grads_held: int | None = None
+        self.sharding = f"deepspeed-zero{layout.zero}"
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine.module
+
+    def step(
+        self,
+        micro_batches: list[dict[str, torch.Tensor]],
+        scale: float,
+        loss_of: Callable[[Any, dict[str, torch.Tensor]], torch.Tensor],
+    ) -> tuple[torch.Tensor, float | None]:
+        """Forward / backward every micro-batch (``loss_of(engine, mb)``: its summed token loss), step at
+        the boundary. Returns this rank's loss sum (on the device) and the pre-clip global grad norm."""
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.engine.device)
+        manual_norm = None
+        self.engine.train()
+        for i, mb in enumerate(micro_batches):
+            token_loss = loss_of(self.engine, mb)
+            loss_sum += token_loss.detach()  # stays on the device: no sync per micro-batch
+            self.engine.backward(token_loss * scale)
+            if i == len(micro_batches) - 1:
+                if self.layout.zero == 0:
+                    # without ZeRO, DeepSpeed clips but does not keep the norm; gradients are all-reduced
+                    # by now (backward at the boundary), so the pre-clip norm is the same on every rank
+                    manual_norm = _grad_norm(self.engine.module.parameters())
+                if self._grads_held is None:  # gradients exist only here; measured once
+                    self._grads_held = deepspeed_grad_bytes(self.engine, self.layout.zero)
+            self.engine.step()
+        norm = self.engine.get_global_grad_norm() if manual_norm is None else manual_norm
+        return loss_sum, None if norm is None else float(norm)
+
+    def held_state(self) -> dict[str, int]:
+        return {"grads": self._grads_held or 0, **deepspeed_params_and_optimizer(self.engine, self.layout.zero)}
+
+    def optimizer_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        opt = self.engine.optimizer
+        inner = getattr(opt, "optimizer", opt)
+        for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
+            for i, t in enumerate(flat_tensors(getattr(opt, attr, []))):
+                yield f"{attr}[{i}]", t
+        for i, st in enumerate(inner.state.values()):
+            for k, v in st.items():
+                if torch.is_tensor(v):
+                    yield f"optimizer.state[{i}].{k}", v
+
+    def save(self, path: Path) -> None:
+        # DeepSpeed's own format (pickled .pt files); Tessera's state goes in meta.json, not client_state
+        self.engine.save_checkpoint(str(path.parent), tag=path.name, client_state={}, save_latest=False)
+
+    def load(self, path: Path) -> None:
+        """Model and optimizer (no scheduler: the LR is a function of the step). DeepSpeed unpickles its
+        files itself; the checkpoint manager has verified their checksums before this runs."""
+        loaded, _ = self.engine.load_checkpoint(
+            str(path.parent), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=False
+        )
+        if loaded is None:
+            raise CheckpointError(
+                "DeepSpeed found no checkpoint to load",
+                field="checkpoint",
+                value=str(path),
+                fix="resume with the engine and layout that wrote it (see its meta.json)",
+            )
+
+
+def _grad_norm(params: Iterator[torch.nn.Parameter]) -> float:
+    sq = None
+    for p in params:
+        if p.grad is not None:
+            part = p.grad.detach().double().pow(2).sum()
+            sq = part if sq is None else sq + part
+    return 0.0 if sq is None else float(sq.sqrt())
+

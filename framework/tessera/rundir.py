@@ -1,0 +1,184 @@
+"""The run directory: every file name in it, their readers and writers, the rank status files, and the
+one table of exit codes.
+
+Layout of ``runs/<name>/`` (one per run)::
+
+    recipe.resolved.yaml  the recipe the ranks run (written before launch)
+    data.json             the prepared data the ranks read (tokenised once, before launch)
+    plan.json             the planner's estimates for the layout
+    launch.json           the exact launcher command
+    manifest.json         the reproducibility manifest (rank 0)
+    metrics.jsonl         one line per step (rank 0)
+    comm.jsonl            the collectives of every rank, per step
+    summary.json          final loss, peaks, model-state bytes per rank, plot paths
+    *.png                 loss, step-time distribution, memory per rank
+    checkpoints/          step_NNNNNN/ + latest (see tessera.checkpoint.manager)
+    logs/rank_NNNNN.{log,pid,exit}
+    wandb/, wandb_id      the W&B mirror
+
+Nothing else in Tessera (nor its tests and tools) spells these names.
+"""
+
+from __future__ import annotations
+
+import json
+from enum import IntEnum
+from pathlib import Path
+from typing import Any
+
+from tessera.atomic import write_json_atomic, write_text_atomic
+
+
+class ExitCode(IntEnum):
+    """What ``tessera`` and every rank exit with."""
+
+    OK = 0
+    FAILED = 1  # a crash: a bug or an environment failure (the log has the traceback)
+    USER_ERROR = 2  # bad input: recipe, override, layout, data, checkpoint; the message names the fix
+    DIVERGED = 3  # a stop rule saw NaN / Inf; the last good checkpoint is kept
+    INTERRUPTED = 130  # Ctrl-C (128 + SIGINT)
+    TERMINATED = 143  # stopped by SIGTERM (128 + 15): the launcher stopping the survivors of a failure
+
+
+#: exit codes after which every rank left the run in step with the others (collectively decided), so a
+#: process may start another run on the same process group (the test harness does)
+ORDERLY_EXITS = (ExitCode.OK, ExitCode.DIVERGED)
+
+
+class RunDir:
+    """One run directory. Paths are properties; the JSON / JSONL files have readers and writers here."""
+
+    RECIPE = "recipe.resolved.yaml"
+    DATA = "data.json"
+    PLAN = "plan.json"
+    LAUNCH = "launch.json"
+    MANIFEST = "manifest.json"
+    METRICS = "metrics.jsonl"
+    COMM = "comm.jsonl"
+    SUMMARY = "summary.json"
+    CHECKPOINTS = "checkpoints"
+    LOGS = "logs"
+    WANDB_ID = "wandb_id"
+    PLOTS = ("loss.png", "step_time.png", "memory.png")
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    def __truediv__(self, name: str) -> Path:
+        return self.path / name
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"
+
+    # ---- paths -------------------------------------------------------------------------------------
+    @property
+    def recipe(self) -> Path:
+        return self.path / self.RECIPE
+
+    @property
+    def data(self) -> Path:
+        return self.path / self.DATA
+
+    @property
+    def plan(self) -> Path:
+        return self.path / self.PLAN
+
+    @property
+    def launch(self) -> Path:
+        return self.path / self.LAUNCH
+
+    @property
+    def manifest(self) -> Path:
+        return self.path / self.MANIFEST
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / self.METRICS
+
+    @property
+    def comm(self) -> Path:
+        return self.path / self.COMM
+
+    @property
+    def summary(self) -> Path:
+        return self.path / self.SUMMARY
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / self.CHECKPOINTS
+
+    @property
+    def logs(self) -> Path:
+        return self.path / self.LOGS
+
+    @property
+    def wandb_id(self) -> Path:
+        return self.path / self.WANDB_ID
+
+    def rank_file(self, rank: int, kind: str) -> Path:
+        """``logs/rank_NNNNN.<kind>``: ``log`` (its output), ``pid`` (written at start), ``exit`` (its code,
+        written at the end: a rank killed by a signal leaves none)."""
+        return self.logs / f"rank_{rank:05d}.{kind}"
+
+    # ---- readers and writers -----------------------------------------------------------------------
+    def write_json(self, name: str, obj: Any) -> Path:
+        path = self.path / name
+        write_json_atomic(path, obj)
+        return path
+
+    def read_json(self, name: str) -> Any:
+        return json.loads((self.path / name).read_text())
+
+    def read_json_if_present(self, name: str) -> Any:
+        path = self.path / name
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        return read_jsonl(self.metrics)
+
+    def read_comm(self) -> list[dict[str, Any]]:
+        return read_jsonl(self.comm)
+
+    def read_summary(self) -> dict[str, Any]:
+        return self.read_json(self.SUMMARY)
+
+    def read_manifest(self) -> dict[str, Any]:
+        return self.read_json(self.MANIFEST)
+
+    # ---- rank status -------------------------------------------------------------------------------
+    def mark_rank_started(self, rank: int, pid: int) -> None:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.rank_file(rank, "exit").unlink(missing_ok=True)
+        write_text_atomic(self.rank_file(rank, "pid"), f"{pid}\n")
+
+    def mark_rank_exited(self, rank: int, code: int) -> None:
+        write_text_atomic(self.rank_file(rank, "exit"), f"{code}\n")
+
+    def rank_pid(self, rank: int) -> int | None:
+        return _read_int(self.rank_file(rank, "pid"))
+
+    def rank_exit(self, rank: int) -> int | None:
+        return _read_int(self.rank_file(rank, "exit"))
+
+    def clear_rank_status(self) -> None:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        for kind in ("pid", "exit"):
+            for stale in self.logs.glob(f"rank_*.{kind}"):
+                stale.unlink()
+
+    def log_tail(self, rank: int, n: int = 15) -> list[str]:
+        try:
+            return self.rank_file(rank, "log").read_text(errors="replace").splitlines()[-n:]
+        except OSError:
+            return []
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln.strip()]
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None

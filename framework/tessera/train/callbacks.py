@@ -1,0 +1,114 @@
+"""The callbacks every run has, in the order the rank entry lists them (see :func:`default_callbacks`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tessera.train.loop import Callback, RunContext
+
+
+class CommLogCallback(Callback):
+    """``comm.jsonl``: the collectives of setup, of every step and of every checkpoint, per rank."""
+
+    def on_run_start(self, ctx: RunContext) -> None:
+        from tessera.comm.accounting import CommLog
+
+        self.log = CommLog(ctx.run_dir.comm, rank=ctx.rank)
+        self.log.write("setup", 0, ctx.counter.pop_step())
+
+    def on_step_end(self, ctx: RunContext, rec: dict[str, Any], ops: list[dict[str, Any]]) -> None:
+        self.log.write("step", rec["step"], ops)
+
+    def on_checkpoint(self, ctx: RunContext, step: int, path: Path) -> None:
+        self.log.write("checkpoint", step, ctx.counter.pop_step())
+
+    def on_run_end(self, ctx: RunContext) -> None:
+        self.log.close()
+
+    def on_failure(self, ctx: RunContext, exc: BaseException) -> None:
+        if hasattr(self, "log"):
+            self.log.close()
+
+
+class MetricsCallback(Callback):
+    """``metrics.jsonl`` (rank 0): one line per step; a resume first drops lines after the resumed step."""
+
+    def on_run_start(self, ctx: RunContext) -> None:
+        from tessera.train.metrics import MetricsWriter
+
+        self.writer = MetricsWriter(ctx.run_dir.metrics, resume_step=ctx.start_step if ctx.resumed else None)
+
+    def on_step_end(self, ctx: RunContext, rec: dict[str, Any], ops: list[dict[str, Any]]) -> None:
+        self.writer.write(rec)
+
+    def on_run_end(self, ctx: RunContext) -> None:
+        self.writer.close()
+
+    def on_failure(self, ctx: RunContext, exc: BaseException) -> None:
+        if hasattr(self, "writer"):
+            self.writer.close()
+
+
+class WandbCallback(Callback):
+    """The W&B mirror (rank 0): the manifest as config, every step's metrics, the final loss."""
+
+    def on_run_start(self, ctx: RunContext) -> None:
+        from tessera.track.wandb_tracker import WandbTracker
+
+        self.tracker = WandbTracker(
+            ctx.recipe.tracking.wandb, run_dir=ctx.run_dir, manifest=ctx.manifest, resume=ctx.resumed
+        )
+
+    def on_step_end(self, ctx: RunContext, rec: dict[str, Any], ops: list[dict[str, Any]]) -> None:
+        self.tracker.log(rec, rec["step"])
+
+    def on_run_end(self, ctx: RunContext) -> None:
+        self.tracker.summary({"final_loss": ctx.records[-1]["loss"] if ctx.records else None})
+        self.tracker.finish()
+
+    def on_failure(self, ctx: RunContext, exc: BaseException) -> None:
+        if hasattr(self, "tracker"):
+            self.tracker.finish(exit_code=1)
+
+
+class ProgressCallback(Callback):
+    """Rank 0's live status: a rich bar on a terminal, one line per step otherwise."""
+
+    def on_run_start(self, ctx: RunContext) -> None:
+        from tessera.train.progress import Progress
+
+        self.progress = Progress(enabled=ctx.is_rank0, total=ctx.total, start=ctx.start_step)
+
+    def on_step_end(self, ctx: RunContext, rec: dict[str, Any], ops: list[dict[str, Any]]) -> None:
+        self.progress.update(rec["step"], rec)
+
+    def on_checkpoint(self, ctx: RunContext, step: int, path: Path) -> None:
+        self.progress.note(f"checkpoint step {step}")
+
+    def on_run_end(self, ctx: RunContext) -> None:
+        self.progress.close()
+
+    def on_failure(self, ctx: RunContext, exc: BaseException) -> None:
+        if hasattr(self, "progress"):
+            self.progress.close()
+
+
+class CheckpointPolicy(Callback):
+    """Save every ``checkpoint.every`` steps and after the last step (``checkpoint.at_end``)."""
+
+    def on_step_end(self, ctx: RunContext, rec: dict[str, Any], ops: list[dict[str, Any]]) -> None:
+        step, c = rec["step"], ctx.recipe.checkpoint
+        if (c.every and step % c.every == 0) or (step == ctx.total and c.at_end):
+            assert ctx.loop is not None
+            ctx.loop.save_checkpoint(step)
+
+
+def default_callbacks(ctx: RunContext, *, fault: Callback | None = None) -> list[Callback]:
+    """The ordered list: fault injection (tests only), the comm log, the NaN / Inf stop (before anything
+    records or saves the step), metrics, W&B and progress on rank 0, then the checkpoint policy."""
+    from tessera.train.stop import NonFiniteStop
+
+    rank0: list[Callback] = [MetricsCallback(), WandbCallback()] if ctx.is_rank0 else []
+    head: list[Callback] = [fault] if fault is not None else []
+    return [*head, CommLogCallback(), NonFiniteStop(), *rank0, ProgressCallback(), CheckpointPolicy()]

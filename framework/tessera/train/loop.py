@@ -1,0 +1,144 @@
+"""The step loop and the points where behaviour plugs into it.
+
+:class:`TrainingLoop` runs the steps of one rank and calls an explicit, ordered list of
+:class:`Callback` s at fixed points: run start, step start, step end, checkpoint, run end, failure. What
+happens around a step (metrics, W&B, progress, the comm log, the checkpoint policy, stop rules, fault
+injection) is a callback; the loop itself only feeds the engine and times the step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tessera.config.schema import Recipe
+from tessera.plan.layout import ParallelLayout
+from tessera.rundir import RunDir
+
+
+@dataclass
+class RunContext:
+    """Everything one rank's run holds, built by the rank entry (:mod:`tessera.train.worker`)."""
+
+    rank: int
+    world: int
+    run_dir: RunDir
+    recipe: Recipe
+    layout: ParallelLayout
+    device: str
+    engine: Any  # tessera.engines.base.Engine
+    data: Any  # tessera.data prepared dataset
+    sampler: Any  # tessera.data.StepSampler
+    counter: Any  # tessera.comm.accounting.CommCounter
+    ckpt: Any  # tessera.checkpoint.manager.CheckpointManager
+    manifest: dict[str, Any]
+    describe: dict[str, Any]  # what every checkpoint's meta.json says of the run (engine, layout, model)
+    start_step: int = 0
+    resumed: bool = False
+    step: int = 0  # the step in progress (1-based), 0 before the first
+    last_saved: int | None = None
+    records: list[dict[str, Any]] = field(default_factory=list)
+    loop: TrainingLoop | None = None
+
+    @property
+    def total(self) -> int:
+        return self.recipe.train.steps
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+
+class Callback:
+    """A behaviour at the loop's fixed points; every method is optional."""
+
+    def on_run_start(self, ctx: RunContext) -> None: ...
+
+    def on_step_start(self, ctx: RunContext, step: int) -> None: ...
+
+    def on_step_end(self, ctx: RunContext, rec: dict[str, Any], ops: list[dict[str, Any]]) -> None: ...
+
+    def on_checkpoint(self, ctx: RunContext, step: int, path: Path) -> None: ...
+
+    def on_run_end(self, ctx: RunContext) -> None: ...
+
+    def on_failure(self, ctx: RunContext, exc: BaseException) -> None: ...
+
+
+class TrainingLoop:
+    def __init__(self, ctx: RunContext, callbacks: list[Callback]) -> None:
+        self.ctx = ctx
+        self.callbacks = callbacks
+        ctx.loop = self
+
+    def _each(self, hook: str, *args: Any) -> None:
+        for cb in self.callbacks:
+            getattr(cb, hook)(self.ctx, *args)
+
+    def run(self) -> list[dict[str, Any]]:
+        """Steps ``start_step + 1 .. train.steps``; returns this rank's step records."""
+        ctx = self.ctx
+        self._each("on_run_start")
+        try:
+            for step in range(ctx.start_step + 1, ctx.total + 1):
+                ctx.step = step
+                self._each("on_step_start", step)
+                rec, ops = self._step(step)
+                ctx.records.append(rec)
+                self._each("on_step_end", rec, ops)
+        except BaseException as exc:
+            for cb in self.callbacks:  # every callback hears of it, even if one of them fails
+                try:
+                    cb.on_failure(ctx, exc)
+                except Exception:
+                    pass
+            raise
+        self._each("on_run_end")
+        return ctx.records
+
+    def _step(self, step: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        ctx = self.ctx
+        data = ctx.data
+        micro = [{"input_ids": data.input_ids[i], "labels": data.labels[i]} for i in ctx.sampler.next_step()]
+        cuda = ctx.device == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        res = ctx.engine.train_step(micro, step)
+        if cuda:
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        ops = ctx.counter.pop_step()
+        comm_s = sum(o["seconds"] for o in ops)
+        from tessera.train.metrics import peak_memory_bytes
+
+        rec = {
+            "step": step,
+            "loss": res.loss,
+            "lr": res.lr,
+            "grad_norm": res.grad_norm,
+            "tokens": res.tokens,
+            "tokens_per_s": res.input_tokens / dt if dt > 0 else float("nan"),
+            "step_time_s": dt,
+            "peak_memory_bytes": peak_memory_bytes(ctx.engine.device),
+            "samples": ctx.layout.global_batch * step,
+            "comm_bytes": sum(o["bytes"] for o in ops),
+            "comm_time_s": comm_s,
+            "comm_fraction": comm_s / dt if dt > 0 else float("nan"),
+        }
+        return rec, ops
+
+    def save_checkpoint(self, step: int) -> Path:
+        """Save now (all ranks), then tell every callback."""
+        ctx = self.ctx
+        manifest = {**ctx.manifest, "checkpoint_step": step}
+        path = ctx.ckpt.save(
+            step, ctx.engine, describe=ctx.describe, sampler=ctx.sampler.state_dict(), manifest=manifest
+        )
+        ctx.last_saved = step
+        self._each("on_checkpoint", step, path)
+        return path
