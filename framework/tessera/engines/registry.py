@@ -69,6 +69,14 @@ ENGINES: dict[str, EngineSpec] = {
             summary="megatron-core GPTModel: TP / SP / PP / EP; ZeRO-1 by its distributed optimizer, "
             "ZeRO 1-3 by DeepSpeed over its dp group (pp = 1)",
         ),
+        EngineSpec(
+            name="ddp",
+            module="tessera.engines.ddp",
+            cls="DDPEngine",
+            caps=Capabilities(zero=(0,), zero_impls=("ddp",), recompute=("none", "full")),
+            summary="the naive baseline: a full HF replica per rank, torch DistributedDataParallel with "
+            "its defaults, torch AdamW",
+        ),
     )
 }
 ENGINE_NAMES: tuple[str, ...] = tuple(ENGINES)
