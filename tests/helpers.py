@@ -340,7 +340,9 @@ def assert_nan_stop(run_dir: Path, records: list[dict], ref: list[dict]) -> None
     assert_close_rel(losses(records), losses(ref)[:2], 1e-5)
     # DeepSpeed's ZeRO optimizer reports a NaN gradient as an overflow: an infinite norm
     log = rd.rank_file(0, "log").read_text()
-    assert "training diverged: step 3: grad_norm nan" in log or "training diverged: step 3: grad_norm inf" in log
+    assert (
+        "training diverged: step 3: grad_norm nan" in log or "training diverged: step 3: grad_norm inf" in log
+    )
     latest = CheckpointManager(rd.checkpoints, keep=2, rank=0, world_size=1).latest()
     assert latest is not None and latest.name == step_dir_name(2)
     assert not (rd.checkpoints / step_dir_name(3)).exists()

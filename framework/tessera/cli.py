@@ -109,7 +109,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             fix="point run.out_dir at a directory (new or an earlier run of this recipe)",
         )
     rd = RunDir(run_dir)
-    ckpts = CheckpointManager(rd.checkpoints, keep=recipe.checkpoint.keep, rank=0, world_size=layout.world_size)
+    ckpts = CheckpointManager(
+        rd.checkpoints, keep=recipe.checkpoint.keep, rank=0, world_size=layout.world_size
+    )
     if args.resume:
         _check_resumable(ckpts, layout, run_dir)
     if not args.resume and ckpts.complete():

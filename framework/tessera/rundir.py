@@ -58,6 +58,7 @@ class RunDir:
     SUMMARY = "summary.json"
     CHECKPOINTS = "checkpoints"
     LOGS = "logs"
+    WANDB = "wandb"  # W&B writes its runs below it (wandb.init(dir=run dir))
     WANDB_ID = "wandb_id"
     PLOTS = ("loss.png", "step_time.png", "memory.png")
 
@@ -112,6 +113,10 @@ class RunDir:
         return self.path / self.LOGS
 
     @property
+    def wandb(self) -> Path:
+        return self.path / self.WANDB
+
+    @property
     def wandb_id(self) -> Path:
         return self.path / self.WANDB_ID
 
@@ -138,6 +143,15 @@ class RunDir:
 
     def read_comm(self) -> list[dict[str, Any]]:
         return read_jsonl(self.comm)
+
+    def metrics_writer(self, *, resume_step: int | None) -> MetricsWriter:
+        """The writer of ``metrics.jsonl`` (rank 0): a fresh run starts it empty; a resume first drops the
+        lines after the step it resumes from."""
+        return MetricsWriter(self.metrics, resume_step=resume_step)
+
+    def comm_writer(self, rank: int) -> CommWriter:
+        """This rank's appender to ``comm.jsonl`` (every rank appends to the one file)."""
+        return CommWriter(self.comm, rank=rank)
 
     def read_summary(self) -> dict[str, Any]:
         return self.read_json(self.SUMMARY)
@@ -171,6 +185,52 @@ class RunDir:
             return self.rank_file(rank, "log").read_text(errors="replace").splitlines()[-n:]
         except OSError:
             return []
+
+
+class MetricsWriter:
+    """Appends one JSON line per step and flushes it (a crash keeps every finished step)."""
+
+    def __init__(self, path: Path, *, resume_step: int | None) -> None:
+        if resume_step is not None and path.is_file():
+            kept = [
+                ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= resume_step
+            ]
+            write_text_atomic(path, "".join(ln + "\n" for ln in kept))
+        elif resume_step is None and path.exists():
+            path.unlink()
+        self._f = open(path, "a")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._f.write(json.dumps(record, sort_keys=True) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class CommWriter:
+    """``comm.jsonl``: one line per rank per step (and per setup / checkpoint phase), appended by every
+    rank to the same file; each line is one ``write`` of well under the page size, which local and
+    network file systems append whole. Readers key on (phase, step, rank): a resume appends after the old
+    lines."""
+
+    def __init__(self, path: Path, *, rank: int) -> None:
+        self.rank = rank
+        self._f = open(path, "a", buffering=1)
+
+    def write(self, phase: str, step: int, ops: list[dict[str, Any]]) -> None:
+        rec = {
+            "phase": phase,
+            "step": step,
+            "rank": self.rank,
+            "bytes": sum(o["bytes"] for o in ops),
+            "seconds": sum(o["seconds"] for o in ops),
+            "ops": ops,
+        }
+        self._f.write(json.dumps(rec, sort_keys=True) + "\n")
+
+    def close(self) -> None:
+        self._f.close()
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

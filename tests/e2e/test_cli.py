@@ -74,10 +74,12 @@ def test_run_resume_through_deepspeed_launcher(tmp_path):
         assert key in manifest, key
     assert manifest["versions"]["deepspeed"] and manifest["layout"]["zero"] == 2
     assert "--bind_cores_to_rank" in manifest["launcher_command"]
-    assert json.loads((ck / step_dir_name(6) / MANIFEST).read_text())["recipe_hash"] == manifest["recipe_hash"]
+    assert (
+        json.loads((ck / step_dir_name(6) / MANIFEST).read_text())["recipe_hash"] == manifest["recipe_hash"]
+    )
     for png in RunDir.PLOTS:
         assert (out / png).stat().st_size > 1000
-    wandb_runs = list((out / "wandb").glob("offline-run-*"))
+    wandb_runs = list(rd.wandb.glob("offline-run-*"))
     assert len(wandb_runs) == 1
     blob = b"".join(f.read_bytes() for f in wandb_runs[0].glob("*.wandb"))
     for key in (b"recipe_hash", b"tokens_per_s", b"grad_norm", b"step_time_s", b"peak_memory_bytes"):
@@ -125,7 +127,10 @@ def test_launchers_and_engines_agree(tmp_path):
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
         runs[name] = read_metrics(out)
         if name == "ddp":
-            assert "parallel.zero=2 (set by configs/deepspeed/zero2.yaml) does not apply to engine 'ddp'" in p.stderr
+            assert (
+                "parallel.zero=2 (set by configs/deepspeed/zero2.yaml) does not apply to engine 'ddp'"
+                in p.stderr
+            )
     assert [r["step"] for r in runs["torchrun"]] == [1, 2, 3]
     for a, b in zip(runs["torchrun"], runs["hostfile"]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
@@ -136,7 +141,9 @@ def test_launchers_and_engines_agree(tmp_path):
             assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["tokens"] == b["tokens"]
     layout = RunDir(tmp_path / "megatron_tp2").read_manifest()["layout"]
     assert (layout["engine"], layout["tp"], layout["dp"]) == ("megatron", 2, 1)
-    assert (RunDir(tmp_path / "megatron_tp2").checkpoints / step_dir_name(3) / "megatron" / "metadata.json").is_file()
+    assert (
+        RunDir(tmp_path / "megatron_tp2").checkpoints / step_dir_name(3) / "megatron" / "metadata.json"
+    ).is_file()
     layout = RunDir(tmp_path / "ddp").read_manifest()["layout"]
     assert (layout["engine"], layout["zero"], layout["dp"]) == ("ddp", 0, 2)
 

@@ -53,8 +53,14 @@ class TensorFileEngine:
         self.moment = t["m"]
 
 
-DESCRIBE = {"engine": "test", "sharding": "none", "layout": {"dp": 1}, "precision": "fp32",
-            "model_config": {}, "tokenizer_hash": "t"}
+DESCRIBE = {
+    "engine": "test",
+    "sharding": "none",
+    "layout": {"dp": 1},
+    "precision": "fp32",
+    "model_config": {},
+    "tokenizer_hash": "t",
+}
 
 
 def _mgr(tmp_path, keep=2, world_size=1):
@@ -123,10 +129,14 @@ def test_non_finite_state_is_never_saved(tmp_path):
     for poison in ("param", "moment"):
         e = TensorFileEngine(2)
         with torch.no_grad():
-            (e.model.weight if poison == "param" else e.moment)[0, 1] = float("nan" if poison == "param" else "inf")
+            (e.model.weight if poison == "param" else e.moment)[0, 1] = float(
+                "nan" if poison == "param" else "inf"
+            )
         with pytest.raises(TrainingDiverged, match="non-finite"):
             _save(m, 2, e)
-        assert m.latest().name == "step_000001" and not (tmp_path / RunDir.CHECKPOINTS / "step_000002").exists()
+        assert (
+            m.latest().name == "step_000001" and not (tmp_path / RunDir.CHECKPOINTS / "step_000002").exists()
+        )
 
 
 def _each_file_damaged(tmp_path, how):
@@ -255,8 +265,12 @@ def test_v1_checkpoint_still_resumes_with_a_warning(tmp_path, capsys):
     torch.save(rng, p / "rng_rank00000.pt")
     want = torch.rand(3)
     files = sorted(x.name for x in p.iterdir())
-    meta = {"step": 4, "world_size": 1, "client_state": {"step": 4, "sampler": {"consumed_samples": 64}},
-            "files": [{"path": f, "bytes": (p / f).stat().st_size} for f in files]}
+    meta = {
+        "step": 4,
+        "world_size": 1,
+        "client_state": {"step": 4, "sampler": {"consumed_samples": 64}},
+        "files": [{"path": f, "bytes": (p / f).stat().st_size} for f in files],
+    }
     (p / "meta.json").write_text(json.dumps(meta))
     m = _mgr(tmp_path)
     assert m.latest() == p

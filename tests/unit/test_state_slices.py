@@ -15,7 +15,10 @@ from tessera.models.families import FAMILIES, FAMILY_NAMES
 from tessera.models.megatron import Shard, adapter_for, hf_keys_covered, hf_to_mcore, mcore_to_hf_slices
 
 LAYOUTS = [(1, 1, 1, 1), (2, 1, 1, 1), (1, 2, 1, 1), (2, 2, 1, 1)]
-CASES = [(f, *lay) for f in FAMILY_NAMES for lay in LAYOUTS] + [("mixtral", 1, 1, 1, 2), ("mixtral", 2, 1, 1, 2)]
+CASES = [(f, *lay) for f in FAMILY_NAMES for lay in LAYOUTS] + [
+    ("mixtral", 1, 1, 1, 2),
+    ("mixtral", 2, 1, 1, 2),
+]
 
 
 def _hf(family: str):
@@ -37,7 +40,9 @@ def test_slices_of_every_shard_rebuild_the_hf_tensors(family, tp, pp, vpp, ep):
     rebuilt: dict[str, torch.Tensor] = {}
     written: dict[str, torch.Tensor] = {}
     for t, p, v, e in itertools.product(range(tp), range(pp), range(vpp), range(ep)):
-        shard = Shard(tp=tp, tp_rank=t, pp=pp, pp_rank=p, vpp=vpp, vp_stage=v, ep=ep, ep_rank=e, etp=tp, etp_rank=t)
+        shard = Shard(
+            tp=tp, tp_rank=t, pp=pp, pp_rank=p, vpp=vpp, vp_stage=v, ep=ep, ep_rank=e, etp=tp, etp_rank=t
+        )
         local = hf_to_mcore(hf, adapter, cfg, shard)
         for name, pieces in mcore_to_hf_slices(local, adapter, cfg, shard).items():
             for tensor, index, full in pieces:

@@ -101,7 +101,10 @@ def _load_v1_rng(path: Path) -> None:
         random.setstate(state["python"])
     except (pickle.UnpicklingError, RuntimeError, KeyError, TypeError, ValueError) as e:
         raise CheckpointError(
-            f"cannot read this v1 RNG file safely ({type(e).__name__})", field="checkpoint", value=str(path), fix=_FIX
+            f"cannot read this v1 RNG file safely ({type(e).__name__})",
+            field="checkpoint",
+            value=str(path),
+            fix=_FIX,
         ) from None
 
 
@@ -119,10 +122,17 @@ def read_meta(path: Path) -> dict[str, Any]:
         meta = json.loads(meta_path.read_bytes().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(
-            f"meta.json is not valid JSON ({type(e).__name__})", field="checkpoint", value=str(meta_path), fix=_FIX
+            f"meta.json is not valid JSON ({type(e).__name__})",
+            field="checkpoint",
+            value=str(meta_path),
+            fix=_FIX,
         ) from None
     v2 = isinstance(meta, dict) and meta.get("format_version") == FORMAT_VERSION
-    need = ("step", "files", "engine", "layout", "sampler") if v2 else ("step", "world_size", "files", "client_state")
+    need = (
+        ("step", "files", "engine", "layout", "sampler")
+        if v2
+        else ("step", "world_size", "files", "client_state")
+    )
     missing = [k for k in need if not isinstance(meta, dict) or k not in meta]
     files = meta.get("files") if isinstance(meta, dict) else None
     if missing or not isinstance(files, list) or not all(isinstance(f, dict) for f in files):
@@ -168,7 +178,9 @@ def verify_checkpoint(path: Path, *, rank: int = 0, world: int = 1) -> tuple[dic
         if not f.is_file():
             problems.append(f"{f}: missing")
         elif f.stat().st_size != entry.get("bytes"):
-            problems.append(f"{f}: {f.stat().st_size} bytes, meta.json says {entry.get('bytes')} (truncated or altered)")
+            problems.append(
+                f"{f}: {f.stat().st_size} bytes, meta.json says {entry.get('bytes')} (truncated or altered)"
+            )
         elif v2 and i % world == rank and sha256_file(f) != entry.get("sha256"):
             problems.append(f"{f}: sha256 does not match meta.json (the file was altered or corrupted)")
     for rel in checkpoint_files(path):
@@ -183,7 +195,9 @@ def raise_problems(problems: list[str]) -> None:
         first = problems[0]
         file, _, why = first.partition(": ")
         more = f" ({len(problems) - 1} more problem(s) in this checkpoint)" if len(problems) > 1 else ""
-        raise CheckpointError(f"checkpoint verification failed: {why}{more}", field="checkpoint", value=file, fix=_FIX)
+        raise CheckpointError(
+            f"checkpoint verification failed: {why}{more}", field="checkpoint", value=file, fix=_FIX
+        )
 
 
 def verify_or_raise(path: Path) -> dict[str, Any]:
@@ -264,7 +278,9 @@ class CheckpointManager:
             write_json_atomic(tmp / MANIFEST, manifest)
         barrier()
         files = checkpoint_files(tmp)
-        mine = {f: (sha256_file(tmp / f), (tmp / f).stat().st_size) for f in files[self.rank :: self.world_size]}
+        mine = {
+            f: (sha256_file(tmp / f), (tmp / f).stat().st_size) for f in files[self.rank :: self.world_size]
+        }
         hashed = {k: v for part in all_gather_object(mine) for k, v in part.items()}
         if self.rank == 0:
             meta = {
@@ -339,5 +355,8 @@ class CheckpointManager:
         if errors:
             msg, value = errors[0]
             raise CheckpointError(msg, field="checkpoint", value=value, fix=_FIX)
-        return meta["sampler"] if meta.get("format_version") == FORMAT_VERSION else meta["client_state"]["sampler"]
-
+        return (
+            meta["sampler"]
+            if meta.get("format_version") == FORMAT_VERSION
+            else meta["client_state"]["sampler"]
+        )

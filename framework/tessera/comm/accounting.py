@@ -271,29 +271,3 @@ def _axes(ranks: Iterable[int], layout: Any) -> str:
     if len(varying) > 1 and len(ranks) == layout.world_size:
         return "world"
     return "+".join(varying) or "self"  # a world that is one axis (pp=2 on 2 ranks) is named by it
-
-
-class CommLog:
-    """``comm.jsonl``: one line per rank per step (and per setup / checkpoint phase), appended by every
-    rank to the same file; each line is one ``write`` of well under the page size, which local and
-    network file systems append whole."""
-
-    def __init__(self, path: Any, *, rank: int) -> None:
-        self.rank = rank
-        self._f = open(path, "a", buffering=1)
-
-    def write(self, phase: str, step: int, ops: list[dict[str, Any]]) -> None:
-        import json
-
-        rec = {
-            "phase": phase,
-            "step": step,
-            "rank": self.rank,
-            "bytes": sum(o["bytes"] for o in ops),
-            "seconds": sum(o["seconds"] for o in ops),
-            "ops": ops,
-        }
-        self._f.write(json.dumps(rec, sort_keys=True) + "\n")
-
-    def close(self) -> None:
-        self._f.close()

@@ -27,6 +27,7 @@ try:  # POSIX only; without it every rank simply builds and the first rename win
 except ImportError:  # pragma: no cover - Windows is not a training platform for us
     fcntl = None  # type: ignore[assignment]
 
+
 def sha256_dir(path: Path, names: list[str] | None = None) -> str:
     """Hash of the regular files of a directory (or of ``names`` in it), sorted by name.
 

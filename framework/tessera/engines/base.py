@@ -181,9 +181,7 @@ def global_counts(
     return tokens, inputs
 
 
-def step_result(
-    loss_sum: float, grad_norm: Any, *, lr: float, tokens: float, inputs: float
-) -> StepResult:
+def step_result(loss_sum: float, grad_norm: Any, *, lr: float, tokens: float, inputs: float) -> StepResult:
     """The step's report; an engine that has no norm passes ``None`` (never NaN, which means diverged)."""
     norm = None if grad_norm is None else float(grad_norm)
     return StepResult(

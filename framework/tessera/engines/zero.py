@@ -175,7 +175,10 @@ class DeepSpeedRunner:
         return loss_sum, None if norm is None else float(norm)
 
     def held_state(self) -> dict[str, int]:
-        return {"grads": self._grads_held or 0, **deepspeed_params_and_optimizer(self.engine, self.layout.zero)}
+        return {
+            "grads": self._grads_held or 0,
+            **deepspeed_params_and_optimizer(self.engine, self.layout.zero),
+        }
 
     def optimizer_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         opt = self.engine.optimizer
@@ -214,4 +217,3 @@ def _grad_norm(params: Iterator[torch.nn.Parameter]) -> float:
             part = p.grad.detach().double().pow(2).sum()
             sq = part if sq is None else sq + part
     return 0.0 if sq is None else float(sq.sqrt())
-

@@ -172,7 +172,9 @@ def _scan(rd: RunDir, world: int, pids: dict[int, int], dead_seen: dict[int, flo
     if vanished:
         rank = min(vanished)[1]
         return RankFailure(
-            rank, "died without exiting (killed by a signal, e.g. SIGKILL or the OOM killer)", rd.log_tail(rank)
+            rank,
+            "died without exiting (killed by a signal, e.g. SIGKILL or the OOM killer)",
+            rd.log_tail(rank),
         )
     if exited:
         _, _, rank, code = min(exited)

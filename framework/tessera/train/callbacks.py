@@ -12,9 +12,7 @@ class CommLogCallback(Callback):
     """``comm.jsonl``: the collectives of setup, of every step and of every checkpoint, per rank."""
 
     def on_run_start(self, ctx: RunContext) -> None:
-        from tessera.comm.accounting import CommLog
-
-        self.log = CommLog(ctx.run_dir.comm, rank=ctx.rank)
+        self.log = ctx.run_dir.comm_writer(ctx.rank)
         self.log.write("setup", 0, ctx.counter.pop_step())
 
     def on_step_end(self, ctx: RunContext, rec: dict[str, Any], ops: list[dict[str, Any]]) -> None:
@@ -35,9 +33,7 @@ class MetricsCallback(Callback):
     """``metrics.jsonl`` (rank 0): one line per step; a resume first drops lines after the resumed step."""
 
     def on_run_start(self, ctx: RunContext) -> None:
-        from tessera.train.metrics import MetricsWriter
-
-        self.writer = MetricsWriter(ctx.run_dir.metrics, resume_step=ctx.start_step if ctx.resumed else None)
+        self.writer = ctx.run_dir.metrics_writer(resume_step=ctx.start_step if ctx.resumed else None)
 
     def on_step_end(self, ctx: RunContext, rec: dict[str, Any], ops: list[dict[str, Any]]) -> None:
         self.writer.write(rec)

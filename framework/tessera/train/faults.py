@@ -27,7 +27,10 @@ def fault_from_env() -> FaultInjection | None:
     kind, _, step = spec.partition("@")
     if kind not in KINDS or not step.isdigit():
         raise RecipeError(
-            "unknown fault", field=ENV, value=spec, fix=f"use <kind>@<step> with kind one of {', '.join(KINDS)}"
+            "unknown fault",
+            field=ENV,
+            value=spec,
+            fix=f"use <kind>@<step> with kind one of {', '.join(KINDS)}",
         )
     return FaultInjection(kind, int(step))
 

@@ -1,8 +1,8 @@
-"""Per-step metrics: ``metrics.jsonl`` (rank 0), peak memory per rank, and PNG plots at the end."""
+"""Peak memory per rank, and the PNG plots of a run at its end (``metrics.jsonl`` is written through
+:class:`tessera.rundir.RunDir`)."""
 
 from __future__ import annotations
 
-import json
 import resource
 import sys
 from pathlib import Path
@@ -19,28 +19,6 @@ def peak_memory_bytes(device: torch.device) -> int:
         return int(torch.cuda.max_memory_allocated(device))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
-
-
-class MetricsWriter:
-    """Appends one JSON line per step; on resume drops lines after the resumed step first."""
-
-    def __init__(self, path: Path, *, resume_step: int | None):
-        self.path = path
-        if resume_step is not None and path.is_file():
-            kept = [
-                ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= resume_step
-            ]
-            path.write_text("".join(ln + "\n" for ln in kept))
-        elif resume_step is None and path.exists():
-            path.unlink()
-        self._f = open(path, "a")
-
-    def write(self, record: dict[str, Any]) -> None:
-        self._f.write(json.dumps(record, sort_keys=True) + "\n")
-        self._f.flush()
-
-    def close(self) -> None:
-        self._f.close()
 
 
 def plot_run(

@@ -145,7 +145,9 @@ def check_resume_layout(meta: dict[str, Any], layout: ParallelLayout, path: Path
         )
 
 
-def _manifest(recipe: Recipe, layout: ParallelLayout, data: Any, run_dir: RunDir, device: str) -> dict[str, Any]:
+def _manifest(
+    recipe: Recipe, layout: ParallelLayout, data: Any, run_dir: RunDir, device: str
+) -> dict[str, Any]:
     from tessera.evidence.manifest import capture_manifest
 
     launch = run_dir.read_json_if_present(RunDir.LAUNCH) or {}
