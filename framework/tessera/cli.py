@@ -2,6 +2,7 @@
 
     tessera run R.yaml [key=value ...] [--resume] [--dry-run]
     tessera plan R.yaml [key=value ...] --world-size N [--hardware X] [--json]
+    tessera convert SRC --to hf --out DIR [--dtype fp32|bf16]
     tessera config show R.yaml [key=value ...]
 
 User mistakes (recipe, override, layout, data, checkpoint) exit with code 2 and a short message that
@@ -262,6 +263,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from tessera.checkpoint.convert import convert_to_hf
+
+    report = convert_to_hf(Path(args.src), Path(args.out), dtype=args.dtype)
+    print(
+        f"converted {report['source']} (step {report['step']}, {report['sharding']}) -> {args.out}: "
+        f"{report['tensors']} tensors reloaded with from_pretrained, all equal ({args.dtype})"
+    )
+    print(f"tokenizer: {report['tokenizer'] or 'none found beside the checkpoint'}")
+    return 0
+
+
 def _fmt(v: Any) -> str:
     if isinstance(v, dict):
         return json.dumps(v, sort_keys=True)
@@ -318,6 +331,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help='{"chosen", "candidates", "rejected"} on stdout')
     pl.add_argument("--top", type=int, default=15, help="rows of the table")
     pl.set_defaults(fn=cmd_plan)
+    cv = sub.add_parser("convert", help="a Tessera checkpoint to a Hugging Face directory, verified")
+    cv.add_argument("src", help="a checkpoints/step_NNNNNN directory, or a run directory (its latest)")
+    cv.add_argument("--to", required=True, choices=["hf"], help="target format")
+    cv.add_argument("--out", required=True, help="new (or empty) output directory")
+    cv.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="dtype of the written weights")
+    cv.set_defaults(fn=cmd_convert)
     c = sub.add_parser("config", help="recipe tools")
     csub = c.add_subparsers(dest="config_command", required=True)
     show = csub.add_parser("show", help="the resolved recipe and which layer set each value")

@@ -13,6 +13,7 @@ from helpers import (
     assert_close_rel,
     assert_comm_matches_plan,
     assert_damage_is_refused,
+    assert_hf_export_replays_the_run,
     assert_model_states_match_plan,
     assert_nan_stop,
     losses,
@@ -193,6 +194,15 @@ def test_a_pickle_in_place_of_the_rng_file_is_never_run(zero_runs):
     log = evil.rank_file(0, "log").read_text()
     assert "not a readable safetensors file" in log and "rng_rank00000.safetensors" in log
     assert evil.rank_exit(0) == ExitCode.USER_ERROR and evil.rank_exit(1) == ExitCode.USER_ERROR
+
+
+@pytest.mark.parametrize("name", ["z3", "ddp"])
+def test_export_to_hf_reproduces_the_run(zero_runs, tmp_path, name):
+    """`tessera convert --to hf` of the step-10 checkpoint (ZeRO-3 partitions through DeepSpeed's
+    zero_to_fp32; the ddp engine's safetensors): from_pretrained loads it, and its loss on step 11's batch
+    is the loss the run logged for step 11."""
+    report = assert_hf_export_replays_the_run(zero_runs["_base"] / f"resume_{name}", 10, tmp_path / "hf")
+    assert report["sharding"] == {"z3": "deepspeed-zero3", "ddp": "torch-ddp"}[name]
 
 
 # ---- stop rules -----------------------------------------------------------------------------------------

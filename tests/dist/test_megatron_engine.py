@@ -14,6 +14,7 @@ from helpers import (
     assert_close_rel,
     assert_comm_matches_plan,
     assert_damage_is_refused,
+    assert_hf_export_replays_the_run,
     assert_model_states_match_plan,
     assert_nan_stop,
     losses,
@@ -142,6 +143,14 @@ def test_damaged_megatron_checkpoint_is_refused_naming_the_file(runs, tmp_path):
     """Every file of a TP2 dist_checkpointing checkpoint: flipped, truncated, deleted -> named; and
     `tessera run --resume` exits 2 with that name before anything launches."""
     assert_damage_is_refused(runs["_base"] / "resume_tp2", tmp_path)
+
+
+def test_export_to_hf_reproduces_the_run(runs, tmp_path):
+    """`tessera convert --to hf` of TP2's step-5 checkpoint (dist_checkpointing's global tensors mapped
+    back through the weight map): from_pretrained loads it, and its loss on step 6's batch is the loss the
+    run logged for step 6."""
+    report = assert_hf_export_replays_the_run(runs["_base"] / "resume_tp2", 5, tmp_path / "hf")
+    assert report["sharding"] == "megatron-ddp"
 
 
 def test_nan_grad_norm_stops_megatron_and_keeps_a_finite_checkpoint(runs):

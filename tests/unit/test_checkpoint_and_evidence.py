@@ -359,3 +359,23 @@ def test_cli_resume_names_the_garbage_file_without_a_traceback(tmp_path, kind, c
         assert rc == 2, (place, err)
         assert str(target) in err and "fix:" in err and "Traceback" not in err, (place, err)
         assert not RunDir(run).logs.exists()  # nothing launched
+
+
+def test_convert_refuses_a_damaged_source_and_a_used_output(tmp_path):
+    """`tessera convert` verifies the source first (a flipped byte is named, nothing is written) and
+    never writes into a non-empty --out."""
+    from tessera.checkpoint.convert import convert_to_hf
+
+    p = _save(_mgr(tmp_path), 1, TensorFileEngine(1))
+    data = bytearray((p / "shard_rank0.safetensors").read_bytes())
+    data[-3] ^= 0x01
+    (p / "shard_rank0.safetensors").write_bytes(bytes(data))
+    out = tmp_path / "hf"
+    with pytest.raises(CheckpointError) as e:
+        convert_to_hf(tmp_path, out)  # a run directory means its latest checkpoint
+    assert e.value.value == str(p / "shard_rank0.safetensors") and not out.exists()
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(RecipeError, match="not an empty directory"):
+        convert_to_hf(p, out)
+    assert (out / "keep.txt").read_text() == "mine"
