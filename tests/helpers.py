@@ -432,7 +432,9 @@ def assert_hf_export_replays_the_run(run_dir: Path, ckpt_step: int, out: Path, *
     )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     report = json.loads((out / "tessera_conversion.json").read_text())
-    assert report["ok"] and report["step"] == ckpt_step and not report["mismatched"]
+    verify = report["verify"]  # tessera verify of the checkpoint against the written directory
+    assert verify["ok"] and verify["weights_ok"] and report["step"] == ckpt_step
+    assert verify["logits"]["max_abs_diff"] <= 1e-5 and not verify["missing_in_b"]
     assert AutoTokenizer.from_pretrained(str(out)).vocab_size > 0
     model = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True).eval()
     import yaml

@@ -2,7 +2,8 @@
 
     tessera run R.yaml [key=value ...] [--resume] [--dry-run]
     tessera plan R.yaml [key=value ...] --world-size N [--hardware X] [--json]
-    tessera convert SRC --to hf --out DIR [--dtype fp32|bf16]
+    tessera convert SRC --to hf --out DIR [--dtype fp32|bf16] [--no-verify] [--prompts N]
+    tessera verify A B [--prompts N] [--json]
     tessera config show R.yaml [key=value ...]
 
 User mistakes (recipe, override, layout, data, checkpoint) exit with code 2 and a short message that
@@ -266,13 +267,31 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from tessera.checkpoint.convert import convert_to_hf
 
-    report = convert_to_hf(Path(args.src), Path(args.out), dtype=args.dtype)
-    print(
-        f"converted {report['source']} (step {report['step']}, {report['sharding']}) -> {args.out}: "
-        f"{report['tensors']} tensors reloaded with from_pretrained, all equal ({args.dtype})"
+    rec = convert_to_hf(
+        Path(args.src), Path(args.out), dtype=args.dtype, verify=not args.no_verify, prompts=args.prompts
     )
-    print(f"tokenizer: {report['tokenizer'] or 'none found beside the checkpoint'}")
+    print(
+        f"converted {rec['source']} (step {rec['step']}, {rec['sharding']}) -> {args.out}: {rec['tensors']} tensors"
+    )
+    print(f"tokenizer: {rec['tokenizer'] or 'none found beside the checkpoint'}")
+    if isinstance(rec["verify"], dict):
+        from tessera.checkpoint.verify import render
+
+        render(rec["verify"])
+    else:
+        print(f"verify: {rec['verify']}")
     return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from tessera.checkpoint.verify import compare, open_side, render
+
+    report = compare(open_side(Path(args.a)), open_side(Path(args.b)), prompts=args.prompts)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        render(report)
+    return 0 if report["ok"] else 1
 
 
 def _fmt(v: Any) -> str:
@@ -336,7 +355,17 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("--to", required=True, choices=["hf"], help="target format")
     cv.add_argument("--out", required=True, help="new (or empty) output directory")
     cv.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="dtype of the written weights")
+    cv.add_argument("--no-verify", action="store_true", help="skip `tessera verify` of the output (recorded)")
+    cv.add_argument("--prompts", type=int, default=4, help="prompts for the logits check of the verification")
     cv.set_defaults(fn=cmd_convert)
+    vf = sub.add_parser("verify", help="compare two models: HF directories or Tessera checkpoints")
+    vf.add_argument("a")
+    vf.add_argument("b")
+    vf.add_argument(
+        "--prompts", type=int, default=4, help="fixed prompts for the logits comparison (0: none)"
+    )
+    vf.add_argument("--json", action="store_true", help="the full report as JSON on stdout")
+    vf.set_defaults(fn=cmd_verify)
     c = sub.add_parser("config", help="recipe tools")
     csub = c.add_subparsers(dest="config_command", required=True)
     show = csub.add_parser("show", help="the resolved recipe and which layer set each value")

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
+import torch
 from helpers import (
     DEFAULT_RECIPE,
     PICKLE_MARKER,
@@ -16,6 +18,7 @@ from helpers import (
     assert_hf_export_replays_the_run,
     assert_model_states_match_plan,
     assert_nan_stop,
+    forge_checksum,
     losses,
     plant_pickle,
     set_steps,
@@ -203,6 +206,32 @@ def test_export_to_hf_reproduces_the_run(zero_runs, tmp_path, name):
     is the loss the run logged for step 11."""
     report = assert_hf_export_replays_the_run(zero_runs["_base"] / f"resume_{name}", 10, tmp_path / "hf")
     assert report["sharding"] == {"z3": "deepspeed-zero3", "ddp": "torch-ddp"}[name]
+
+
+def test_verify_names_the_one_tensor_that_differs(zero_runs, tmp_path, capsys):
+    """`tessera verify` of a ddp checkpoint against a copy with one weight changed by one ulp-sized step
+    (checksums re-forged so it loads): exit 1, the tensor named, the Adam moments still equal; against an
+    untouched copy: exit 0, logits within 1e-5."""
+    from tessera.cli import main
+    from tessera.engines.ddp import MODEL_FILE
+    from tessera.tensorfile import load_tensors_and_meta, save_tensors
+
+    src = RunDir(zero_runs["_base"] / "resume_ddp").checkpoints / step_dir_name(10)
+    same, changed = tmp_path / "same", tmp_path / "changed"
+    shutil.copytree(src, same)
+    shutil.copytree(src, changed)
+    tensors, meta = load_tensors_and_meta(changed / MODEL_FILE)
+    name = "model.layers.1.mlp.down_proj.weight"
+    tensors[name][3, 5] = torch.nextafter(tensors[name][3, 5], torch.tensor(1e9))
+    save_tensors(changed / MODEL_FILE, tensors, meta)
+    forge_checksum(changed, MODEL_FILE)
+    assert main(["verify", str(src), str(same), "--prompts", "2", "--json"]) == 0
+    ok = json.loads(capsys.readouterr().out)
+    assert ok["weights_ok"] and ok["optimizer"]["ok"] and ok["logits"]["max_abs_diff"] <= 1e-5
+    assert main(["verify", str(src), str(changed), "--prompts", "2", "--json"]) == 1
+    bad = json.loads(capsys.readouterr().out)
+    assert [r["name"] for r in bad["tensors"] if not r["equal"]] == [name]
+    assert bad["optimizer"]["ok"] and not bad["ok"]
 
 
 # ---- stop rules -----------------------------------------------------------------------------------------

@@ -55,15 +55,18 @@ def _check_out(out: Path) -> None:
         )
 
 
-def _tokenizer_dir(ckpt: Path) -> Path | None:
+def tokenizer_dir_of(ckpt: Path) -> Path | None:
     """The tokenizer the run trained with: its run directory's prepared-data record names it."""
     record = RunDir(ckpt.parent.parent).read_json_if_present(RunDir.DATA)
     path = Path(record["tokenizer_dir"]) if record and record.get("tokenizer_dir") else None
     return path if path is not None and path.is_dir() else None
 
 
-def convert_to_hf(src: Path, out: Path, *, dtype: str = "fp32") -> dict[str, Any]:
-    """Write the HF directory ``out`` from Tessera checkpoint ``src``; returns the verification report."""
+def convert_to_hf(
+    src: Path, out: Path, *, dtype: str = "fp32", verify: bool = True, prompts: int = 4
+) -> dict[str, Any]:
+    """Write the HF directory ``out`` from Tessera checkpoint ``src``; returns the conversion record
+    (with ``tessera verify``'s report of the checkpoint against the output, unless ``verify`` is off)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = Path(out)
@@ -88,26 +91,43 @@ def convert_to_hf(src: Path, out: Path, *, dtype: str = "fp32") -> dict[str, Any
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         model.save_pretrained(tmp, safe_serialization=True, max_shard_size="5GB")
-        tok = _tokenizer_dir(ckpt)
+        tok = tokenizer_dir_of(ckpt)
         if tok is not None:
             AutoTokenizer.from_pretrained(str(tok)).save_pretrained(tmp)
-        report = verify_hf_dir(tmp, want)
-        report.update(source=str(ckpt), step=meta["step"], engine=meta["engine"], sharding=meta["sharding"],
-                      layout=meta["layout"], dtype=dtype, tokenizer=str(tok) if tok else None)  # fmt: skip
-        write_json_atomic(tmp / REPORT, report)
-        if not report["ok"]:
-            raise CheckpointError(
-                f"the written HF directory does not reload equal: {report['mismatched'][:4]}",
-                field="--out",
-                value=str(out),
-                fix="report this as a bug (the output was not kept)",
-            )
+        record: dict[str, Any] = {
+            "source": str(ckpt),
+            "step": meta["step"],
+            "engine": meta["engine"],
+            "sharding": meta["sharding"],
+            "layout": meta["layout"],
+            "dtype": dtype,
+            "tokenizer": str(tok) if tok else None,
+            "tensors": len(want),
+            "verify": "skipped (--no-verify)",
+        }
+        if verify:
+            from tessera.checkpoint.verify import Side, compare, open_side
+
+            source = Side(str(ckpt), "checkpoint", cfg, want, None, tok)
+            written = open_side(tmp)
+            written.label = f"{out} (as written, before the rename)"
+            report = compare(source, written, prompts=prompts)
+            record["verify"] = report
+            if not report["ok"]:
+                raise CheckpointError(
+                    "the written HF directory does not verify against the checkpoint: "
+                    + ", ".join([r["name"] for r in report["tensors"] if not r["equal"]][:4] or ["logits"]),
+                    field="--out",
+                    value=str(out),
+                    fix="report this as a bug (the output was not kept)",
+                )
+        write_json_atomic(tmp / REPORT, record)
         if out.exists():
             out.rmdir()  # empty, checked above
         os.rename(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return report
+    return record
 
 
 def _is_tied(model: Any, key: str) -> bool:
@@ -117,31 +137,3 @@ def _is_tied(model: Any, key: str) -> bool:
         and out is not None
         and bool(getattr(model.config, "tie_word_embeddings", False))
     )
-
-
-def verify_hf_dir(path: Path, want: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Load ``path`` with ``from_pretrained`` and compare every tensor with ``want`` (key coverage,
-    shapes, dtypes, bit equality)."""
-    from transformers import AutoModelForCausalLM
-
-    got = AutoModelForCausalLM.from_pretrained(
-        str(path), local_files_only=True, dtype=next(iter(want.values())).dtype
-    )
-    have = got.state_dict()  # tied weights under both names
-    missing = sorted(set(want) - set(have))
-    mismatched = sorted(
-        k
-        for k in want
-        if k in have and (have[k].shape != want[k].shape or not torch.equal(have[k].detach(), want[k]))
-    )
-    comparable = [k for k in want if k in have and have[k].shape == want[k].shape]
-    diffs = [float((have[k].detach().float() - want[k].float()).abs().max()) for k in comparable]
-    return {
-        "ok": not missing and not mismatched,
-        "tensors": len(want),
-        "missing": missing,
-        "mismatched": mismatched,
-        "max_abs_diff": max(diffs, default=0.0),
-        "files": sorted(p.name for p in Path(path).iterdir()),
-    }
-

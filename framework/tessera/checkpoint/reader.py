@@ -19,6 +19,7 @@ from tessera.checkpoint.manager import FORMAT_VERSION, verify_or_raise
 from tessera.errors import CheckpointError
 
 _EXPERTS = "mlp.experts.experts."
+MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def hf_config_of(meta: dict[str, Any]) -> Any:
@@ -70,9 +71,10 @@ def _deepspeed(ckpt: Path, zero: int) -> dict[str, torch.Tensor]:
     return dict(get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name))
 
 
-def _megatron(ckpt: Path, hf_cfg: Any) -> dict[str, torch.Tensor]:
+def _megatron(ckpt: Path, hf_cfg: Any, prefix: str = "") -> dict[str, torch.Tensor]:
     """Global megatron tensors (layers stacked on dim 0 by dist_checkpointing) -> the tp = 1, pp = 1 chunk
-    -> HF, through the same weight map the engine loads with."""
+    -> HF, through the same weight map the engine loads with. ``prefix``: "" for the parameters,
+    ``optimizer.state.exp_avg.`` (or ``exp_avg_sq``) for megatron DDP's Adam moments, saved per parameter."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -87,8 +89,12 @@ def _megatron(ckpt: Path, hf_cfg: Any) -> dict[str, torch.Tensor]:
     keys = {
         k
         for k, m in md.state_dict_metadata.items()
-        if isinstance(m, TensorStorageMetadata) and not k.startswith("optimizer.")
+        if isinstance(m, TensorStorageMetadata)
+        and k.startswith(prefix)
+        and (prefix or not k.startswith("optimizer."))
     }
+    if not keys:
+        return {}
 
     class _Only(_EmptyStateDictLoadPlanner):
         # torch's key filter also consults metadata.planner_data, which megatron-core does not write
@@ -108,6 +114,7 @@ def _megatron(ckpt: Path, hf_cfg: Any) -> dict[str, torch.Tensor]:
     renamed = {v: k for k, v in spec.submodules.sharded_state_dict_keys_map.items()}
     chunk: dict[str, torch.Tensor] = {}
     for key, t in glob.items():
+        key = key[len(prefix) :]
         if not key.startswith("decoder.layers."):
             chunk[key] = t
             continue
@@ -132,3 +139,27 @@ def _megatron(ckpt: Path, hf_cfg: Any) -> dict[str, torch.Tensor]:
             value=str(root),
             fix="resume the run on its own layout; this checkpoint's tensors do not match its model_config",
         ) from None
+
+
+def read_hf_optimizer(ckpt: Path, meta: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]] | None:
+    """Adam moments keyed by HF parameter name (``{name: {"exp_avg": t, "exp_avg_sq": t}}``) where the
+    format keeps them per parameter (the ddp engine; megatron DDP); None where they are not read yet
+    (DeepSpeed ZeRO's flat partitions, megatron's distributed optimizer buffers). ``ckpt`` is verified."""
+    sharding = meta["sharding"]
+    if sharding == "torch-ddp":
+        from tessera.engines.ddp import OPTIMIZER_FILE
+        from tessera.tensorfile import load_tensors
+
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for key, t in load_tensors(ckpt / OPTIMIZER_FILE).items():
+            name, kind = key.rsplit("/", 1)
+            if kind in MOMENTS:
+                out.setdefault(name, {})[kind] = t
+        return out
+    if sharding == "megatron-ddp":
+        cfg = hf_config_of(meta)
+        per = {m: _megatron(ckpt, cfg, prefix=f"optimizer.state.{m}.") for m in MOMENTS}
+        if not per["exp_avg"]:
+            return None
+        return {name: {m: per[m][name] for m in MOMENTS} for name in per["exp_avg"]}
+    return None

@@ -1,0 +1,257 @@
+"""``tessera verify A B [--prompts N] [--json]``: are two models the same model?
+
+Each side is an HF directory or a Tessera checkpoint of any engine and layout (read as HF tensors by
+:mod:`tessera.checkpoint.reader`). The report: key coverage (missing, unexpected), shapes and dtypes,
+per-tensor max absolute difference and content-hash equality, the Adam moments where both sides keep
+them per parameter, and the logits of both models on fixed prompts (max absolute difference and mean
+KL divergence). The verdict: weights bit-exact (or equal after the dtype cast when the dtypes differ)
+and logits within ``1e-5`` in fp32.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tessera.errors import CheckpointError
+
+LOGITS_TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-2}
+#: fixed prompts (Python, like the default corpus, and prose); tokenized by the run's tokenizer
+PROMPTS = (
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "import os\nimport sys\n\n\ndef main(argv=None):\n    args = argv or sys.argv[1:]\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    "The quick brown fox jumps over the lazy dog, and the dog does not mind at all.",
+    "for i, line in enumerate(open(path)):\n    if line.strip():\n        print(i, line)\n",
+    "try:\n    value = int(text)\nexcept ValueError:\n    value = None\n",
+    "Distributed training is not adding devices: every run plans, computes, communicates and saves.",
+    "with open(filename, 'rb') as f:\n    data = f.read()\n    digest = hashlib.sha256(data).hexdigest()\n",
+)
+
+
+@dataclass
+class Side:
+    """One model to compare: where it came from and its HF tensors."""
+
+    label: str
+    kind: str  # "hf" or "checkpoint"
+    config: Any
+    state: dict[str, torch.Tensor]
+    optimizer: dict[str, dict[str, torch.Tensor]] | None
+    tokenizer_dir: Path | None
+    model_dir: Path | None = None  # an HF directory loads through from_pretrained itself
+
+
+def open_side(path: Path) -> Side:
+    path = Path(path)
+    if (path / "config.json").is_file() and not (path / "meta.json").is_file():
+        return _hf_side(path)
+    from tessera.checkpoint.convert import resolve_source, tokenizer_dir_of
+    from tessera.checkpoint.reader import hf_config_of, read_hf_optimizer, read_hf_state
+
+    ckpt = resolve_source(path)
+    state, meta = read_hf_state(ckpt)
+    return Side(
+        label=str(ckpt),
+        kind="checkpoint",
+        config=hf_config_of(meta),
+        state=state,
+        optimizer=read_hf_optimizer(ckpt, meta),
+        tokenizer_dir=tokenizer_dir_of(ckpt),
+    )
+
+
+def _hf_side(path: Path) -> Side:
+    """An HF directory: safetensors read tensor by tensor; ``.bin`` only with ``weights_only=True``."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(
+            f"cannot read its config.json ({e})", field="model", value=str(path), fix="give an HF directory"
+        ) from None
+    state: dict[str, torch.Tensor] = {}
+    files = sorted(path.glob("*.safetensors"))
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                for k in sf.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                    state[k] = sf.get_tensor(k)
+        except Exception as e:
+            raise CheckpointError(
+                f"not a readable safetensors file ({type(e).__name__})",
+                field="model",
+                value=str(f),
+                fix="restore the file or re-export the model",
+            ) from None
+    if not files:
+        for f in sorted(path.glob("pytorch_model*.bin")):
+            state.update(torch.load(f, map_location="cpu", weights_only=True))
+    if not state:
+        raise CheckpointError(
+            "no weights (*.safetensors or pytorch_model*.bin)",
+            field="model",
+            value=str(path),
+            fix="give a directory written by save_pretrained",
+        )
+    has_tok = any((path / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json"))
+    return Side(str(path), "hf", config, state, None, path if has_tok else None, model_dir=path)
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _model(side: Side, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    if side.model_dir is not None:
+        return AutoModelForCausalLM.from_pretrained(
+            str(side.model_dir), local_files_only=True, dtype=dtype, attn_implementation="eager"
+        ).eval()
+    model = AutoModelForCausalLM.from_config(side.config, attn_implementation="eager").to(dtype)
+    model.load_state_dict({k: v.to(dtype) for k, v in side.state.items()}, strict=False)
+    model.tie_weights()
+    return model.eval()
+
+
+def _prompts(a: Side, b: Side, n: int, vocab: int) -> list[torch.Tensor]:
+    tok_dir = a.tokenizer_dir or b.tokenizer_dir
+    if tok_dir is not None:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(tok_dir))
+        return [torch.tensor([tok.encode(p)[:64]]) for p in (PROMPTS * (n // len(PROMPTS) + 1))[:n]]
+    gen = torch.Generator().manual_seed(0)  # no tokenizer at hand: fixed token ids
+    return [torch.randint(0, vocab, (1, 32), generator=gen) for _ in range(n)]
+
+
+def compare(a: Side, b: Side, *, prompts: int = 4) -> dict[str, Any]:
+    """The full report and its verdict (``ok``)."""
+    shared = sorted(set(a.state) & set(b.state))
+    tensors = []
+    for k in shared:
+        x, y = a.state[k], b.state[k]
+        row: dict[str, Any] = {"name": k, "shape_a": list(x.shape), "shape_b": list(y.shape)}
+        row.update(dtype_a=str(x.dtype).removeprefix("torch."), dtype_b=str(y.dtype).removeprefix("torch."))
+        if x.shape == y.shape:
+            common = x.dtype if x.dtype == y.dtype else torch.promote_types(x.dtype, y.dtype)
+            # a dtype change compares the cast, as the conversion that asked for it did
+            cast = y.dtype if x.dtype != y.dtype else x.dtype
+            row["max_abs_diff"] = float((x.to(common) - y.to(common)).abs().max()) if x.numel() else 0.0
+            row["equal"] = bool(torch.equal(x.to(cast), y.to(cast)))
+            row["same_bytes"] = x.dtype == y.dtype and _digest(x) == _digest(y)
+        else:
+            row.update(max_abs_diff=None, equal=False, same_bytes=False)
+        tensors.append(row)
+    report: dict[str, Any] = {
+        "a": a.label,
+        "b": b.label,
+        "missing_in_b": sorted(set(a.state) - set(b.state)),
+        "unexpected_in_b": sorted(set(b.state) - set(a.state)),
+        "tensors": tensors,
+        "weights_ok": bool(shared) and all(r["equal"] for r in tensors),
+    }
+    report["optimizer"] = _compare_optimizer(a, b)
+    report["logits"] = _compare_logits(a, b, prompts) if prompts else None
+    report["ok"] = (
+        report["weights_ok"]
+        and not report["missing_in_b"]
+        and not report["unexpected_in_b"]
+        and (report["optimizer"] is None or report["optimizer"]["ok"])
+        and (report["logits"] is None or report["logits"]["ok"])
+    )
+    return report
+
+
+def _compare_optimizer(a: Side, b: Side) -> dict[str, Any] | None:
+    if a.optimizer is None or b.optimizer is None:
+        return None
+    differ = sorted(
+        f"{k}.{m}"
+        for k in set(a.optimizer) & set(b.optimizer)
+        for m in a.optimizer[k]
+        if not torch.equal(a.optimizer[k][m], b.optimizer[k].get(m, torch.empty(0)))
+    )
+    missing = sorted(set(a.optimizer) ^ set(b.optimizer))
+    return {
+        "compared": len(a.optimizer),
+        "differ": differ,
+        "missing": missing,
+        "ok": not differ and not missing,
+    }
+
+
+def _compare_logits(a: Side, b: Side, n: int) -> dict[str, Any]:
+    dtype = min((t.dtype for s in (a, b) for t in s.state.values()), key=lambda d: torch.finfo(d).bits)
+    dtype = dtype if dtype in LOGITS_TOL else torch.float32
+    ma, mb = _model(a, dtype), _model(b, dtype)
+    vocab = min(a.config.vocab_size, b.config.vocab_size)
+    worst, kls = 0.0, []
+    with torch.no_grad():
+        for ids in _prompts(a, b, n, vocab):
+            la, lb = ma(input_ids=ids).logits.float(), mb(input_ids=ids).logits.float()
+            worst = max(worst, float((la - lb).abs().max()))
+            pa, pb = la.log_softmax(-1), lb.log_softmax(-1)
+            kls.append(float((pa.exp() * (pa - pb)).sum(-1).mean()))
+    tol = LOGITS_TOL[dtype]
+    return {"prompts": n, "dtype": str(dtype).removeprefix("torch."), "max_abs_diff": worst,
+            "mean_kl": sum(kls) / len(kls), "tolerance": tol, "ok": worst <= tol}  # fmt: skip
+
+
+def render(report: dict[str, Any]) -> None:
+    """The verdict table on the console."""
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    con.width = max(con.width, 120)
+    t = Table(title=f"verify\n  A: {report['a']}\n  B: {report['b']}")
+    for col in ("check", "result", "verdict"):
+        t.add_column(col)
+
+    def row(check: str, result: str, ok: bool) -> None:
+        t.add_row(check, result, "[green]ok[/]" if ok else "[bold red]FAIL[/]")
+
+    cover = not report["missing_in_b"] and not report["unexpected_in_b"]
+    row(
+        "key coverage",
+        f"{len(report['tensors'])} shared, {len(report['missing_in_b'])} missing in B, "
+        f"{len(report['unexpected_in_b'])} unexpected in B",
+        cover,
+    )
+    bad = [r["name"] for r in report["tensors"] if not r["equal"]]
+    diffs = [r["max_abs_diff"] for r in report["tensors"] if r["max_abs_diff"] is not None]
+    row(
+        "weights",
+        f"max |A-B| {max(diffs, default=0.0):.3g}; "
+        + (f"differ: {', '.join(bad[:4])}" if bad else "all equal"),
+        report["weights_ok"],
+    )
+    same = sum(r["same_bytes"] for r in report["tensors"])
+    row("content hashes", f"{same}/{len(report['tensors'])} identical", True)
+    opt = report["optimizer"]
+    if opt is not None:
+        what = f"differ: {', '.join(opt['differ'][:4])}" if opt["differ"] else "shared ones equal"
+        row(
+            "Adam moments",
+            f"{opt['compared']} params, {len(opt['missing'])} on one side only; {what}",
+            opt["ok"],
+        )
+    else:
+        row("Adam moments", "not compared (a side keeps none per parameter)", True)
+    lg = report["logits"]
+    if lg is not None:
+        row(
+            f"logits, {lg['prompts']} prompts ({lg['dtype']})",
+            f"max |A-B| {lg['max_abs_diff']:.3g} (tolerance {lg['tolerance']:g}), mean KL {lg['mean_kl']:.3g}",
+            lg["ok"],
+        )
+    con.print(t)
+    con.print("[bold green]PASS[/]" if report["ok"] else "[bold red]FAIL[/]")
