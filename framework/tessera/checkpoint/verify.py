@@ -67,8 +67,9 @@ def open_side(path: Path) -> Side:
 
 def _hf_side(path: Path) -> Side:
     """An HF directory: safetensors read tensor by tensor; ``.bin`` only with ``weights_only=True``."""
-    from safetensors import safe_open
     from transformers import AutoConfig
+
+    from tessera.tensorfile import load_tensors
 
     try:
         config = AutoConfig.from_pretrained(str(path), local_files_only=True)
@@ -79,17 +80,7 @@ def _hf_side(path: Path) -> Side:
     state: dict[str, torch.Tensor] = {}
     files = sorted(path.glob("*.safetensors"))
     for f in files:
-        try:
-            with safe_open(str(f), framework="pt") as sf:
-                for k in sf.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                    state[k] = sf.get_tensor(k)
-        except Exception as e:
-            raise CheckpointError(
-                f"not a readable safetensors file ({type(e).__name__})",
-                field="model",
-                value=str(f),
-                fix="restore the file or re-export the model",
-            ) from None
+        state.update(load_tensors(f))  # a damaged file is an error naming it
     if not files:
         for f in sorted(path.glob("pytorch_model*.bin")):
             state.update(torch.load(f, map_location="cpu", weights_only=True))
