@@ -51,17 +51,24 @@ def plot_run(
         loss_png,
         f"loss — {run_dir.name}",
         "step",
-        "loss",
+        "loss (nats per token)",
         lambda ax: (ax.plot(steps, losses, marker="."), ax.grid(alpha=0.3)),
     )
     times = [r["step_time_s"] for r in records[1:]] or [records[0]["step_time_s"]]  # step 1 includes warmup
-    figure(
-        time_png,
-        "step-time distribution (first step excluded)",
-        "step time (s)",
-        "steps",
-        lambda ax: ax.hist(times, bins=min(30, max(5, len(times) // 2))),
-    )
+    plan = RunDir(run_dir).read_json_if_present(RunDir.PLAN) or {}
+    predicted = (plan.get("chosen") or {}).get("step_time_s")
+
+    def step_times(ax) -> None:
+        from matplotlib.ticker import MaxNLocator
+
+        ax.hist(times, bins=min(30, max(5, len(times) // 2)), label="measured")
+        if predicted:  # what the planner said this layout's step should cost on the run's hardware profile
+            ax.axvline(predicted, color="C3", linestyle="--", label=f"planner: {predicted * 1e3:.1f} ms")
+        ax.axvline(sorted(times)[len(times) // 2], color="k", linewidth=1, label="measured median")
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # whole steps
+        ax.legend(fontsize=8)
+
+    figure(time_png, "step-time distribution (first step excluded)", "step time (s)", "steps", step_times)
     if memory_per_rank:
         mib = [m / 2**20 for m in memory_per_rank]
         figure(
@@ -69,6 +76,6 @@ def plot_run(
             "peak memory per rank",
             "rank",
             "peak memory (MiB)",
-            lambda ax: ax.bar(range(len(mib)), mib),
+            lambda ax: (ax.bar(range(len(mib)), mib), ax.set_xticks(range(len(mib)))),  # whole ranks
         )
     return out
