@@ -17,7 +17,8 @@ from tessera.engines.registry import ENGINE_NAMES
 from tessera.errors import RecipeError
 from tessera.models.families import FAMILIES, FAMILY_NAMES
 from tessera.models.hf import load_hf_config
-from tessera.models.megatron import Shard, adapter_for, hf_to_mcore
+from tessera.models.megatron import Shard, adapter_for
+from tessera.models.weight_map import hf_to_mcore
 from tessera.plan.estimate import (
     ZERO3_PERSISTENCE_THRESHOLD,
     GiB,

@@ -12,7 +12,8 @@ import yaml
 
 from helpers import REPO
 from tessera.models.families import FAMILIES, FAMILY_NAMES
-from tessera.models.megatron import Shard, adapter_for, hf_keys_covered, hf_to_mcore, mcore_to_hf_slices
+from tessera.models.megatron import Shard, adapter_for
+from tessera.models.weight_map import hf_keys_covered, hf_to_mcore, mcore_to_hf_slices
 
 LAYOUTS = [(1, 1, 1, 1), (2, 1, 1, 1), (1, 2, 1, 1), (2, 2, 1, 1)]
 CASES = [(f, *lay) for f in FAMILY_NAMES for lay in LAYOUTS] + [

@@ -80,7 +80,8 @@ def _megatron(ckpt: Path, hf_cfg: Any, prefix: str = "") -> dict[str, torch.Tens
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    from tessera.models.megatron import Shard, adapter_for, mcore_to_hf
+    from tessera.models.megatron import Shard, adapter_for
+    from tessera.models.weight_map import mcore_to_hf
 
     root = ckpt / "megatron"
     reader = FileSystemReader(str(root))

@@ -36,19 +36,8 @@ from tessera.engines.held import megatron_grad_bytes, megatron_params_and_optimi
 from tessera.engines.optim import LRSchedule
 from tessera.engines.zero import DeepSpeedRunner
 from tessera.errors import CheckpointError
-from tessera.models.megatron import (
-    COL,
-    REPL,
-    ROW,
-    VOCAB,
-    Shard,
-    adapter_for,
-    hf_to_mcore,
-    layer_range,
-    mcore_to_hf_slices,
-    padded_vocab,
-    tp_splits,
-)
+from tessera.models.megatron import COL, REPL, ROW, VOCAB, Shard, adapter_for, layer_range, padded_vocab
+from tessera.models.weight_map import hf_to_mcore, mcore_to_hf_slices, tp_splits
 from tessera.plan.layout import ParallelLayout
 from tessera.tensorfile import save_tensors
 

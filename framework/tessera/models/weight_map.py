@@ -1,0 +1,284 @@
+"""The HF <-> megatron-core weight conversion: one generic function pair driven by each family's
+declarative :class:`~tessera.models.megatron.Rule` s (no family has conversion code of its own), plus what
+one megatron chunk holds in HF terms and which HF keys the rules cover.
+
+Tensor layouts (QKV interleaved per query group, ``[gate_r; up_r]`` per TP rank, vocabulary padding,
+layers over stages, experts over EP ranks) are described in :mod:`tessera.models.megatron`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from tessera.models.megatron import (
+    COL,
+    ROW,
+    VOCAB,
+    Adapter,
+    ModelShape,
+    Rule,
+    Shard,
+    expert_range,
+    layer_range,
+    padded_vocab,
+)
+
+
+def _qkv_interleave(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: ModelShape) -> torch.Tensor:
+    """HF separate q/k/v (rows = heads*d) -> megatron's per-group [q..., k, v] rows."""
+    g, d = s.num_query_groups, s.head_dim
+    rest = q.shape[1:]
+    q = q.reshape(g, (s.num_heads // g) * d, *rest)
+    return torch.cat([q, k.reshape(g, d, *rest), v.reshape(g, d, *rest)], dim=1).reshape(-1, *rest)
+
+
+def _qkv_split(fused: torch.Tensor, s: ModelShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g, d = s.num_query_groups, s.head_dim
+    per_q = (s.num_heads // g) * d
+    rest = fused.shape[1:]
+    x = fused.reshape(g, per_q + 2 * d, *rest)
+    q, k, v = x.split([per_q, d, d], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def _tp_of(rule: Rule, shard: Shard) -> tuple[int, int]:
+    expert = "#" in rule.mcore
+    return (shard.etp, shard.etp_rank) if expert else (shard.tp, shard.tp_rank)
+
+
+def _stage_has(rule: Rule, shard: Shard, shape: ModelShape) -> bool:
+    if rule.stage == "first":
+        return shard.first_stage
+    if rule.stage == "last":
+        return shard.last_stage
+    if rule.stage == "output":
+        return shard.last_stage and not (shape.tied and shard.first_stage)
+    return True
+
+
+def _instances(
+    rule: Rule, shape: ModelShape, shard: Shard
+) -> Iterator[tuple[str, Callable[[str], str], int | None]]:
+    """(megatron key, HF pattern -> HF key) for every copy of ``rule`` in the chunk."""
+    layers = layer_range(shape, shard) if "*" in rule.mcore else [None]
+    experts = expert_range(shape, shard) if "#" in rule.mcore else [None]
+    for local_l, gl in enumerate(layers):
+        for local_e, ge in enumerate(experts):
+            key = rule.mcore
+            if gl is not None:
+                key = key.replace("*", str(local_l), 1)
+            if ge is not None:
+                key = key.replace("#", str(local_e), 1)
+
+            def hf_key(p: str, gl=gl, ge=ge) -> str:
+                p = p.replace("*", str(gl)) if gl is not None else p
+                return p.replace("#", str(ge)) if ge is not None else p
+
+            yield key, hf_key, ge
+
+
+def _full_mcore(
+    rule: Rule,
+    hf: dict[str, torch.Tensor],
+    hf_key: Callable[[str], str],
+    expert: int | None,
+    shape: ModelShape,
+) -> list[torch.Tensor]:
+    """The tp=1 megatron tensor of one rule instance, as parts that are TP-split separately."""
+    names = rule.hf if isinstance(rule.hf, tuple) else (rule.hf,)
+    ts = [hf[hf_key(n)] for n in names]
+    if rule.hf_expert_dim:
+        ts = [t[expert] for t in ts]
+    if rule.transpose:
+        ts = [t.t() for t in ts]
+    if rule.fuse == "qkv":
+        if len(ts) == 1:  # GPT-2's c_attn: [q; k; v] in one tensor
+            ts = list(ts[0].chunk(3, dim=0))
+        return [_qkv_interleave(*ts, shape)]
+    if rule.fuse == "gate_up_fused":
+        return list(ts[0].chunk(2, dim=0))
+    if rule.split == VOCAB:
+        t = ts[0]
+        pad = padded_vocab(shape.vocab_size, 1) - t.shape[0]
+        return [t if pad == 0 else torch.cat([t, t.new_zeros(pad, *t.shape[1:])])]
+    return ts
+
+
+def hf_to_mcore(
+    hf: dict[str, torch.Tensor], adapter: Adapter, hf_cfg: Any, shard: Shard
+) -> dict[str, torch.Tensor]:
+    """The megatron state dict of one model chunk (its TP / EP shard) from a full HF state dict."""
+    shape = adapter.shape(hf_cfg)
+    out: dict[str, torch.Tensor] = {}
+    for rule in adapter.rules(hf_cfg):
+        if not _stage_has(rule, shard, shape):
+            continue
+        tp, r = _tp_of(rule, shard)
+        for key, hf_key, expert in _instances(rule, shape, shard):
+            parts = _full_mcore(rule, hf, hf_key, expert, shape)
+            if rule.split == VOCAB:
+                v = parts[0]
+                pad = padded_vocab(shape.vocab_size, tp) - v.shape[0]
+                parts = [torch.cat([v, v.new_zeros(pad, *v.shape[1:])]) if pad else v]
+            if rule.split in (COL, VOCAB):
+                parts = [p.chunk(tp, dim=0)[r] for p in parts]
+            elif rule.split == ROW:
+                parts = [p.chunk(tp, dim=1)[r] for p in parts]
+            out[key] = (
+                torch.cat(parts, dim=0).clone().contiguous()
+                if len(parts) > 1
+                else parts[0].clone().contiguous()
+            )
+    return out
+
+
+def mcore_to_hf(
+    chunks: dict[Shard, dict[str, torch.Tensor]], adapter: Adapter, hf_cfg: Any
+) -> dict[str, torch.Tensor]:
+    """The full HF state dict from every chunk's megatron state dict (all TP / PP / VPP / EP shards)."""
+    shape = adapter.shape(hf_cfg)
+    gathered: dict[tuple[str, str, int | None], dict[int, torch.Tensor]] = {}
+    by_key: dict[tuple[str, str, int | None], tuple[Rule, Callable[[str], str]]] = {}
+    for shard, sd in chunks.items():
+        for rule in adapter.rules(hf_cfg):
+            if not _stage_has(rule, shard, shape):
+                continue
+            _, r = _tp_of(rule, shard)
+            for key, hf_key, expert in _instances(rule, shape, shard):
+                ident = (rule.mcore, hf_key(rule.mcore), expert)
+                gathered.setdefault(ident, {})[r] = sd[key]
+                by_key[ident] = (rule, hf_key)
+    out: dict[str, torch.Tensor] = {}
+    stacked: dict[str, dict[int, torch.Tensor]] = {}
+    for ident, shards in gathered.items():
+        rule, hf_key = by_key[ident]
+        expert = ident[2]
+        ranks = [shards[i] for i in sorted(shards)]
+        if rule.split == ROW:
+            full = [torch.cat(ranks, dim=1)]
+        elif rule.fuse in ("gate_up", "gate_up_fused"):
+            halves = [t.chunk(2, dim=0) for t in ranks]
+            full = [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+        elif rule.split in (COL, VOCAB):
+            full = [torch.cat(ranks, dim=0)]
+        else:
+            full = [ranks[0]]
+        if rule.split == VOCAB:
+            full = [full[0][: shape.vocab_size]]
+        if rule.fuse == "qkv":
+            full = list(_qkv_split(full[0], shape))
+            if not isinstance(rule.hf, tuple):
+                full = [torch.cat(full, dim=0)]
+        if rule.fuse == "gate_up_fused":
+            full = [torch.cat(full, dim=0)]
+        if rule.transpose:
+            full = [t.t() for t in full]
+        names = rule.hf if isinstance(rule.hf, tuple) else (rule.hf,)
+        for name, t in zip(names, full, strict=True):
+            k = hf_key(name)
+            if rule.hf_expert_dim:
+                stacked.setdefault(k, {})[expert] = t
+            elif rule.stage == "output" and k in out:
+                continue  # tied head: the embedding already gave this tensor
+            else:
+                out[k] = t.clone().contiguous()
+    for k, per_expert in stacked.items():
+        out[k] = torch.stack([per_expert[e] for e in sorted(per_expert)]).contiguous()
+    return out
+
+
+def tp_splits(adapter: Adapter, hf_cfg: Any, shard: Shard) -> dict[str, str]:
+    """megatron key -> split kind (repl / col / row / vocab) of every tensor the chunk holds."""
+    shape = adapter.shape(hf_cfg)
+    return {
+        key: rule.split
+        for rule in adapter.rules(hf_cfg)
+        if _stage_has(rule, shard, shape)
+        for key, _, _ in _instances(rule, shape, shard)
+    }
+
+
+def hf_keys_covered(adapter: Adapter, hf_cfg: Any) -> set[str]:
+    """Every HF key the rules read (the coverage check of a conversion)."""
+    shape = adapter.shape(hf_cfg)
+    keys: set[str] = set()
+    for rule in adapter.rules(hf_cfg):
+        names = rule.hf if isinstance(rule.hf, tuple) else (rule.hf,)
+        for _, hf_key, _ in _instances(rule, shape, Shard()):
+            keys.update(hf_key(n) for n in names)
+    return keys
+
+
+def mcore_to_hf_slices(
+    sd: dict[str, torch.Tensor], adapter: Adapter, hf_cfg: Any, shard: Shard
+) -> dict[str, list[tuple[torch.Tensor, tuple[tuple[int, int], ...], tuple[int, ...]]]]:
+    """What one chunk holds, in HF terms: HF key -> [(tensor, index, full HF shape)], where ``index`` is the
+    ``(start, stop)`` range per dimension of the full HF tensor that ``tensor`` fills. The fused tensors
+    give several entries: a TP shard of megatron's QKV is a contiguous range of q, of k and of v rows (its
+    query groups), of gate_up a range of gate and of up rows. Vocabulary padding is left out. Replicated
+    tensors appear on every rank that holds them (the reader picks one)."""
+    shape = adapter.shape(hf_cfg)
+    out: dict[str, list[tuple[torch.Tensor, tuple[tuple[int, int], ...], tuple[int, ...]]]] = {}
+    for rule in adapter.rules(hf_cfg):
+        if not _stage_has(rule, shard, shape):
+            continue
+        tp, r = _tp_of(rule, shard)
+        names = rule.hf if isinstance(rule.hf, tuple) else (rule.hf,)
+        for key, hf_key, expert in _instances(rule, shape, shard):
+            for name_i, t, row0, rows, col0, cols in _local_pieces(rule, sd[key], shape, tp, r):
+                index = [(row0, row0 + t.shape[0])]
+                full = [rows]
+                if t.dim() == 2:
+                    index.append((col0, col0 + t.shape[1]))
+                    full.append(cols)
+                if rule.transpose and t.dim() == 2:
+                    t, index, full = t.t(), index[::-1], full[::-1]
+                if rule.hf_expert_dim:
+                    t = t.unsqueeze(0)
+                    index = [(expert, expert + 1), *index]
+                    full = [shape.num_experts, *full]
+                out.setdefault(hf_key(names[name_i]), []).append((t, tuple(index), tuple(full)))
+    return out
+
+
+def _local_pieces(
+    rule: Rule, t: torch.Tensor, shape: ModelShape, tp: int, r: int
+) -> list[tuple[int, torch.Tensor, int, int, int, int]]:
+    """The HF pieces of one local megatron tensor, in megatron orientation (rows = output features):
+    (index into the rule's HF names, tensor, first row, full rows, first column, full columns)."""
+    cols = t.shape[1] if t.dim() == 2 else 0
+    if rule.fuse == "qkv":
+        g, hq, d = shape.num_query_groups // tp, shape.num_heads // tp, shape.head_dim
+        local = ModelShape(
+            num_layers=1, num_heads=hq, num_query_groups=g, head_dim=d, vocab_size=shape.vocab_size
+        )
+        q, k, v = _qkv_split(t, local)
+        qf, kf = shape.num_heads * d, shape.num_query_groups * d
+        if isinstance(rule.hf, tuple):  # separate q / k / v tensors
+            return [
+                (0, q, r * hq * d, qf, 0, cols),
+                (1, k, r * g * d, kf, 0, cols),
+                (2, v, r * g * d, kf, 0, cols),
+            ]
+        full = qf + 2 * kf  # one [q; k; v] tensor (GPT-2's c_attn)
+        return [(0, q, r * hq * d, full, 0, cols), (0, k, qf + r * g * d, full, 0, cols),
+                (0, v, qf + kf + r * g * d, full, 0, cols)]  # fmt: skip
+    if rule.fuse in ("gate_up", "gate_up_fused"):
+        half = t.shape[0] // 2
+        gate, up = t[:half], t[half:]
+        if rule.fuse == "gate_up":
+            return [(0, gate, r * half, half * tp, 0, cols), (1, up, r * half, half * tp, 0, cols)]
+        ffn = half * tp
+        return [(0, gate, r * half, 2 * ffn, 0, cols), (0, up, ffn + r * half, 2 * ffn, 0, cols)]
+    if rule.split == VOCAB:
+        start = r * t.shape[0]
+        keep = max(0, min(t.shape[0], shape.vocab_size - start))
+        return [(0, t[:keep], start, shape.vocab_size, 0, cols)] if keep else []
+    if rule.split == COL:
+        return [(0, t, r * t.shape[0], t.shape[0] * tp, 0, cols)]
+    if rule.split == ROW:
+        return [(0, t, 0, t.shape[0], r * cols, cols * tp)]
+    return [(0, t, 0, t.shape[0], 0, cols)]
