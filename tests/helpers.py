@@ -251,7 +251,7 @@ def set_steps(run_dir: Path, steps: int) -> None:
     rd.recipe.write_text(yaml.safe_dump(doc))
 
 
-class _Payload:
+class PicklePayload:
     """Unpickling this creates a marker file: what a malicious checkpoint file would do."""
 
     def __init__(self, path: Path) -> None:
@@ -282,7 +282,7 @@ def plant_pickle(run_dir: Path) -> None:
     from tessera.checkpoint.manager import CheckpointManager, rng_file_name
 
     ckpt = CheckpointManager(RunDir(run_dir).checkpoints, keep=2, rank=0, world_size=1).latest()
-    (ckpt / rng_file_name(0)).write_bytes(pickle.dumps(_Payload(Path(run_dir) / PICKLE_MARKER)))
+    (ckpt / rng_file_name(0)).write_bytes(pickle.dumps(PicklePayload(Path(run_dir) / PICKLE_MARKER)))
     forge_checksum(ckpt, rng_file_name(0))
 
 

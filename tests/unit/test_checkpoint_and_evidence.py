@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import PicklePayload, forge_checksum
 from tessera.checkpoint.manager import (
     LATEST,
     MANIFEST,
@@ -214,25 +215,9 @@ def test_garbage_meta_latest_and_state_files_name_the_file(tmp_path, kind):
 
 
 def _forge(p: Path, rel: str) -> dict:
-    """Rewrite meta.json so that ``rel`` matches it again (what an attacker or a careless copy would do)."""
-    from tessera.atomic import sha256_file
-
-    meta = json.loads((p / "meta.json").read_text())
-    for f in meta["files"]:
-        if f["path"] == rel:
-            f["bytes"], f["sha256"] = (p / rel).stat().st_size, sha256_file(p / rel)
-    (p / "meta.json").write_text(json.dumps(meta))
+    """meta.json rewritten so that ``rel`` matches it again, then verified."""
+    forge_checksum(p, rel)
     return verify_or_raise(p)
-
-
-class _Marker:
-    """Unpickling this creates the marker file: what a malicious checkpoint would do."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __reduce__(self):
-        return (Path.touch, (self.path,))
 
 
 def test_a_pickle_in_place_of_the_rng_file_never_runs(tmp_path):
@@ -241,7 +226,7 @@ def test_a_pickle_in_place_of_the_rng_file_never_runs(tmp_path):
     m = _mgr(tmp_path)
     p = _save(m, 1, TensorFileEngine(1))
     marker = tmp_path / "pwned"
-    (p / "rng_rank00000.safetensors").write_bytes(pickle.dumps(_Marker(marker)))
+    (p / "rng_rank00000.safetensors").write_bytes(pickle.dumps(PicklePayload(marker)))
     with pytest.raises(CheckpointError, match=r"sha256|bytes"):
         m.verify(p)  # refused by its checksum
     meta = _forge(p, "rng_rank00000.safetensors")  # and with the checksum forged to match

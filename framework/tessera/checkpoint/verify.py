@@ -10,13 +10,13 @@ and logits within ``1e-5`` in fp32.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from tessera.atomic import sha256_bytes
 from tessera.errors import CheckpointError
 
 LOGITS_TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-2}
@@ -96,7 +96,7 @@ def _hf_side(path: Path) -> Side:
 
 
 def _digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()).hexdigest()
+    return sha256_bytes(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
 
 
 def _model(side: Side, dtype: torch.dtype) -> torch.nn.Module:
