@@ -449,3 +449,19 @@ def assert_hf_export_replays_the_run(run_dir: Path, ckpt_step: int, out: Path, *
     logged = next(r["loss"] for r in rd.read_metrics() if r["step"] == ckpt_step + 1)
     assert abs(loss - logged) <= rel * abs(logged), (loss, logged)
     return report
+
+
+def relayout(src: Path, dst: Path, overrides: list[str]) -> Path:
+    """A copy of run directory ``src`` whose recipe (what ``--resume`` reads) has ``overrides`` applied:
+    resuming it reshards the copied checkpoint to the new layout."""
+    import shutil
+
+    import yaml
+
+    from tessera.config.loader import load_recipe
+
+    shutil.copytree(src, dst)
+    rd = RunDir(dst)
+    recipe = load_recipe(rd.recipe, overrides).recipe
+    rd.recipe.write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+    return dst

@@ -8,6 +8,7 @@ Every failure to read is a :class:`CheckpointError` naming the file.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -52,3 +53,55 @@ def load_tensors_and_meta(path: Path) -> tuple[dict[str, torch.Tensor], dict[str
 
 
 _FIX = "resume from an earlier step_* directory, or restore this file from a copy"
+
+
+class LazyTensors(Mapping[str, torch.Tensor]):
+    """The tensors of one or more safetensors files (an HF directory's shards), read one tensor per
+    access: holding the mapping holds only the file headers, so a rank that asks for the tensors it
+    needs never has the whole file in memory. A damaged file is a :class:`CheckpointError` naming it."""
+
+    def __init__(self, files: list[Path]) -> None:
+        from safetensors import safe_open
+
+        self._where: dict[str, Path] = {}
+        for f in files:
+            try:
+                with safe_open(str(f), framework="pt") as h:
+                    self._where.update(dict.fromkeys(h.keys(), Path(f)))
+            except FileNotFoundError:
+                raise CheckpointError(
+                    "tensor file is missing", field="checkpoint", value=str(f), fix=_FIX
+                ) from None
+            except Exception as e:
+                raise CheckpointError(
+                    f"not a readable safetensors file ({type(e).__name__}: {str(e)[:120]})",
+                    field="checkpoint",
+                    value=str(f),
+                    fix=_FIX,
+                ) from None
+
+    @classmethod
+    def of_dir(cls, path: Path) -> LazyTensors:
+        """All ``*.safetensors`` of an HF directory (sharded or not)."""
+        return cls(sorted(Path(path).glob("*.safetensors")))
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        f = self._where[key]
+        try:
+            with safe_open(str(f), framework="pt") as h:
+                return h.get_tensor(key)
+        except Exception as e:  # truncated after the header was read
+            raise CheckpointError(
+                f"cannot read tensor {key!r} ({type(e).__name__}: {str(e)[:120]})",
+                field="checkpoint",
+                value=str(f),
+                fix=_FIX,
+            ) from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)

@@ -40,15 +40,16 @@ from tessera.tensorfile import load_tensors_and_meta, save_tensors
 
 FORMAT = "tessera-checkpoint"
 FORMAT_VERSION = 2
-STEP_RE = re.compile(r"^step_(\d{6,})$")
+#: ``step_NNNNNN``, or ``step_NNNNNN-<layout>`` for a checkpoint resharded to another layout at that step
+STEP_RE = re.compile(r"^step_(\d{6,})(?:-[a-z0-9][a-z0-9-]*)?$")
 META = "meta.json"
 LATEST = "latest"
 MANIFEST = RunDir.MANIFEST  # the run's manifest, copied into every checkpoint
 _FIX = "resume from an earlier step_* directory, or restore the checkpoint from a copy"
 
 
-def step_dir_name(step: int) -> str:
-    return f"step_{step:06d}"
+def step_dir_name(step: int, tag: str | None = None) -> str:
+    return f"step_{step:06d}" + (f"-{tag}" if tag else "")
 
 
 def rng_file_name(rank: int) -> str:
@@ -222,7 +223,8 @@ class CheckpointManager:
         if not self.root.is_dir():
             return []
         found = [p for p in self.root.iterdir() if STEP_RE.match(p.name) and (p / META).is_file()]
-        return sorted(found, key=lambda p: int(STEP_RE.match(p.name).group(1)))  # type: ignore[union-attr]
+        # a resharded copy of a step is newer than the step it was made from
+        return sorted(found, key=lambda p: (int(STEP_RE.match(p.name).group(1)), (p / META).stat().st_mtime))  # type: ignore[union-attr]
 
     def latest(self) -> Path | None:
         """The checkpoint ``latest`` names; without a ``latest`` file (a crash between the rename and its
@@ -258,11 +260,12 @@ class CheckpointManager:
 
     # ---- save ------------------------------------------------------------------------------------
     def save(self, step: int, engine: Any, *, describe: dict[str, Any], sampler: dict[str, Any],
-             manifest: dict[str, Any]) -> Path:  # fmt: skip
+             manifest: dict[str, Any], tag: str | None = None) -> Path:  # fmt: skip
         """Save ``engine`` at ``step``. ``describe``: engine-independent facts for meta.json (engine,
-        sharding, layout, precision, model_config, tokenizer_hash)."""
+        sharding, layout, precision, model_config, tokenizer_hash). ``tag``: a resharded checkpoint's
+        layout, appended to the directory name so the source step stays untouched."""
         self.check_finite(engine, step)
-        name = step_dir_name(step)
+        name = step_dir_name(step, tag)
         tmp = self.root / f".tmp-{name}"
         final = self.root / name
         if self.rank == 0:
@@ -322,21 +325,22 @@ class CheckpointManager:
             shutil.rmtree(old, ignore_errors=True)
 
     # ---- verify + load ---------------------------------------------------------------------------
-    def verify(self, path: Path) -> dict[str, Any]:
-        """Check ``path`` before anything loads it, and that it was written by this many ranks. With a
-        process group, every rank hashes its share of the files and all raise the same error when any
-        failed; without one (the CLI before launch), this process hashes them all."""
+    def verify(self, path: Path, *, any_world: bool = False) -> dict[str, Any]:
+        """Check ``path`` before anything loads it, and (unless ``any_world``: it is to be resharded) that
+        it was written by this many ranks. With a process group, every rank hashes its share of the files
+        and all raise the same error when any failed; without one (the CLI before launch), this process
+        hashes them all."""
         share = (dist.get_rank(), dist.get_world_size()) if multi_rank() else (0, 1)
         meta, problems = verify_checkpoint(path, rank=share[0], world=share[1])
         raise_problems(list(dict.fromkeys(p for part in all_gather_object(problems) for p in part)))
         if meta.get("format_version") != FORMAT_VERSION and self.rank == 0:
             print(f"[tessera] warning: {path} is a v1 checkpoint: it carries no checksums", file=sys.stderr)
-        if meta["world_size"] != self.world_size:
+        if meta["world_size"] != self.world_size and not any_world:
             raise CheckpointError(
                 f"checkpoint was written by {meta['world_size']} ranks, this run has {self.world_size}",
                 field="run.world_size",
                 value=self.world_size,
-                fix=f"resume with run.world_size={meta['world_size']} (resharding is `tessera convert`)",
+                fix=f"resume with run.world_size={meta['world_size']}, or without --same-layout to reshard",
             )
         return meta
 

@@ -10,6 +10,8 @@ back to HF names by the declarative weight map. The checkpoint is verified befor
 
 from __future__ import annotations
 
+import contextlib
+import io
 from pathlib import Path
 from typing import Any
 
@@ -142,25 +144,82 @@ def _megatron(ckpt: Path, hf_cfg: Any, prefix: str = "") -> dict[str, torch.Tens
         ) from None
 
 
-def read_hf_optimizer(ckpt: Path, meta: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]] | None:
-    """Adam moments keyed by HF parameter name (``{name: {"exp_avg": t, "exp_avg_sq": t}}``) where the
-    format keeps them per parameter (the ddp engine; megatron DDP); None where they are not read yet
-    (DeepSpeed ZeRO's flat partitions, megatron's distributed optimizer buffers). ``ckpt`` is verified."""
+def read_hf_moment(ckpt: Path, meta: dict[str, Any], kind: str) -> dict[str, torch.Tensor] | None:
+    """One Adam moment (``exp_avg`` or ``exp_avg_sq``) of every trainable parameter, keyed by HF name, in
+    fp32; None where the format's moments are not readable offline (ZeRO-0's index-keyed torch state,
+    DeepSpeed ZeRO under megatron). One kind at a time, so a caller never holds the weights and both
+    moments together. ``ckpt`` is verified."""
     sharding = meta["sharding"]
     if sharding == "torch-ddp":
         from tessera.engines.ddp import OPTIMIZER_FILE
-        from tessera.tensorfile import load_tensors
+        from tessera.tensorfile import LazyTensors
 
-        out: dict[str, dict[str, torch.Tensor]] = {}
-        for key, t in load_tensors(ckpt / OPTIMIZER_FILE).items():
-            name, kind = key.rsplit("/", 1)
-            if kind in MOMENTS:
-                out.setdefault(name, {})[kind] = t
-        return out
-    if sharding == "megatron-ddp":
-        cfg = hf_config_of(meta)
-        per = {m: _megatron(ckpt, cfg, prefix=f"optimizer.state.{m}.") for m in MOMENTS}
-        if not per["exp_avg"]:
-            return None
-        return {name: {m: per[m][name] for m in MOMENTS} for name in per["exp_avg"]}
+        lazy = LazyTensors([ckpt / OPTIMIZER_FILE])
+        return {k.rsplit("/", 1)[0]: lazy[k].float() for k in lazy if k.endswith("/" + kind)}
+    if sharding.startswith("megatron-"):  # megatron DDP and the distributed optimizer save them alike
+        got = _megatron(ckpt, hf_config_of(meta), prefix=f"optimizer.state.{kind}.")
+        return {k: v.float() for k, v in got.items()} or None
+    if sharding.startswith("deepspeed-zero") and int(meta["layout"]["zero"]) > 0:
+        return _deepspeed_moment(ckpt, int(meta["layout"]["zero"]), kind)
     return None
+
+
+def _deepspeed_moment(ckpt: Path, zero: int, kind: str) -> dict[str, torch.Tensor]:
+    """ZeRO 1-3 keep each Adam moment as flat partitions laid out exactly like the fp32 master partitions
+    (the optimizer steps on those flat tensors), so DeepSpeed's own zero_to_fp32 merge, which undoes the
+    partitioning, alignment padding and ZeRO-3 per-parameter split of the masters, is fed the moment's
+    partitions in their place. Those merge functions are private to DeepSpeed (pinned version); the
+    files are memory-mapped, so only the moment being merged is read."""
+    from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT, PARAM_ALIGNMENT_PADDINGS
+    from deepspeed.utils import zero_to_fp32 as z
+
+    model_states = z.parse_model_states(z.get_model_state_files(str(ckpt)))
+    flat_groups = []
+    paddings = None
+    for f in z.get_optim_files(str(ckpt)):
+        # DeepSpeed's own pickles, unpickled as zero_to_fp32 does; their checksums were verified first
+        sd = torch.load(f, map_location="cpu", mmap=True, weights_only=False)[OPTIMIZER_STATE_DICT]
+        paddings = sd.get(PARAM_ALIGNMENT_PADDINGS)
+        inner = sd.get("base_optimizer_state") or sd["optimizer_state_dict"]  # ZeRO 1-2 / ZeRO-3's name
+        state = inner["state"]
+        flat_groups.append([state[g][kind] for g in sorted(state)])
+        del sd
+    world = len(flat_groups)
+    with contextlib.redirect_stdout(io.StringIO()):  # its progress prints
+        if zero <= 2:
+            merged = z._get_fp32_state_dict_from_zero2_checkpoint(
+                world, flat_groups, model_states, False, paddings
+            )
+        else:
+            merged = z._get_fp32_state_dict_from_zero3_checkpoint(world, flat_groups, model_states, False)
+    trainable = {n for group in model_states[0].param_shapes for n in group}
+    return {n: t.float().clone() for n, t in z.to_torch_tensor(merged).items() if n in trainable}
+
+
+def read_adam_step(ckpt: Path, meta: dict[str, Any]) -> int:
+    """The optimizer's update count. Every Tessera step is one update (fp16 loss scaling, which skips
+    updates, is refused), so where the format keeps it per parameter it is checked against the step."""
+    step = int(meta["step"])
+    if meta["sharding"] == "torch-ddp":
+        from tessera.engines.ddp import OPTIMIZER_FILE
+        from tessera.tensorfile import LazyTensors
+
+        lazy = LazyTensors([ckpt / OPTIMIZER_FILE])
+        seen = {int(lazy[k]) for k in lazy if k.endswith("/step")}
+        if seen and seen != {step}:
+            raise CheckpointError(
+                f"the optimizer counted {sorted(seen)} updates at step {step}",
+                field="checkpoint",
+                value=str(ckpt / OPTIMIZER_FILE),
+                fix="resume the run on its own layout once and convert the next checkpoint",
+            )
+    return step
+
+
+def read_hf_optimizer(ckpt: Path, meta: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]] | None:
+    """Both Adam moments keyed by HF parameter name (``{name: {"exp_avg": t, "exp_avg_sq": t}}``), or
+    None where :func:`read_hf_moment` cannot read them."""
+    per = {m: read_hf_moment(ckpt, meta, m) for m in MOMENTS}
+    if any(v is None for v in per.values()):
+        return None
+    return {name: {m: per[m][name] for m in MOMENTS} for name in per["exp_avg"]}  # type: ignore[index]

@@ -14,7 +14,7 @@ global batch differently give the same numbers even when micro-batches carry dif
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -48,22 +48,55 @@ class ModelSource:
     section: ModelSection
     vocab_size: int
     seed: int
+    #: an HF directory (safetensors) whose tensors replace the initial weights: a resharded checkpoint's
+    #: staged weights; ``model.pretrained`` reads ``model.path`` the same way
+    weights: Path | None = None
 
     @classmethod
-    def of(cls, recipe: Recipe, *, vocab_size: int) -> ModelSource:
-        return cls(section=recipe.model, vocab_size=vocab_size, seed=recipe.train.seed)
+    def of(cls, recipe: Recipe, *, vocab_size: int, weights: Path | None = None) -> ModelSource:
+        return cls(section=recipe.model, vocab_size=vocab_size, seed=recipe.train.seed, weights=weights)
 
     def hf_config(self) -> Any:
         from tessera.models.hf import load_hf_config
 
         return load_hf_config(self.section, vocab_size=self.vocab_size)
 
-    def build_hf(self) -> torch.nn.Module:
-        """The full HF model in fp32, initialised from the seed: every engine and layout starts from it,
-        so runs are comparable step by step."""
-        from tessera.models.hf import build_model
+    def weights_dir(self) -> Path | None:
+        if self.weights is not None:
+            return Path(self.weights)
+        return Path(self.section.path) if self.section.pretrained and self.section.path else None
 
-        return build_model(self.section, seed=self.seed, vocab_size=self.vocab_size)
+    def hf_tensors(self) -> Mapping[str, torch.Tensor] | None:
+        """The given weights by HF name, read one tensor per access (None: initialise from the seed)."""
+        from tessera.tensorfile import LazyTensors
+
+        d = self.weights_dir()
+        if d is None:
+            return None
+        if not any(d.glob("*.safetensors")):
+            from tessera.errors import CheckpointError
+
+            raise CheckpointError(
+                "no *.safetensors weights there (a .bin checkpoint: convert it with save_pretrained first)",
+                field="model.path",
+                value=str(d),
+                fix="point model.path at a directory written by save_pretrained(safe_serialization=True)",
+            )
+        return LazyTensors.of_dir(d)
+
+    def build_hf(self) -> torch.nn.Module:
+        """The full HF model in fp32, initialised from the seed, or holding the given weights (copied in
+        tensor by tensor): every engine and layout starts from it, so runs are comparable step by step."""
+        from tessera.models.hf import build_model, fill_from
+
+        tensors = self.hf_tensors()
+        section = (
+            self.section.model_copy(update={"pretrained": False}) if tensors is not None else self.section
+        )
+        model = build_model(section, seed=self.seed, vocab_size=self.vocab_size)
+        if tensors is not None:
+            fill_from(model, tensors, where=str(self.weights_dir()))
+        return model
 
 
 @dataclass(frozen=True)
@@ -94,6 +127,8 @@ class TensorSlice:
 
 #: HF parameter name -> the slices of it this rank holds (a fused tensor can hold several of one name)
 ShardedStateDict = dict[str, list[TensorSlice]]
+#: Adam moments of a whole model: ``moments["exp_avg"][hf_name]`` is the full fp32 tensor (read lazily)
+Moments = Mapping[str, Mapping[str, torch.Tensor]]
 
 
 @runtime_checkable
@@ -127,6 +162,11 @@ class Engine(Protocol):
 
     def modules(self) -> list[torch.nn.Module]:
         """The local model modules (chunks) this rank runs forward and backward through."""
+        ...
+
+    def import_optimizer(self, moments: Moments, step: int) -> None:
+        """Set this rank's share of the Adam moments from full HF-named tensors, and every parameter's
+        step count (a resharded checkpoint: the weights came in through the :class:`ModelSource`)."""
         ...
 
     def save(self, path: Path) -> None:

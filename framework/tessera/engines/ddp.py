@@ -26,6 +26,7 @@ import torch.distributed as dist
 from tessera.config.schema import Recipe
 from tessera.engines.base import (
     ModelSource,
+    Moments,
     ShardedStateDict,
     StepResult,
     TensorSlice,
@@ -35,7 +36,7 @@ from tessera.engines.base import (
     summed_token_loss,
 )
 from tessera.engines.held import optimizer_bytes, tensor_bytes
-from tessera.engines.optim import LRSchedule, build_optimizer
+from tessera.engines.optim import MOMENTS, LRSchedule, adam_state, build_optimizer, set_adam_step
 from tessera.errors import CheckpointError
 from tessera.plan.layout import ParallelLayout
 from tessera.tensorfile import load_tensors_and_meta, save_tensors
@@ -142,6 +143,15 @@ class DDPEngine:
 
     def modules(self) -> list[torch.nn.Module]:
         return [self.model]
+
+    def import_optimizer(self, moments: Moments, step: int) -> None:
+        """Each parameter's AdamW state from the full HF-named moments (every rank: a full replica)."""
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                st = adam_state(self.optimizer, p)
+                for kind in MOMENTS:
+                    st[kind].copy_(moments[kind][name])
+        set_adam_step(self.optimizer, step)
 
     # ---- checkpoints -------------------------------------------------------------------------------
     def save(self, path: Path) -> None:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from tessera.config.schema import Recipe
 from tessera.engines.base import (
     ModelSource,
+    Moments,
     ShardedStateDict,
     StepResult,
     TensorSlice,
@@ -25,6 +26,7 @@ from tessera.engines.base import (
     step_result,
     summed_token_loss,
 )
+from tessera.engines.optim import MOMENTS
 from tessera.engines.zero import DeepSpeedRunner
 from tessera.plan.layout import ParallelLayout
 
@@ -85,6 +87,11 @@ class DeepSpeedEngine:
 
     def modules(self) -> list[torch.nn.Module]:
         return [self.module]
+
+    def import_optimizer(self, moments: Moments, step: int) -> None:
+        self.ds.import_optimizer(
+            ((p, {k: moments[k][name] for k in MOMENTS}) for name, p in self.module.named_parameters()), step
+        )
 
     def save(self, path: Path) -> None:
         self.ds.save(path)

@@ -25,6 +25,7 @@ from tessera.config.schema import Recipe
 from tessera.engines.base import (
     IGNORE_INDEX,
     ModelSource,
+    Moments,
     ShardedStateDict,
     StepResult,
     TensorSlice,
@@ -33,7 +34,7 @@ from tessera.engines.base import (
     step_result,
 )
 from tessera.engines.held import megatron_grad_bytes, megatron_params_and_optimizer
-from tessera.engines.optim import LRSchedule
+from tessera.engines.optim import MOMENTS, LRSchedule, materialize_adam_state, set_adam_step
 from tessera.engines.zero import DeepSpeedRunner
 from tessera.errors import CheckpointError
 from tessera.models.megatron import COL, REPL, ROW, VOCAB, Shard, adapter_for, layer_range, padded_vocab
@@ -247,13 +248,18 @@ class MegatronEngine:
         self.schedule = LRSchedule(recipe)
         self.seq_len = recipe.data.seq_len
         self.ps = ps = init_parallel_state(layout, seed=recipe.train.seed, device=device)
-        hf_model = source.build_hf()
-        self.hf_config = hf_cfg = hf_model.config
+        hf_state = source.hf_tensors()  # given weights: each rank reads only the tensors of its chunks
+        if hf_state is None:  # initialised from the seed: the full HF model, as every engine builds it
+            hf_model = source.build_hf()
+            hf_cfg = hf_model.config
+            hf_state = {k: v.detach().float() for k, v in hf_model.state_dict().items()}
+            del hf_model
+        else:
+            hf_cfg = source.hf_config()
+        self.hf_config = hf_cfg
         self.config = transformer_config(
             hf_cfg, layout, seq_len=self.seq_len, precision=recipe.train.precision, device=device
         )
-        hf_state = {k: v.detach().float() for k, v in hf_model.state_dict().items()}
-        del hf_model
         chunks = build_model_chunks(hf_cfg, hf_state, self.config, layout, ps)
         del hf_state
         if device == "cuda":
@@ -436,6 +442,50 @@ class MegatronEngine:
     def modules(self) -> list[torch.nn.Module]:
         return self._local_modules()
 
+    def import_optimizer(self, moments: Moments, step: int) -> None:
+        """The HF moments go through the weight map exactly as the weights do (each rank's TP / PP / EP
+        slice, fused QKV, padded vocabulary), then into the optimizer that owns each parameter: DeepSpeed
+        (zero_impl deepspeed), the distributed optimizer (this dp rank's range of the flat parameter) or
+        megatron's per-parameter optimizer."""
+        adapter = adapter_for(self.hf_config.model_type)
+        per_param = []
+        for vp, model in enumerate(self._local_modules()):
+            shard = shard_of(self.ps, self.layout, vp)
+            local = {k: hf_to_mcore(moments[k], adapter, self.hf_config, shard) for k in MOMENTS}
+            per_param += [(p, {k: local[k][n] for k in MOMENTS}) for n, p in model.named_parameters()]
+        if self.ds is not None:
+            self.ds.import_optimizer(per_param, step)
+            return
+        self._materialize_optimizer_state()
+        targets = self._main_params()
+        with torch.no_grad():
+            for p, full in per_param:
+                opt, main = targets[p]
+                if main is None:  # distributed optimizer: this dp rank's range of the flattened parameter
+                    r = opt._get_model_param_range_map(p)["param"]
+                    state = opt._get_main_param_and_optimizer_states(p)
+                    for k in MOMENTS:
+                        state[k].copy_(full[k].reshape(-1)[r.start : r.end])
+                else:
+                    for k in MOMENTS:
+                        opt.optimizer.state[main][k].copy_(full[k])
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            set_adam_step(opt.optimizer, step)
+
+    def _main_params(self) -> dict[torch.nn.Parameter, tuple[Any, torch.Tensor | None]]:
+        """model parameter -> (its megatron optimizer, the parameter its Adam state is keyed by; None for
+        the distributed optimizer, which keys a shard)."""
+        out: dict[torch.nn.Parameter, tuple[Any, torch.Tensor | None]] = {}
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            if hasattr(opt, "model_param_gbuf_map"):
+                out.update((p, (opt, None)) for p in opt.model_param_gbuf_map)
+            elif hasattr(opt, "float16_groups"):  # bf16: fp32 main copies
+                for lows, mains in zip(opt.float16_groups, opt.fp32_from_float16_groups, strict=True):
+                    out.update((p, (opt, m)) for p, m in zip(lows, mains, strict=True))
+            else:
+                out.update((p, (opt, p)) for g in opt.optimizer.param_groups for p in g["params"])
+        return out
+
     # ---- checkpoints -------------------------------------------------------------------------------
     def _rng_file(self, path: Path) -> Path:
         return Path(path) / f"megatron_rng_rank{dist.get_rank():05d}.safetensors"
@@ -525,20 +575,15 @@ class MegatronEngine:
         """A fresh torch AdamW creates its state at the first step, but the load template needs it (and
         megatron reads its "step" without Apex / TE): zero placeholders, all overwritten by the load."""
         for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            inner = opt.optimizer
-            for group in inner.param_groups:
-                for p in group["params"]:
-                    if not inner.state[p]:
-                        inner.state[p] = {
-                            "step": torch.zeros((), dtype=torch.float32),
-                            "exp_avg": torch.zeros_like(p),
-                            "exp_avg_sq": torch.zeros_like(p),
-                        }
+            materialize_adam_state(opt.optimizer)
 
     def _sharded_state_dict(self, *, is_loading: bool) -> dict[str, Any]:
-        # the distributed optimizer's state as saved by each dp rank (no gather on rank 0): fully
-        # parallel, and resumable on the same layout, which is what resume needs
-        metadata = {"distrib_optim_sharding_type": "dp_reshardable"}
+        # the distributed optimizer's state per model parameter (each dp rank writes its flat range, no
+        # gather on rank 0): the same keys as megatron DDP's optimizer ("optimizer.state.exp_avg.<key>"),
+        # so dist_checkpointing reshards it across tp / pp / dp and the offline reader finds the moments.
+        # megatron-core 0.16 marks this format for deprecation; its replacement "fully_reshardable"
+        # gathers the whole optimizer state on dp rank 0 at every save.
+        metadata = {"distrib_optim_sharding_type": "fully_sharded_model_space"}
         model_sd = {
             f"model{i}": c.module.sharded_state_dict(metadata=metadata) for i, c in enumerate(self.chunks)
         }

@@ -74,3 +74,34 @@ def build_optimizer(
 
         return FusedAdam(groups, lr=o.lr, betas=o.betas, eps=o.eps, adam_w_mode=True)
     return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, foreach=False)
+
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def adam_state(inner: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, Any]:
+    """torch AdamW's state of ``p``, created as AdamW creates it at its first step when it does not
+    exist yet (a fresh optimizer that is about to load or receive state)."""
+    st = inner.state[p]
+    if not st:
+        st.update(
+            step=torch.zeros((), dtype=torch.float32),
+            exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
+            exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format),
+        )
+    return st
+
+
+def materialize_adam_state(inner: torch.optim.Optimizer) -> None:
+    for group in inner.param_groups:
+        for p in group["params"]:
+            adam_state(inner, p)
+
+
+def set_adam_step(inner: torch.optim.Optimizer, step: int) -> None:
+    """Every parameter's own step counter (AdamW adds 1 to each per update: they must not be shared)."""
+    for st in inner.state.values():
+        if "step" in st:
+            st["step"] = (
+                torch.full((), float(step), dtype=torch.float32) if torch.is_tensor(st["step"]) else step
+            )

@@ -9,7 +9,7 @@ megatron-core model over megatron's data-parallel group (``mpu``), for ZeRO 1-3 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,13 @@ from tessera.engines.held import (
     deepspeed_params_and_optimizer,
     flat_tensors,
 )
-from tessera.engines.optim import LRSchedule, build_optimizer
+from tessera.engines.optim import (
+    LRSchedule,
+    adam_state,
+    build_optimizer,
+    materialize_adam_state,
+    set_adam_step,
+)
 from tessera.errors import CheckpointError, RecipeError
 from tessera.plan.layout import ParallelLayout
 
@@ -190,6 +196,30 @@ class DeepSpeedRunner:
             for k, v in st.items():
                 if torch.is_tensor(v):
                     yield f"optimizer.state[{i}].{k}", v
+
+    def import_optimizer(
+        self, params: Iterable[tuple[torch.nn.Parameter, dict[str, torch.Tensor]]], step: int
+    ) -> None:
+        """Adam moments from full tensors per module parameter, through DeepSpeed's own tensor-fragment
+        API (``safe_set_full_optimizer_state``: the partition of the flat fp32 state each rank owns, ZeRO
+        1-3); without ZeRO the torch optimizer keys its state by the parameters themselves."""
+        from deepspeed.utils import safe_set_full_optimizer_state
+
+        opt = self.engine.optimizer
+        inner = getattr(opt, "optimizer", opt)
+        materialize_adam_state(inner)  # AdamW creates its state lazily; DeepSpeed links to it when it exists
+        for flat in getattr(opt, "fp32_partitioned_groups_flat", []):  # ZeRO-3 fills param_groups per step
+            adam_state(inner, flat)
+        if hasattr(opt, "_lazy_init_hp_params_optimizer_state"):  # ZeRO 1-2: map fragments onto the state
+            opt._lazy_init_hp_params_optimizer_state()
+        with torch.no_grad():
+            for p, full in params:
+                for kind, value in full.items():
+                    if self.layout.zero == 0:
+                        adam_state(inner, p)[kind].copy_(value)
+                    else:
+                        safe_set_full_optimizer_state(p, value.to(p.device, torch.float32), kind)
+        set_adam_step(inner, step)
 
     def save(self, path: Path) -> None:
         # DeepSpeed's own format (pickled .pt files); Tessera's state goes in meta.json, not client_state

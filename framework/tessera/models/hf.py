@@ -6,6 +6,7 @@ here for the callers that load models.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -14,7 +15,7 @@ from tessera.config.schema import ModelSection
 from tessera.errors import RecipeError
 from tessera.models.families import Family, family_of
 
-__all__ = ["Family", "build_model", "check_vocab", "family_of", "load_hf_config"]
+__all__ = ["Family", "build_model", "check_vocab", "family_of", "fill_from", "load_hf_config"]
 
 
 def load_hf_config(section: ModelSection, *, vocab_size: int | None = None):
@@ -86,3 +87,34 @@ def build_model(
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation=section.attn_implementation)
         model.to(dtype)
     return model
+
+
+def fill_from(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], *, where: str) -> None:
+    """Copy HF-named ``tensors`` into ``model``'s parameters and persistent buffers one tensor at a time
+    (``tensors`` may read lazily). Every tensor of the model must be there with its shape, and nothing
+    else (a tied ``lm_head.weight`` may be absent or present)."""
+    from tessera.errors import CheckpointError
+
+    own = dict(model.named_parameters())
+    own.update((n, b) for n, b in model.named_buffers() if n in model.state_dict())
+    fix = "give weights written for this model config (model.hf_config / model.path)"
+    missing = sorted(set(own) - set(tensors))
+    extra = sorted(set(tensors) - set(model.state_dict()))
+    if missing or extra:
+        raise CheckpointError(
+            f"the weights do not fit the model: missing {missing[:3]}, unexpected {extra[:3]}",
+            field="model.path",
+            value=where,
+            fix=fix,
+        )
+    with torch.no_grad():
+        for name, t in own.items():
+            src = tensors[name]
+            if tuple(src.shape) != tuple(t.shape):
+                raise CheckpointError(
+                    f"{name} has shape {list(src.shape)}, the model's is {list(t.shape)}",
+                    field="model.path",
+                    value=where,
+                    fix=fix,
+                )
+            t.copy_(src)

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from tessera.checkpoint.reshard import layout_tag
 from tessera.config.loader import recipe_hash, validate_recipe
 from tessera.config.schema import Recipe
 from tessera.errors import CheckpointError, TesseraError, TrainingDiverged
@@ -109,7 +110,9 @@ def _load_data(run_dir: RunDir, recipe: Recipe):
     return prepare_data(recipe.data, root=Path.cwd())
 
 
-def _resume_point(ckpt: Any, layout: ParallelLayout, run_dir: RunDir) -> tuple[Path, dict[str, Any]]:
+def _resume_point(
+    ckpt: Any, layout: ParallelLayout, run_dir: RunDir, *, same_layout: bool
+) -> tuple[Path, dict[str, Any]]:
     """The checkpoint to resume from, verified file by file before any engine exists, and its meta."""
     latest = ckpt.latest()
     if latest is None:
@@ -119,30 +122,39 @@ def _resume_point(ckpt: Any, layout: ParallelLayout, run_dir: RunDir) -> tuple[P
             value=str(run_dir.path),
             fix="run without --resume to start fresh",
         )
-    meta = ckpt.verify(latest)
-    check_resume_layout(meta, layout, latest)
+    meta = ckpt.verify(latest, any_world=not same_layout)
+    check_resume_layout(meta, layout, latest, same_layout=same_layout)
     return latest, meta
 
 
-def check_resume_layout(meta: dict[str, Any], layout: ParallelLayout, path: Path) -> None:
-    """A v2 checkpoint says its engine and layout; resuming needs the same ones (resharding is a
-    conversion, not a resume)."""
-    saved = meta.get("layout")
-    if not isinstance(saved, dict):
-        return  # v1: no layout recorded (the world size was checked)
-    keys = ("engine", "dp", "tp", "pp", "vpp", "ep", "zero", "zero_impl")
-    now = layout.to_dict()
-    diff = [(k, saved.get(k), now[k]) for k in keys if k in saved and saved.get(k) != now[k]]
-    if diff:
+def check_resume_layout(
+    meta: dict[str, Any], layout: ParallelLayout, path: Path, *, same_layout: bool
+) -> list[tuple[str, Any, Any]]:
+    """The layout differences between a v2 checkpoint and this run (a reshard at resume); with
+    ``same_layout`` any difference is an error instead. A v1 checkpoint records no layout: it can only
+    be resumed as it is (its world size was checked)."""
+    from tessera.checkpoint.reshard import layout_changes
+
+    diff = layout_changes(meta.get("layout"), layout.to_dict())
+    if not isinstance(meta.get("layout"), dict) and meta["world_size"] != layout.world_size:
+        raise CheckpointError(
+            f"a v1 checkpoint of {meta['world_size']} ranks cannot be resharded",
+            field="run.world_size",
+            value=layout.world_size,
+            fix=f"resume it with run.world_size={meta['world_size']} once; its next checkpoint is v2",
+        )
+    if diff and same_layout:
         k, was, is_ = diff[0]
         raise CheckpointError(
             f"checkpoint {path.name} was written with parallel.{k}={was!r}, this run has {is_!r}"
             + (f" (and {len(diff) - 1} more layout difference(s))" if len(diff) > 1 else ""),
             field=f"parallel.{k}",
             value=is_,
-            fix="resume with the layout the checkpoint was written with: "
-            + ", ".join(f"parallel.{a}={b}" for a, b, _ in diff),
+            fix="resume with the layout the checkpoint was written with ("
+            + ", ".join(f"parallel.{a}={b}" for a, b, _ in diff)
+            + "), or without --same-layout to reshard it",
         )
+    return diff
 
 
 def _manifest(
@@ -168,8 +180,12 @@ def _manifest(
     return manifest
 
 
-def setup(run_dir: RunDir, *, resume: bool) -> tuple[RunContext, Any]:
-    """Everything up to the first step; returns the context and the fault injection (None unless set)."""
+def setup(
+    run_dir: RunDir, *, resume: bool, same_layout: bool = False, convert_from: Path | None = None
+) -> tuple[RunContext, Any]:
+    """Everything up to the first step; returns the context and the fault injection (None unless set).
+    A resume whose checkpoint has another layout reshards it first (unless ``same_layout``);
+    ``convert_from`` (a checkpoint or an HF directory) is resharded into this run's first checkpoint."""
     from tessera.checkpoint.manager import CheckpointManager
     from tessera.comm.accounting import group_namer, install
     from tessera.data import StepSampler
@@ -188,10 +204,20 @@ def setup(run_dir: RunDir, *, resume: bool) -> tuple[RunContext, Any]:
     counter = install(group_namer(layout))
     _init_distributed(device)
     ckpt = CheckpointManager(run_dir.checkpoints, keep=recipe.checkpoint.keep, rank=rank, world_size=world)
-    resume_from = _resume_point(ckpt, layout, run_dir) if resume else None
+    resume_from = _resume_point(ckpt, layout, run_dir, same_layout=same_layout) if resume else None
+    hf_source = convert_from is not None and not (Path(convert_from) / "meta.json").is_file()
+    if convert_from is not None and not hf_source:
+        resume_from = (Path(convert_from), ckpt.verify(Path(convert_from), any_world=True))
+    stage_dir = None
+    if resume_from is not None and (
+        convert_from is not None
+        or check_resume_layout(resume_from[1], layout, resume_from[0], same_layout=False)
+    ):
+        stage_dir = _stage(resume_from[0], run_dir)
 
     data = _load_data(run_dir, recipe)
-    source = ModelSource.of(recipe, vocab_size=data.vocab_size)
+    weights = Path(convert_from) if hf_source else stage_dir  # type: ignore[arg-type]
+    source = ModelSource.of(recipe, vocab_size=data.vocab_size, weights=weights)
     engine = engine_class(layout.engine)(source, recipe, layout, device=device)
     counter.namer = group_namer(layout, engine.named_groups())
     sampler = StepSampler.for_layout(len(data), layout, rank=rank, seed=recipe.train.seed)
@@ -222,12 +248,125 @@ def setup(run_dir: RunDir, *, resume: bool) -> tuple[RunContext, Any]:
         },
         resumed=resume,
     )
-    if resume_from is not None:
+    if hf_source:
+        _import(ctx, None, Path(convert_from), tag=None)  # type: ignore[arg-type]
+    elif stage_dir is not None:
+        assert resume_from is not None
+        tag = None if convert_from is not None else layout_tag(layout.to_dict())
+        resume_from = _import(ctx, resume_from, stage_dir, tag=tag)
+    if resume_from is not None and convert_from is None:
         _restore(ctx, *resume_from)
     manifest["resumed_from"] = str(resume_from[0]) if resume_from else None
     if rank == 0:
         run_dir.write_json(RunDir.MANIFEST, manifest)
     return ctx, fault
+
+
+def _on_rank0(fn: Any) -> Any:
+    """``fn()`` on rank 0 only; its result, or its CheckpointError, on every rank."""
+    from tessera.comm.groups import all_gather_object
+
+    out, err = None, None
+    if int(os.environ.get("RANK", 0)) == 0:
+        try:
+            out = fn()
+        except TesseraError as e:
+            err = (e.message, e.field, e.value, e.fix)
+    out, err = all_gather_object((out, err))[0]
+    if err is not None:
+        msg, field, value, fix = err
+        raise CheckpointError(msg, field=field, value=value, fix=fix)
+    return out
+
+
+def _stage(src: Path, run_dir: RunDir) -> Path:
+    """Rank 0 writes the layout-free stage of checkpoint ``src`` (see :mod:`tessera.checkpoint.reshard`)."""
+    from tessera.checkpoint.reshard import remove_stage, stage
+
+    where = run_dir.checkpoints / f".stage-{src.name}"
+
+    def write() -> None:
+        remove_stage(where)  # a stale one of a failed attempt
+        stage(src, where)
+
+    _on_rank0(write)
+    return where
+
+
+def _import(
+    ctx: RunContext, src: tuple[Path, dict[str, Any]] | None, stage_dir: Path, *, tag: str | None
+) -> tuple[Path, dict[str, Any]]:
+    """The engine was built with the staged weights: give it the moments and step count, save it as a
+    checkpoint of this layout, verify that against the source offline, record it. ``src`` None: an HF
+    directory (``stage_dir``), no optimizer state: step 0 with fresh moments."""
+    from tessera.checkpoint.manager import rng_file_name, set_rng_state
+    from tessera.checkpoint.reshard import (
+        STAGE_INFO,
+        ZeroMoments,
+        layout_tag,
+        remove_stage,
+        stage_moments,
+        summary_of,
+        verify_against_stage,
+    )
+    from tessera.checkpoint.verify import compare, open_side
+    from tessera.engines.optim import MOMENTS
+    from tessera.tensorfile import LazyTensors, load_tensors_and_meta
+
+    if src is None:
+        zeros = ZeroMoments(LazyTensors.of_dir(stage_dir))
+        ctx.engine.import_optimizer(dict.fromkeys(MOMENTS, zeros), 0)  # AdamW's own initial state
+        step, sampler = 0, ctx.sampler.state_dict()
+    else:
+        info = json.loads((stage_dir / STAGE_INFO).read_text())
+        ctx.engine.import_optimizer(stage_moments(stage_dir), int(info["adam_step"]))
+        step, sampler = int(info["step"]), info["sampler"]
+        rng = src[0] / rng_file_name(ctx.rank)
+        if rng.is_file():  # this rank's RNG streams continue where the source rank of that number left them
+            set_rng_state(*load_tensors_and_meta(rng))
+    path = ctx.ckpt.save(
+        step, ctx.engine, describe=ctx.describe, sampler=sampler, manifest=ctx.manifest, tag=tag
+    )
+
+    def check() -> dict[str, Any]:
+        if src is None:
+            report = compare(open_side(stage_dir), open_side(path), prompts=2)
+        else:
+            report = verify_against_stage(stage_dir, path)
+            remove_stage(stage_dir)
+        ctx.run_dir.write_json(f"reshard-{path.name}.json", report)
+        return report
+
+    report = _on_rank0(check)
+    record = {
+        "from": str(src[0] if src else stage_dir),
+        "from_engine": src[1]["engine"] if src else "hf",
+        "from_layout": layout_tag(src[1]["layout"]) if src else None,
+        "to": str(path),
+        "to_layout": layout_tag(ctx.layout.to_dict()),
+        "step": step,
+        "verify": summary_of(report),
+    }
+    if not report["ok"]:
+        bad = [r["name"] for r in report["tensors"] if not r["equal"]]
+        raise CheckpointError(
+            "the resharded checkpoint does not verify against its source: "
+            + ", ".join((bad or (report.get("optimizer") or {}).get("differ") or ["logits"])[:4]),
+            field="checkpoint",
+            value=str(path),
+            fix=f"report this as a bug; resume with --same-layout on the source layout ({record['from_layout']})",
+        )
+    ctx.manifest["resharded"] = record
+    if ctx.is_rank0:
+        v = record["verify"]
+        moments = "bit-exact" if v["moments_equal"] else "none (fresh optimizer)"
+        print(
+            f"[tessera] resharded {Path(record['from']).name} ({record['from_layout'] or 'hf'}) -> "
+            f"{path.name} ({record['to_layout']}); verified: {v['tensors_equal']} tensors bit-exact, "
+            f"Adam moments {moments}, logits max |diff| {v['logits_max_abs_diff']:.2g}",
+            flush=True,
+        )
+    return path, ctx.ckpt.verify(path)
 
 
 def _restore(ctx: RunContext, path: Path, meta: dict[str, Any]) -> None:
@@ -285,11 +424,20 @@ def _wandb_dir(ctx: RunContext) -> str | None:
     return next((cb.tracker.dir for cb in ctx.loop.callbacks if isinstance(cb, WandbCallback)), None)
 
 
-def train(run_dir: str | Path, *, resume: bool = False) -> list[dict[str, Any]]:
-    """Train this rank; returns its per-step records."""
+def train(
+    run_dir: str | Path, *, resume: bool = False, same_layout: bool = False, convert_from: str | None = None
+) -> list[dict[str, Any]]:
+    """Train this rank; returns its per-step records. ``convert_from``: only reshard that checkpoint (or
+    HF directory) into this run directory's first checkpoint (``tessera convert --to ENGINE``)."""
     from tessera.train.callbacks import default_callbacks
 
-    ctx, fault = setup(RunDir(run_dir), resume=resume)
+    src = Path(convert_from) if convert_from else None
+    ctx, fault = setup(RunDir(run_dir), resume=resume, same_layout=same_layout, convert_from=src)
+    if src is not None:
+        ctx.engine.close()
+        if ctx.is_rank0:
+            ctx.run_dir.write_json(RunDir.MANIFEST, ctx.manifest)
+        return []
     loop = TrainingLoop(ctx, default_callbacks(ctx, fault=fault))
     try:
         records = loop.run()
@@ -303,7 +451,14 @@ def train(run_dir: str | Path, *, resume: bool = False) -> list[dict[str, Any]]:
 # ---- the rank entry ------------------------------------------------------------------------------------
 
 
-def run_rank(run_dir: str | Path, resume: bool = False, *, keep_process_group: bool = False) -> int:
+def run_rank(
+    run_dir: str | Path,
+    resume: bool = False,
+    *,
+    keep_process_group: bool = False,
+    same_layout: bool = False,
+    convert_from: str | None = None,
+) -> int:
     """Entry of one rank with status files and a log; returns the exit code.
 
     ``keep_process_group``: leave the process group up for another run in this process (the test
@@ -329,7 +484,7 @@ def run_rank(run_dir: str | Path, resume: bool = False, *, keep_process_group: b
 
     signal.signal(signal.SIGTERM, _on_term)
     try:
-        train(rd.path, resume=resume)
+        train(rd.path, resume=resume, same_layout=same_layout, convert_from=convert_from)
     except SystemExit as e:
         code = int(e.code) if isinstance(e.code, int) else ExitCode.FAILED
     except TesseraError as e:
@@ -365,9 +520,17 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m tessera.train.worker")
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--same-layout", action="store_true", help="refuse to reshard a checkpoint at resume")
+    ap.add_argument(
+        "--convert-from", default=None, help="reshard this checkpoint / HF directory, no training"
+    )
     ap.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     args = ap.parse_args(argv)
-    exit_process(run_rank(args.run_dir, resume=args.resume))
+    exit_process(
+        run_rank(
+            args.run_dir, resume=args.resume, same_layout=args.same_layout, convert_from=args.convert_from
+        )
+    )
 
 
 if __name__ == "__main__":
