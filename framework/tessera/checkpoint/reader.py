@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import re
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,9 @@ from tessera.errors import CheckpointError
 
 _EXPERTS = "mlp.experts.experts."
 MOMENTS = ("exp_avg", "exp_avg_sq")
+#: megatron's optimizer state keys: "optimizer.state.<kind>.<model key>", prefixed "chained_<i>." when the
+#: optimizer is chained (dense + expert parameters); "optimizer.*" also covers its other entries
+_OPTIM = re.compile(r"^(?:chained_\d+\.)?optimizer\.(?:state\.(\w+?)\.)?")
 
 
 def hf_config_of(meta: dict[str, Any]) -> Any:
@@ -73,9 +77,9 @@ def _deepspeed(ckpt: Path, zero: int) -> dict[str, torch.Tensor]:
     return dict(get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name))
 
 
-def _megatron(ckpt: Path, hf_cfg: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+def _megatron(ckpt: Path, hf_cfg: Any, moment: str | None = None) -> dict[str, torch.Tensor]:
     """Global megatron tensors (layers stacked on dim 0 by dist_checkpointing) -> the tp = 1, pp = 1 chunk
-    -> HF, through the same weight map the engine loads with. ``prefix``: "" for the parameters,
+    -> HF, through the same weight map the engine loads with. ``moment``: None for the parameters,
     ``optimizer.state.exp_avg.`` (or ``exp_avg_sq``) for megatron DDP's Adam moments, saved per parameter."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
@@ -93,8 +97,7 @@ def _megatron(ckpt: Path, hf_cfg: Any, prefix: str = "") -> dict[str, torch.Tens
         k
         for k, m in md.state_dict_metadata.items()
         if isinstance(m, TensorStorageMetadata)
-        and k.startswith(prefix)
-        and (prefix or not k.startswith("optimizer."))
+        and (_OPTIM.match(k) is None if moment is None else (_OPTIM.match(k) or [None, None])[1] == moment)
     }
     if not keys:
         return {}
@@ -117,7 +120,7 @@ def _megatron(ckpt: Path, hf_cfg: Any, prefix: str = "") -> dict[str, torch.Tens
     renamed = {v: k for k, v in spec.submodules.sharded_state_dict_keys_map.items()}
     chunk: dict[str, torch.Tensor] = {}
     for key, t in glob.items():
-        key = key[len(prefix) :]
+        key = key if moment is None else key[_OPTIM.match(key).end() :]  # type: ignore[union-attr]
         if not key.startswith("decoder.layers."):
             chunk[key] = t
             continue
@@ -157,7 +160,7 @@ def read_hf_moment(ckpt: Path, meta: dict[str, Any], kind: str) -> dict[str, tor
         lazy = LazyTensors([ckpt / OPTIMIZER_FILE])
         return {k.rsplit("/", 1)[0]: lazy[k].float() for k in lazy if k.endswith("/" + kind)}
     if sharding.startswith("megatron-"):  # megatron DDP and the distributed optimizer save them alike
-        got = _megatron(ckpt, hf_config_of(meta), prefix=f"optimizer.state.{kind}.")
+        got = _megatron(ckpt, hf_config_of(meta), moment=kind)
         return {k: v.float() for k, v in got.items()} or None
     if sharding.startswith("deepspeed-zero") and int(meta["layout"]["zero"]) > 0:
         return _deepspeed_moment(ckpt, int(meta["layout"]["zero"]), kind)

@@ -13,6 +13,7 @@ sum of token losses of the global batch divided by its token count, whatever the
 
 from __future__ import annotations
 
+import contextlib
 import queue
 from collections.abc import Iterator
 from pathlib import Path
@@ -549,7 +550,8 @@ class MegatronEngine:
         state = dist_checkpointing.load(self._sharded_state_dict(is_loading=True), str(path))
         for i, c in enumerate(self.chunks):
             c.module.load_state_dict(state[f"model{i}"])  # the model inside megatron's DDP wrapper
-        with torch.no_grad():  # the distributed optimizer copies into views of the fp32 parameters
+        with torch.no_grad(), _model_space_step_fix(self.optimizer):
+            # the distributed optimizer copies into views of the fp32 parameters
             self.optimizer.load_state_dict(state["optimizer"])
         self._restore_adam_steps(state["optimizer"])
 
@@ -568,8 +570,10 @@ class MegatronEngine:
                 raise RuntimeError(f"checkpoint has several optimizer steps: {sorted(steps)}")
             step = next(iter(steps)) if steps else None
             for st in opt.optimizer.state.values():
-                if torch.is_tensor(st.get("step")):
-                    st["step"] = st["step"].clone() if step is None else torch.full_like(st["step"], step)
+                if step is not None and "exp_avg" in st:
+                    st["step"] = torch.full((), step, dtype=torch.float32)
+                elif torch.is_tensor(st.get("step")):
+                    st["step"] = st["step"].clone()
 
     def _materialize_optimizer_state(self) -> None:
         """A fresh torch AdamW creates its state at the first step, but the load template needs it (and
@@ -578,12 +582,16 @@ class MegatronEngine:
             materialize_adam_state(opt.optimizer)
 
     def _sharded_state_dict(self, *, is_loading: bool) -> dict[str, Any]:
-        # the distributed optimizer's state per model parameter (each dp rank writes its flat range, no
-        # gather on rank 0): the same keys as megatron DDP's optimizer ("optimizer.state.exp_avg.<key>"),
-        # so dist_checkpointing reshards it across tp / pp / dp and the offline reader finds the moments.
-        # megatron-core 0.16 marks this format for deprecation; its replacement "fully_reshardable"
-        # gathers the whole optimizer state on dp rank 0 at every save.
-        metadata = {"distrib_optim_sharding_type": "fully_sharded_model_space"}
+        # the distributed optimizer's state in model space: per parameter, full shape, under the keys
+        # megatron DDP's optimizer uses ("optimizer.state.exp_avg.<key>"), so dist_checkpointing reshards
+        # it across tp / pp / dp and the offline reader finds the moments. megatron-core 0.16.1 refuses
+        # the parallel per-rank variant ("fully_sharded_model_space": flattened ranges unsupported), so
+        # the dp ranks' ranges are gathered at save, on dp rank 0 only and over gloo (the
+        # memory-efficient mode: no rank holds more than its dp group's share of the state in full)
+        metadata = {
+            "distrib_optim_sharding_type": "fully_reshardable",
+            "distrib_optim_fully_reshardable_mem_efficient": True,
+        }
         model_sd = {
             f"model{i}": c.module.sharded_state_dict(metadata=metadata) for i, c in enumerate(self.chunks)
         }
@@ -623,6 +631,35 @@ class MegatronEngine:
     def close(self) -> None:
         if self.ps.model_parallel_is_initialized():
             self.ps.destroy_model_parallel()
+
+
+@contextlib.contextmanager
+def _model_space_step_fix(optimizer: Any) -> Iterator[None]:
+    """megatron-core 0.16.1's distributed optimizer, loading its model-space format with torch's AdamW
+    (no Apex / TE), first puts the group's "step" into every parameter's state and then copies every state
+    key from the checkpoint's tensors, which carry no "step" (it is saved per group): a KeyError. During
+    the load each distributed optimizer copies only the keys the checkpoint has; "step" stays as put
+    (and is made per-parameter afterwards by ``_restore_adam_steps``). The copy is megatron's own
+    (``_set_main_param_and_optimizer_states``, non-precision-aware branch), minus the missing key."""
+    patched = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not hasattr(opt, "model_param_gbuf_map"):
+            continue
+
+        def set_states(model_param: Any, tensors: dict[str, torch.Tensor], opt: Any = opt) -> None:
+            group_index, group_order = opt.model_param_group_index_map[model_param]
+            main = opt.optimizer.param_groups[group_index]["params"][group_order]
+            dst = {"param": main, **opt.optimizer.state[main]}
+            for key, value in tensors.items():
+                dst[key].copy_(value)
+
+        opt._set_main_param_and_optimizer_states = set_states
+        patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states  # the class's method again
 
 
 def verify_deepspeed_groups(engine: Any, layout: ParallelLayout) -> None:
