@@ -1,8 +1,9 @@
 """The ``tessera`` command.
 
-    tessera run R.yaml [key=value ...] [--resume] [--dry-run]
+    tessera run R.yaml [key=value ...] [--resume [--same-layout]] [--dry-run]
     tessera plan R.yaml [key=value ...] --world-size N [--hardware X] [--json]
-    tessera convert SRC --to hf --out DIR [--dtype fp32|bf16] [--no-verify] [--prompts N]
+    tessera convert SRC --to hf|deepspeed|megatron|ddp [--layout k=v,...] [--recipe R.yaml] --out DIR
+                    [--dtype fp32|bf16] [--no-verify] [--prompts N]
     tessera verify A B [--prompts N] [--json]
     tessera config show R.yaml [key=value ...]
 
@@ -89,7 +90,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     run_dir = run_dir_of(recipe, args.recipe).resolve()
     for note in resolved.notes:
         print(f"tessera: note: {note}", file=sys.stderr)
-    cmd, env = build_command(recipe, run_dir, resume=args.resume, device=device)
+    cmd, env = build_command(
+        recipe,
+        run_dir,
+        resume=args.resume,
+        device=device,
+        worker_args=("--same-layout",) if args.same_layout else (),
+    )
     con = _console()
     env_txt = " ".join(f"{k}={v}" for k, v in env.items())
     printable = (env_txt + " " if env_txt else "") + shlex.join(cmd)
@@ -115,7 +122,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         rd.checkpoints, keep=recipe.checkpoint.keep, rank=0, world_size=layout.world_size
     )
     if args.resume:
-        _check_resumable(ckpts, layout, run_dir)
+        _check_resumable(ckpts, layout, run_dir, same_layout=args.same_layout)
+    elif args.same_layout:
+        raise TesseraError(
+            "--same-layout only applies to --resume", field="--same-layout", value=True, fix="add --resume"
+        )
     if not args.resume and ckpts.complete():
         raise TesseraError(
             "this run directory already holds checkpoints; a fresh run would mix with them",
@@ -157,9 +168,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_resumable(ckpts, layout, run_dir: Path) -> None:
-    """Before launch: the checkpoint ``--resume`` would read exists, every file matches its checksum, and
-    it was written for this world size and layout (the ranks verify again before loading)."""
+def _check_resumable(ckpts, layout, run_dir: Path, *, same_layout: bool) -> None:
+    """Before launch: the checkpoint ``--resume`` would read exists and every file matches its checksum
+    (the ranks verify again before loading); a layout change is announced (the ranks reshard it), or
+    refused with ``same_layout``."""
     from tessera.train.worker import check_resume_layout
 
     latest = ckpts.latest()
@@ -170,7 +182,17 @@ def _check_resumable(ckpts, layout, run_dir: Path) -> None:
             value=str(run_dir),
             fix="run without --resume to start fresh",
         )
-    check_resume_layout(ckpts.verify(latest), layout, latest)
+    meta = ckpts.verify(latest, any_world=not same_layout)
+    diff = check_resume_layout(meta, layout, latest, same_layout=same_layout)
+    if diff:
+        print(
+            f"tessera: {latest.name} was written with "
+            + ", ".join(f"{k}={a}" for k, a, _ in diff)
+            + "; resharding it to "
+            + ", ".join(f"{k}={b}" for k, _, b in diff)
+            + " before the first step (--same-layout refuses instead)",
+            file=sys.stderr,
+        )
 
 
 def _plan_record(resolved, layout, device: str) -> dict[str, Any]:
@@ -267,6 +289,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from tessera.checkpoint.convert import convert_to_hf
 
+    if args.to != "hf":
+        return _convert_to_layout(args)
+    if args.layout or args.recipe:
+        raise RecipeError(
+            "--layout and --recipe describe an engine checkpoint; an HF directory has neither",
+            field="--layout" if args.layout else "--recipe",
+            value=args.layout or args.recipe,
+            fix="drop it, or convert --to deepspeed | megatron | ddp",
+        )
     rec = convert_to_hf(
         Path(args.src), Path(args.out), dtype=args.dtype, verify=not args.no_verify, prompts=args.prompts
     )
@@ -280,6 +311,82 @@ def cmd_convert(args: argparse.Namespace) -> int:
         render(rec["verify"])
     else:
         print(f"verify: {rec['verify']}")
+    return 0
+
+
+def _convert_to_layout(args: argparse.Namespace) -> int:
+    """``--to deepspeed|megatron|ddp``: the target layout's ranks (on this machine) reshard the source into
+    a new run directory's first checkpoint and verify it; built beside ``--out`` and renamed at the end."""
+    import os
+    import shutil
+
+    from tessera.checkpoint.convert import (
+        _check_out,
+        is_hf_dir,
+        layout_overrides,
+        resolve_source,
+        source_recipe,
+        write_conversion_record,
+    )
+    from tessera.checkpoint.manager import verify_or_raise
+    from tessera.launch.launcher import build_command, run_and_monitor
+    from tessera.train.worker import prepare_run_dir
+
+    out = Path(args.out).resolve()
+    _check_out(out)
+    src = Path(args.src).resolve()
+    if is_hf_dir(src):
+        from tessera.checkpoint.verify import open_side
+
+        open_side(src)  # readable weights, or an error naming the file, before anything starts
+        world = None
+    else:
+        src = resolve_source(src)
+        world = int(verify_or_raise(src)["world_size"])
+    overrides = layout_overrides(args.layout, engine=args.to, source_world=world)
+    overrides += [f"run.out_dir={out}", "train.precision=" + {"fp32": "fp32", "bf16": "bf16"}[args.dtype]]
+    resolved, layout, device = _validate(str(source_recipe(src, args.recipe)), overrides)
+    recipe = resolved.recipe
+    if layout.engine == "megatron" and layout.zero_impl == "deepspeed":
+        raise RecipeError(
+            f"megatron with DeepSpeed ZeRO-{layout.zero} writes DeepSpeed's partitions of megatron's TP "
+            "shards, which Tessera cannot read back yet to verify the conversion",
+            field="--layout",
+            value=args.layout,
+            fix="add zero=0 (megatron DDP) or zero=1 (megatron's distributed optimizer)",
+        )
+    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    con = _console()
+    try:
+        prepare_run_dir(recipe, RunDir(tmp), root=Path.cwd())
+        RunDir(tmp).write_json(RunDir.PLAN, _plan_record(resolved, layout, device))
+        worker_args = ("--convert-from", str(src)) + (("--no-verify",) if args.no_verify else ())
+        cmd, env = build_command(recipe, tmp, resume=False, device=device, worker_args=worker_args)
+        con.print(f"[bold]convert[/] {src} -> {args.to} {layout.describe()} on {layout.world_size} rank(s)")
+        rc, failure = run_and_monitor(cmd, env, tmp, recipe.run.world_size)
+        if rc != 0 or failure is not None:
+            rank = failure.rank if failure is not None else 0
+            for line in failure.log_tail if failure is not None else RunDir(tmp).log_tail(rank):
+                print(f"  | {line}", file=sys.stderr)
+            print(f"tessera: conversion failed (rank {rank}); nothing written to {out}", file=sys.stderr)
+            if failure is not None and failure.code == ExitCode.USER_ERROR:
+                return int(ExitCode.USER_ERROR)  # bad input, named in the log lines above
+            return rc or ExitCode.FAILED
+        rec = write_conversion_record(tmp, src, args.to)
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        os.rename(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"converted {src} -> {out / 'checkpoints' / Path(rec['to']).name}")
+    print(f"resume it with:  tessera run {out / RunDir.RECIPE} --resume")
+    if isinstance(rec["verify"], dict):
+        from tessera.checkpoint.verify import render
+
+        render(rec["verify"])
+        return 0 if rec["verify"]["ok"] else 1
+    print(f"verify: {rec['verify']}")
     return 0
 
 
@@ -334,12 +441,19 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from tessera.engines.registry import ENGINE_NAMES
+
     ap = argparse.ArgumentParser(prog="tessera", description="distributed training recipes for HF models")
     sub = ap.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="train a recipe on N ranks")
     r.add_argument("recipe")
     r.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.zero=3 optim.lr=3e-4")
     r.add_argument("--resume", action="store_true", help="continue from the run dir's latest checkpoint")
+    r.add_argument(
+        "--same-layout",
+        action="store_true",
+        help="with --resume: refuse a checkpoint of another layout instead of resharding it",
+    )
     r.add_argument("--dry-run", action="store_true", help="print the command and the layout; start nothing")
     r.set_defaults(fn=cmd_run)
     pl = sub.add_parser("plan", help="rank the layouts of a recipe's model on N devices")
@@ -350,9 +464,22 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help='{"chosen", "candidates", "rejected"} on stdout')
     pl.add_argument("--top", type=int, default=15, help="rows of the table")
     pl.set_defaults(fn=cmd_plan)
-    cv = sub.add_parser("convert", help="a Tessera checkpoint to a Hugging Face directory, verified")
-    cv.add_argument("src", help="a checkpoints/step_NNNNNN directory, or a run directory (its latest)")
-    cv.add_argument("--to", required=True, choices=["hf"], help="target format")
+    cv = sub.add_parser(
+        "convert",
+        help="a checkpoint or HF directory to HF or to an engine checkpoint at any layout, verified",
+    )
+    cv.add_argument(
+        "src", help="a checkpoints/step_NNNNNN directory, a run directory (its latest), or an HF directory"
+    )
+    cv.add_argument("--to", required=True, choices=["hf", *ENGINE_NAMES], help="target format")
+    cv.add_argument(
+        "--layout",
+        default=None,
+        help="target layout for an engine, e.g. dp=2,zero=3 or tp=2,pp=2,world_size=4",
+    )
+    cv.add_argument(
+        "--recipe", default=None, help="recipe the converted run resumes with (default: the source run's)"
+    )
     cv.add_argument("--out", required=True, help="new (or empty) output directory")
     cv.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="dtype of the written weights")
     cv.add_argument("--no-verify", action="store_true", help="skip `tessera verify` of the output (recorded)")

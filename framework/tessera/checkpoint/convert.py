@@ -137,3 +137,74 @@ def _is_tied(model: Any, key: str) -> bool:
         and out is not None
         and bool(getattr(model.config, "tie_word_embeddings", False))
     )
+
+
+#: ``--layout`` keys: the parallel fields a layout is made of, and the world size
+LAYOUT_FIELDS = ("dp", "tp", "pp", "vpp", "ep", "zero", "zero_impl", "micro_batch")
+
+
+def is_hf_dir(path: Path) -> bool:
+    return (Path(path) / "config.json").is_file() and not (Path(path) / "meta.json").is_file()
+
+
+def layout_overrides(spec: str | None, *, engine: str, source_world: int | None) -> list[str]:
+    """Recipe overrides for ``--to ENGINE --layout k=v,...``. The world size is ``world_size`` when given,
+    else dp x tp x pp when dp is given, else the source's (dp then follows from it)."""
+    pairs: dict[str, str] = {}
+    for item in filter(None, (spec or "").split(",")):
+        key, sep, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        key = "world_size" if key == "world" else key
+        if not sep or key not in (*LAYOUT_FIELDS, "world_size") or not value.strip():
+            raise RecipeError(
+                f"not a layout setting: {item!r}",
+                field="--layout",
+                value=spec,
+                fix="comma-separated k=v with k in " + ", ".join((*LAYOUT_FIELDS, "world_size")),
+            )
+        pairs[key] = value.strip()
+    out = [f"parallel.engine={engine}"] + [f"parallel.{k}={v}" for k, v in pairs.items() if k != "world_size"]
+    if "world_size" in pairs:
+        world = pairs["world_size"]
+    elif "dp" in pairs or source_world is None:
+        try:
+            world = str(int(pairs.get("dp", 1)) * int(pairs.get("tp", 1)) * int(pairs.get("pp", 1)))
+        except ValueError:
+            raise RecipeError(
+                "dp, tp and pp must be whole numbers", field="--layout", value=spec, fix="e.g. dp=2,tp=2"
+            ) from None
+    else:
+        world = str(source_world)
+        out.append("parallel.dp=auto")
+    return [*out, f"run.world_size={world}"]
+
+
+def source_recipe(src: Path, given: str | None) -> Path:
+    """The recipe a converted checkpoint resumes with: ``--recipe``, else the source run's own."""
+    if given is not None:
+        return Path(given)
+    if not is_hf_dir(src):
+        run_recipe = RunDir(resolve_source(src).parent.parent).recipe
+        if run_recipe.is_file():
+            return run_recipe
+    raise RecipeError(
+        "no recipe to resume the converted checkpoint with (an HF directory has none, nor a checkpoint "
+        "outside its run directory)",
+        field="--recipe",
+        value=None,
+        fix="pass --recipe R.yaml (data, optimizer and schedule of the run that will resume it)",
+    )
+
+
+def write_conversion_record(run_dir: Path, src: Path, to: str) -> dict[str, Any]:
+    """``tessera_conversion.json`` of a ``--to ENGINE`` conversion: the ranks' reshard record and the full
+    verify report (or that it was skipped)."""
+    rd = RunDir(run_dir)
+    manifest = rd.read_manifest()
+    rec = dict(manifest.get("resharded") or {})
+    ckpt = Path(rec.get("to", ""))
+    report = rd.read_json_if_present(f"reshard-{ckpt.name}.json")
+    record = {"source": str(src), "to": to, "layout": manifest["layout"], **rec}
+    record["verify"] = report if report is not None else "skipped (--no-verify)"
+    write_json_atomic(Path(run_dir) / REPORT, record)
+    return record

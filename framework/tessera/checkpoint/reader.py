@@ -74,7 +74,8 @@ def _deepspeed(ckpt: Path, zero: int) -> dict[str, torch.Tensor]:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     # DeepSpeed unpickles its own files here; their checksums were verified above
-    return dict(get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name))
+    with contextlib.redirect_stdout(io.StringIO()):  # its progress prints
+        return dict(get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name))
 
 
 def _megatron(ckpt: Path, hf_cfg: Any, moment: str | None = None) -> dict[str, torch.Tensor]:

@@ -68,12 +68,14 @@ def parse_hostfile(path: str) -> list[tuple[str, int]]:
 
 
 def build_command(
-    recipe: Recipe, run_dir: Path, *, resume: bool, device: str
+    recipe: Recipe, run_dir: Path, *, resume: bool, device: str, worker_args: tuple[str, ...] = ()
 ) -> tuple[list[str], dict[str, str]]:
-    """The exact launcher command and the environment additions for this run."""
+    """The exact launcher command and the environment additions for this run (``worker_args``: more
+    flags for the worker, e.g. ``--same-layout`` or ``--convert-from SRC``)."""
     r = recipe.run
     env: dict[str, str] = {}
     worker = ["tessera.train.worker", "--run-dir", str(run_dir)] + (["--resume"] if resume else [])
+    worker += list(worker_args)
     if device == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
     if r.launcher == "torchrun":

@@ -181,7 +181,12 @@ def _manifest(
 
 
 def setup(
-    run_dir: RunDir, *, resume: bool, same_layout: bool = False, convert_from: Path | None = None
+    run_dir: RunDir,
+    *,
+    resume: bool,
+    same_layout: bool = False,
+    convert_from: Path | None = None,
+    verify: bool = True,
 ) -> tuple[RunContext, Any]:
     """Everything up to the first step; returns the context and the fault injection (None unless set).
     A resume whose checkpoint has another layout reshards it first (unless ``same_layout``);
@@ -249,11 +254,11 @@ def setup(
         resumed=resume,
     )
     if hf_source:
-        _import(ctx, None, Path(convert_from), tag=None)  # type: ignore[arg-type]
+        _import(ctx, None, Path(convert_from), tag=None, verify=verify)  # type: ignore[arg-type]
     elif stage_dir is not None:
         assert resume_from is not None
         tag = None if convert_from is not None else layout_tag(layout.to_dict())
-        resume_from = _import(ctx, resume_from, stage_dir, tag=tag)
+        resume_from = _import(ctx, resume_from, stage_dir, tag=tag, verify=verify)
     if resume_from is not None and convert_from is None:
         _restore(ctx, *resume_from)
     manifest["resumed_from"] = str(resume_from[0]) if resume_from else None
@@ -294,7 +299,12 @@ def _stage(src: Path, run_dir: RunDir) -> Path:
 
 
 def _import(
-    ctx: RunContext, src: tuple[Path, dict[str, Any]] | None, stage_dir: Path, *, tag: str | None
+    ctx: RunContext,
+    src: tuple[Path, dict[str, Any]] | None,
+    stage_dir: Path,
+    *,
+    tag: str | None,
+    verify: bool = True,
 ) -> tuple[Path, dict[str, Any]]:
     """The engine was built with the staged weights: give it the moments and step count, save it as a
     checkpoint of this layout, verify that against the source offline, record it. ``src`` None: an HF
@@ -328,7 +338,11 @@ def _import(
         step, ctx.engine, describe=ctx.describe, sampler=sampler, manifest=ctx.manifest, tag=tag
     )
 
-    def check() -> dict[str, Any]:
+    def check() -> dict[str, Any] | None:
+        if not verify:
+            if src is not None:
+                remove_stage(stage_dir)
+            return None
         if src is None:
             report = compare(open_side(stage_dir), open_side(path), prompts=2)
         else:
@@ -345,9 +359,9 @@ def _import(
         "to": str(path),
         "to_layout": layout_tag(ctx.layout.to_dict()),
         "step": step,
-        "verify": summary_of(report),
+        "verify": summary_of(report) if report else "skipped (--no-verify)",
     }
-    if not report["ok"]:
+    if report and not report["ok"]:
         bad = [r["name"] for r in report["tensors"] if not r["equal"]]
         raise CheckpointError(
             "the resharded checkpoint does not verify against its source: "
@@ -359,13 +373,16 @@ def _import(
     ctx.manifest["resharded"] = record
     if ctx.is_rank0:
         v = record["verify"]
-        moments = "bit-exact" if v["moments_equal"] else "none (fresh optimizer)"
-        print(
-            f"[tessera] resharded {Path(record['from']).name} ({record['from_layout'] or 'hf'}) -> "
-            f"{path.name} ({record['to_layout']}); verified: {v['tensors_equal']} tensors bit-exact, "
-            f"Adam moments {moments}, logits max |diff| {v['logits_max_abs_diff']:.2g}",
-            flush=True,
-        )
+        what = f"{Path(record['from']).name} ({record['from_layout'] or 'hf'}) -> {path.name} ({record['to_layout']})"
+        if report is None:
+            print(f"[tessera] resharded {what}; not verified (--no-verify)", flush=True)
+        else:
+            moments = "bit-exact" if v["moments_equal"] else "none (fresh optimizer)"
+            print(
+                f"[tessera] resharded {what}; verified: {v['tensors_equal']} tensors bit-exact, "
+                f"Adam moments {moments}, logits max |diff| {v['logits_max_abs_diff']:.2g}",
+                flush=True,
+            )
     return path, ctx.ckpt.verify(path)
 
 
@@ -380,9 +397,14 @@ def _restore(ctx: RunContext, path: Path, meta: dict[str, Any]) -> None:
         if changed:
             print(
                 f"[tessera] resuming with {len(changed)} manifest difference(s): "
-                + "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changed[:8]),
+                + "; ".join(f"{k}: {_short(a)} -> {_short(b)}" for k, a, b in changed[:8]),
                 flush=True,
             )
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # ---- tear down -----------------------------------------------------------------------------------------
@@ -425,14 +447,21 @@ def _wandb_dir(ctx: RunContext) -> str | None:
 
 
 def train(
-    run_dir: str | Path, *, resume: bool = False, same_layout: bool = False, convert_from: str | None = None
+    run_dir: str | Path,
+    *,
+    resume: bool = False,
+    same_layout: bool = False,
+    convert_from: str | None = None,
+    verify: bool = True,
 ) -> list[dict[str, Any]]:
     """Train this rank; returns its per-step records. ``convert_from``: only reshard that checkpoint (or
     HF directory) into this run directory's first checkpoint (``tessera convert --to ENGINE``)."""
     from tessera.train.callbacks import default_callbacks
 
     src = Path(convert_from) if convert_from else None
-    ctx, fault = setup(RunDir(run_dir), resume=resume, same_layout=same_layout, convert_from=src)
+    ctx, fault = setup(
+        RunDir(run_dir), resume=resume, same_layout=same_layout, convert_from=src, verify=verify
+    )
     if src is not None:
         ctx.engine.close()
         if ctx.is_rank0:
@@ -458,6 +487,7 @@ def run_rank(
     keep_process_group: bool = False,
     same_layout: bool = False,
     convert_from: str | None = None,
+    verify: bool = True,
 ) -> int:
     """Entry of one rank with status files and a log; returns the exit code.
 
@@ -484,7 +514,7 @@ def run_rank(
 
     signal.signal(signal.SIGTERM, _on_term)
     try:
-        train(rd.path, resume=resume, same_layout=same_layout, convert_from=convert_from)
+        train(rd.path, resume=resume, same_layout=same_layout, convert_from=convert_from, verify=verify)
     except SystemExit as e:
         code = int(e.code) if isinstance(e.code, int) else ExitCode.FAILED
     except TesseraError as e:
@@ -521,14 +551,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--same-layout", action="store_true", help="refuse to reshard a checkpoint at resume")
-    ap.add_argument(
-        "--convert-from", default=None, help="reshard this checkpoint / HF directory, no training"
-    )
+    ap.add_argument("--convert-from", default=None, help="reshard this checkpoint / HF dir, no training")
+    ap.add_argument("--no-verify", action="store_true", help="do not verify a resharded checkpoint")
     ap.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     args = ap.parse_args(argv)
     exit_process(
         run_rank(
-            args.run_dir, resume=args.resume, same_layout=args.same_layout, convert_from=args.convert_from
+            args.run_dir,
+            resume=args.resume,
+            same_layout=args.same_layout,
+            convert_from=args.convert_from,
+            verify=not args.no_verify,
         )
     )
 
