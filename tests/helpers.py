@@ -451,17 +451,25 @@ def assert_hf_export_replays_the_run(run_dir: Path, ckpt_step: int, out: Path, *
     return report
 
 
-def relayout(src: Path, dst: Path, overrides: list[str]) -> Path:
+def relayout(src: Path, dst: Path, overrides: list[str], *, at_step: int | None = None) -> Path:
     """A copy of run directory ``src`` whose recipe (what ``--resume`` reads) has ``overrides`` applied:
-    resuming it reshards the copied checkpoint to the new layout."""
+    resuming it reshards the copied checkpoint to the new layout. ``at_step``: the copy resumes from that
+    step's checkpoint (later ones are dropped), so one uninterrupted run is also the source."""
     import shutil
 
     import yaml
 
+    from tessera.checkpoint.manager import LATEST, step_dir_name
     from tessera.config.loader import load_recipe
 
     shutil.copytree(src, dst)
     rd = RunDir(dst)
+    if at_step is not None:
+        keep = step_dir_name(at_step)
+        for d in rd.checkpoints.glob("step_*"):
+            if d.name != keep:
+                shutil.rmtree(d)
+        (rd.checkpoints / LATEST).write_text(keep + "\n")
     recipe = load_recipe(rd.recipe, overrides).recipe
     rd.recipe.write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
     return dst
