@@ -405,6 +405,26 @@ def assert_damage_is_refused(run_dir: Path, tmp_path: Path) -> None:
     assert rd.rank_pid(0) is None  # refused before launch
 
 
+def hf_loss_on_step(model, run_dir: Path, step: int) -> float:
+    """An HF model's token-normalised loss on the global batch of 1-based ``step`` of a run."""
+    import torch
+    import yaml
+
+    from tessera.config.loader import validate_recipe
+    from tessera.data import StepSampler, load_prepared
+    from tessera.engines.base import label_tokens, summed_token_loss
+    from tessera.plan.layout import layout_from_recipe
+
+    rd = RunDir(run_dir)
+    recipe = validate_recipe(yaml.safe_load(rd.recipe.read_text()))
+    data = load_prepared(rd.read_json(RunDir.DATA))
+    sampler = StepSampler.for_layout(len(data), layout_from_recipe(recipe), rank=0, seed=recipe.train.seed)
+    rows = sampler.peek_global(step - 1)  # 0-based
+    with torch.no_grad():
+        ids, labels = data.input_ids[rows], data.labels[rows]
+        return float(summed_token_loss(model(input_ids=ids).logits, labels)) / label_tokens(labels)
+
+
 def assert_hf_export_replays_the_run(run_dir: Path, ckpt_step: int, out: Path, *, rel: float = 1e-5) -> dict:
     """``tessera convert`` of the run's step ``ckpt_step`` checkpoint to an HF directory: it loads with
     ``from_pretrained`` (and its tokenizer with ``AutoTokenizer``), and that model's token-normalised
@@ -412,14 +432,9 @@ def assert_hf_export_replays_the_run(run_dir: Path, ckpt_step: int, out: Path, *
     import subprocess
     import sys
 
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tessera.checkpoint.manager import step_dir_name
-    from tessera.config.loader import validate_recipe
-    from tessera.data import StepSampler, load_prepared
-    from tessera.engines.base import label_tokens, summed_token_loss
-    from tessera.plan.layout import layout_from_recipe
 
     rd = RunDir(run_dir)
     src = rd.checkpoints / step_dir_name(ckpt_step)
@@ -437,15 +452,7 @@ def assert_hf_export_replays_the_run(run_dir: Path, ckpt_step: int, out: Path, *
     assert verify["logits"]["max_abs_diff"] <= 1e-5 and not verify["missing_in_b"]
     assert AutoTokenizer.from_pretrained(str(out)).vocab_size > 0
     model = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True).eval()
-    import yaml
-
-    recipe = validate_recipe(yaml.safe_load(rd.recipe.read_text()))
-    data = load_prepared(rd.read_json(RunDir.DATA))
-    sampler = StepSampler.for_layout(len(data), layout_from_recipe(recipe), rank=0, seed=recipe.train.seed)
-    rows = sampler.peek_global(ckpt_step)  # 0-based: the batch of step ckpt_step + 1
-    with torch.no_grad():
-        ids, labels = data.input_ids[rows], data.labels[rows]
-        loss = float(summed_token_loss(model(input_ids=ids).logits, labels)) / label_tokens(labels)
+    loss = hf_loss_on_step(model, run_dir, ckpt_step + 1)
     logged = next(r["loss"] for r in rd.read_metrics() if r["step"] == ckpt_step + 1)
     assert abs(loss - logged) <= rel * abs(logged), (loss, logged)
     return report

@@ -15,7 +15,15 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO, assert_close_rel, losses, relayout, train_runs
+from helpers import (
+    REPO,
+    assert_close_rel,
+    assert_hf_export_replays_the_run,
+    hf_loss_on_step,
+    losses,
+    relayout,
+    train_runs,
+)
 
 from tessera.checkpoint.manager import read_meta, step_dir_name, verify_checkpoint
 from tessera.checkpoint.reshard import layout_tag
@@ -59,7 +67,10 @@ def runs(tmp_path_factory):
         got = train_runs({base / k: v for k, v in specs.items()}, world=world)
         out.update({d.name: rec for d, rec in got.items()})
 
-    batch({k: (rec, [*CKPT, *ov], False) for k, (rec, ov) in ORIGINALS.items() if "1" not in k}, 2)
+    hf = save_pretrained_tiny(base / "hf_pretrained")
+    two = {k: (rec, [*CKPT, *ov], False) for k, (rec, ov) in ORIGINALS.items() if "1" not in k}
+    two["pretrained_z3"] = (LLAMA, [*pretrained(hf), "parallel.zero=3"], False)
+    batch(two, 2)
 
     def changes(world: int) -> dict:
         for name, (orig, ov, w) in CHANGES.items():
@@ -70,7 +81,27 @@ def runs(tmp_path_factory):
     one = {"mc_tp1": (ORIGINALS["mc_tp1"][0], [*CKPT, *ORIGINALS["mc_tp1"][1]], False)}
     batch({**one, **changes(1)}, 1)  # mc_tp1 first: a source of the 2-rank changes
     batch(changes(2), 2)
+    batch({"pretrained_tp2_pp2": (R / "tiny-llama-cpu4-mcore-tp2-pp2.yaml", pretrained(hf), False)}, 4)
+    out["_hf"] = hf
     return out
+
+
+def save_pretrained_tiny(path):
+    """A tiny Llama written by save_pretrained (seed 7: not the weights any run initialises)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tessera.config.loader import load_recipe
+    from tessera.models.hf import load_hf_config
+
+    torch.manual_seed(7)
+    model = AutoModelForCausalLM.from_config(load_hf_config(load_recipe(LLAMA).recipe.model, vocab_size=512))
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def pretrained(hf) -> list[str]:
+    return ["train.steps=1", "model.hf_config=null", f"model.path={hf}", "model.pretrained=true"]
 
 
 @pytest.mark.parametrize("name", sorted(CHANGES))
@@ -123,3 +154,84 @@ def test_same_layout_refuses_a_change(runs, tmp_path):
     )
     assert p.returncode == 2, p.stderr[-2000:]
     assert "parallel.zero" in p.stderr and "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("name", ["pretrained_z3", "pretrained_tp2_pp2"])
+def test_pretrained_first_step_is_the_hf_models_loss(runs, name):
+    """``model.pretrained`` from a save_pretrained directory under deepspeed ZeRO-3 and megatron TP2 x PP2:
+    the first step's loss is the HF model's own loss on that batch (each megatron rank read only the
+    tensors of its stage, lazily)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(runs["_hf"]), local_files_only=True).eval()
+    want = hf_loss_on_step(model, runs["_base"] / name, 1)
+    assert_close_rel(losses(runs[name]), [want], 1e-5)
+
+
+def test_ep2_export_to_hf_reproduces_the_run(runs, tmp_path):
+    """`tessera convert --to hf` of megatron EP2's step 5 (the experts of both ranks, the chained
+    optimizer's model-space checkpoint): from_pretrained loads it, and its loss on step 6's batch is the
+    loss the run logged."""
+    report = assert_hf_export_replays_the_run(runs["_base"] / "mc_ep2", 5, tmp_path / "hf")
+    assert report["sharding"] == "megatron-distributed-optimizer"
+
+
+def _convert(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tessera.cli", "convert", *args], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+
+
+def test_convert_to_an_engine_layout_and_resume_it(runs, tmp_path):
+    """`tessera convert STEP5 --to ddp --layout dp=1`: the target layout's ranks write a run directory
+    whose checkpoint verifies against the source (moments bit-exact) and which `tessera run --resume`
+    continues: step 6 as the original run logged it. From an HF directory (with --recipe): step 0, the
+    HF weights bit-exact, no optimizer state to compare."""
+    src = RunDir(runs["_base"] / "ds_z2").checkpoints / step_dir_name(5)
+    out = tmp_path / "ddp1"
+    p = _convert(str(src), "--to", "ddp", "--layout", "dp=1", "--out", str(out))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rec = json.loads((out / "tessera_conversion.json").read_text())
+    assert rec["verify"]["ok"] and rec["verify"]["optimizer"]["ok"] and rec["layout"]["dp"] == 1
+    assert read_meta(out / "checkpoints" / step_dir_name(5))["sharding"] == "torch-ddp"
+    assert not list(tmp_path.glob(".tmp-*"))
+    r = subprocess.run(
+        [sys.executable, "-m", "tessera.cli", "run", str(out / RunDir.RECIPE), "train.steps=6",
+         "tracking.wandb.mode=disabled", "--resume"],  # fmt: skip
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert_close_rel(losses(RunDir(out).read_metrics())[5:6], losses(runs["ds_z2"])[5:6], 1e-5)
+
+    hf_out = tmp_path / "from_hf"
+    p = _convert(str(runs["_hf"]), "--to", "ddp", "--layout", "dp=1", "--recipe", str(LLAMA), "--out", str(hf_out))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rec = json.loads((hf_out / "tessera_conversion.json").read_text())
+    assert rec["step"] == 0 and rec["verify"]["weights_ok"] and rec["verify"]["optimizer"] is None
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_convert_refuses_a_damaged_source(runs, tmp_path, damage):
+    """A damaged checkpoint or HF directory: exit 2 naming the file, before any rank starts, and nothing
+    at --out."""
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(RunDir(runs["_base"] / "ds_z2").checkpoints / step_dir_name(5), ckpt)
+    hf = tmp_path / "hf"
+    shutil.copytree(runs["_hf"], hf)
+    for victim in (ckpt / "mp_rank_00_model_states.pt", hf / "model.safetensors"):
+        if damage == "delete":
+            victim.unlink()
+        else:
+            data = bytearray(victim.read_bytes())
+            if damage == "flip":  # safetensors carries no checksum of its data: flip a byte of its header
+                data[len(data) // 2 if victim.suffix == ".pt" else 12] ^= 0x01
+            victim.write_bytes(bytes(data if damage == "flip" else data[: len(data) // 2]))
+    for src, victim in ((ckpt, ckpt / "mp_rank_00_model_states.pt"), (hf, hf / "model.safetensors")):
+        out = tmp_path / f"out-{src.name}"
+        extra = ["--recipe", str(LLAMA)] if src == hf else []
+        p = _convert(str(src), "--to", "deepspeed", "--layout", "zero=3", *extra, "--out", str(out))
+        assert p.returncode == 2, (damage, src, p.stderr[-2000:])
+        assert str(victim) in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+        assert not out.exists() and not list(tmp_path.glob(".tmp-out-*"))

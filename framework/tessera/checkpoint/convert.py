@@ -10,6 +10,7 @@ exactly the requested dtype cast of it); the result goes into ``tessera_conversi
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-from tessera.atomic import write_json_atomic
+from tessera.atomic import write_json_atomic, write_text_atomic
 from tessera.checkpoint.manager import CheckpointManager
 from tessera.checkpoint.reader import hf_config_of, read_hf_state
 from tessera.errors import CheckpointError, RecipeError
@@ -207,4 +208,8 @@ def write_conversion_record(run_dir: Path, src: Path, to: str) -> dict[str, Any]
     record = {"source": str(src), "to": to, "layout": manifest["layout"], **rec}
     record["verify"] = report if report is not None else "skipped (--no-verify)"
     write_json_atomic(Path(run_dir) / REPORT, record)
+    if not is_hf_dir(src) and RunDir(src.parent.parent).metrics.is_file():  # the curves continue
+        history = [r for r in RunDir(src.parent.parent).read_metrics() if r["step"] <= rec.get("step", 0)]
+        if history:
+            write_text_atomic(rd.metrics, "".join(json.dumps(r, sort_keys=True) + "\n" for r in history))
     return record

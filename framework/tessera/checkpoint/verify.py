@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from tessera.atomic import sha256_bytes
-from tessera.errors import CheckpointError
 
 LOGITS_TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-2}
 #: fixed prompts (Python, like the default corpus, and prose); tokenized by the run's tokenizer
@@ -66,31 +65,14 @@ def open_side(path: Path) -> Side:
 
 
 def _hf_side(path: Path) -> Side:
-    """An HF directory: safetensors read tensor by tensor; ``.bin`` only with ``weights_only=True``."""
+    """An HF directory, under the model's own tensor names (:func:`tessera.models.hf.hf_dir_tensors`)."""
     from transformers import AutoConfig
 
-    from tessera.tensorfile import load_tensors
+    from tessera.models.hf import hf_dir_tensors
 
-    try:
-        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(
-            f"cannot read its config.json ({e})", field="model", value=str(path), fix="give an HF directory"
-        ) from None
-    state: dict[str, torch.Tensor] = {}
-    files = sorted(path.glob("*.safetensors"))
-    for f in files:
-        state.update(load_tensors(f))  # a damaged file is an error naming it
-    if not files:
-        for f in sorted(path.glob("pytorch_model*.bin")):
-            state.update(torch.load(f, map_location="cpu", weights_only=True))
-    if not state:
-        raise CheckpointError(
-            "no weights (*.safetensors or pytorch_model*.bin)",
-            field="model",
-            value=str(path),
-            fix="give a directory written by save_pretrained",
-        )
+    tensors = hf_dir_tensors(path)  # checks config.json and the weight files first
+    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    state = {k: tensors[k] for k in tensors}
     has_tok = any((path / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json"))
     return Side(str(path), "hf", config, state, None, path if has_tok else None, model_dir=path)
 

@@ -68,21 +68,10 @@ class ModelSource:
 
     def hf_tensors(self) -> Mapping[str, torch.Tensor] | None:
         """The given weights by HF name, read one tensor per access (None: initialise from the seed)."""
-        from tessera.tensorfile import LazyTensors
+        from tessera.models.hf import hf_dir_tensors
 
         d = self.weights_dir()
-        if d is None:
-            return None
-        if not any(d.glob("*.safetensors")):
-            from tessera.errors import CheckpointError
-
-            raise CheckpointError(
-                "no *.safetensors weights there (a .bin checkpoint: convert it with save_pretrained first)",
-                field="model.path",
-                value=str(d),
-                fix="point model.path at a directory written by save_pretrained(safe_serialization=True)",
-            )
-        return LazyTensors.of_dir(d)
+        return None if d is None else hf_dir_tensors(d)
 
     def build_hf(self) -> torch.nn.Module:
         """The full HF model in fp32, initialised from the seed, or holding the given weights (copied in

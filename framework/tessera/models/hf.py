@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -118,3 +119,68 @@ def fill_from(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], *, wh
                     fix=fix,
                 )
             t.copy_(src)
+
+
+def model_tensor_names(cfg: Any) -> set[str]:
+    """The state-dict names of the HF model of ``cfg`` (built on the meta device: no memory)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return set(AutoModelForCausalLM.from_config(cfg).state_dict())
+
+
+def hf_dir_tensors(path: Path) -> Mapping[str, torch.Tensor]:
+    """The weights of an HF directory under the model's own tensor names. Read lazily, one tensor per
+    access, when its safetensors use those names; otherwise through ``from_pretrained`` (transformers'
+    own key conversion, in memory): a ``.bin`` checkpoint (``weights_only``), or a layout that
+    ``save_pretrained`` still writes in its legacy form (Mixtral's per-expert ``w1``/``w2``/``w3``, which
+    the model holds fused)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tessera.errors import CheckpointError
+    from tessera.tensorfile import LazyTensors
+
+    path = Path(path)
+    try:
+        cfg = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(
+            f"cannot read its config.json ({e})",
+            field="model.path",
+            value=str(path),
+            fix="give an HF directory",
+        ) from None
+    index = path / "model.safetensors.index.json"
+    if index.is_file():  # a sharded checkpoint: every shard it lists must be there
+        import json
+
+        for shard in sorted(set(json.loads(index.read_text()).get("weight_map", {}).values())):
+            if not (path / shard).is_file():
+                raise CheckpointError(
+                    "a weight shard listed in model.safetensors.index.json is missing",
+                    field="model.path",
+                    value=str(path / shard),
+                    fix="restore the file, or save the model again with save_pretrained",
+                )
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        lazy = LazyTensors(files)  # a damaged header is an error naming the file
+        if set(lazy) <= model_tensor_names(cfg):
+            return lazy
+    elif not list(path.glob("pytorch_model*.bin")):
+        raise CheckpointError(
+            "the weights are missing (no *.safetensors, no pytorch_model*.bin)",
+            field="model.path",
+            value=str(path / "model.safetensors"),
+            fix="give a directory written by save_pretrained, or restore its weight files",
+        )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch.float32)
+    except Exception as e:  # transformers' own errors for unreadable weights
+        raise CheckpointError(
+            f"transformers cannot load these weights ({type(e).__name__}: {str(e)[:160]})",
+            field="model.path",
+            value=str(path),
+            fix="give a directory written by save_pretrained",
+        ) from None
+    return {k: v.detach() for k, v in model.state_dict().items()}
