@@ -284,3 +284,38 @@ def test_what_megatron_cannot_express_is_refused(changes, field):
     with pytest.raises(RecipeError) as e:
         _adapter_kwargs(**changes)
     assert e.value.field == field and "megatron-core cannot express this" in str(e.value)
+
+
+def test_a_pipeline_stage_reads_only_its_own_tensors(tmp_path):
+    """``model.pretrained`` under PP: the weights come from a lazy reader (one tensor per access), and a
+    stage asks it only for the tensors of its layers (plus the embedding / head / final norm its stage
+    owns), never for another stage's."""
+    from tessera.models.hf import hf_dir_tensors
+
+    model = _hf("llama", num_hidden_layers=4)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    lazy = hf_dir_tensors(tmp_path)
+    assert type(lazy).__name__ == "LazyTensors"  # nothing read yet
+
+    class Recording(dict):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.read = inner, []
+
+        def __getitem__(self, k):
+            self.read.append(k)
+            return self.inner[k]
+
+        def __contains__(self, k):
+            return k in self.inner
+
+    a, cfg = adapter_for("llama"), model.config
+    for stage, mine in ((0, {0, 1}), (1, {2, 3})):
+        rec = Recording(lazy)
+        local = hf_to_mcore(rec, a, cfg, Shard(pp=2, pp_rank=stage))
+        layers = {int(k.split(".")[2]) for k in rec.read if k.startswith("model.layers.")}
+        assert layers == mine and len(rec.read) == len(set(rec.read))  # each tensor read once
+        assert ("model.embed_tokens.weight" in rec.read) == (stage == 0)
+        assert ("lm_head.weight" in rec.read) == (stage == 1)
+        ref = hf_to_mcore(model.state_dict(), a, cfg, Shard(pp=2, pp_rank=stage))
+        assert local.keys() == ref.keys() and all(torch.equal(local[k], ref[k]) for k in ref)
