@@ -344,6 +344,8 @@ def _convert_to_layout(args: argparse.Namespace) -> int:
         src = resolve_source(src)
         world = int(verify_or_raise(src)["world_size"])
     overrides = layout_overrides(args.layout, engine=args.to, source_world=world)
+    if world is None:  # an HF directory: the run trains that model, from those weights
+        overrides += ["model.hf_config=null", f"model.path={src}", "model.pretrained=true"]
     overrides += [f"run.out_dir={out}", "train.precision=" + {"fp32": "fp32", "bf16": "bf16"}[args.dtype]]
     resolved, layout, device = _validate(str(source_recipe(src, args.recipe)), overrides)
     recipe = resolved.recipe
