@@ -7,6 +7,7 @@ Every failure to read is a :class:`CheckpointError` naming the file.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -28,19 +29,14 @@ def load_tensors(path: Path) -> dict[str, torch.Tensor]:
     return load_tensors_and_meta(path)[0]
 
 
-def load_tensors_and_meta(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The tensors and the JSON metadata of a file written by :func:`save_tensors`."""
-    from safetensors import safe_open
-
-    path = Path(path)
+@contextlib.contextmanager
+def _reading(path: Path) -> Iterator[None]:
+    """Any failure to read ``path`` as a :class:`CheckpointError` naming the file."""
     try:
-        with safe_open(str(path), framework="pt") as f:
-            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
-            raw = (f.metadata() or {}).get("tessera", "{}")
-        meta = json.loads(raw)
+        yield
     except FileNotFoundError:
         raise CheckpointError(
-            "checkpoint file is missing", field="checkpoint", value=str(path), fix=_FIX
+            "tensor file is missing", field="checkpoint", value=str(path), fix=_FIX
         ) from None
     except Exception as e:  # safetensors' header / size errors, or a pickle where a tensor file should be
         raise CheckpointError(
@@ -49,6 +45,16 @@ def load_tensors_and_meta(path: Path) -> tuple[dict[str, torch.Tensor], dict[str
             value=str(path),
             fix=_FIX,
         ) from None
+
+
+def load_tensors_and_meta(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The tensors and the JSON metadata of a file written by :func:`save_tensors`."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    with _reading(path), safe_open(str(path), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+        meta = json.loads((f.metadata() or {}).get("tessera", "{}"))
     return tensors, meta
 
 
@@ -65,20 +71,8 @@ class LazyTensors(Mapping[str, torch.Tensor]):
 
         self._where: dict[str, Path] = {}
         for f in files:
-            try:
-                with safe_open(str(f), framework="pt") as h:
-                    self._where.update(dict.fromkeys(h.keys(), Path(f)))
-            except FileNotFoundError:
-                raise CheckpointError(
-                    "tensor file is missing", field="checkpoint", value=str(f), fix=_FIX
-                ) from None
-            except Exception as e:
-                raise CheckpointError(
-                    f"not a readable safetensors file ({type(e).__name__}: {str(e)[:120]})",
-                    field="checkpoint",
-                    value=str(f),
-                    fix=_FIX,
-                ) from None
+            with _reading(Path(f)), safe_open(str(f), framework="pt") as h:
+                self._where.update(dict.fromkeys(h.keys(), Path(f)))
 
     @classmethod
     def of_dir(cls, path: Path) -> LazyTensors:
@@ -89,16 +83,8 @@ class LazyTensors(Mapping[str, torch.Tensor]):
         from safetensors import safe_open
 
         f = self._where[key]
-        try:
-            with safe_open(str(f), framework="pt") as h:
-                return h.get_tensor(key)
-        except Exception as e:  # truncated after the header was read
-            raise CheckpointError(
-                f"cannot read tensor {key!r} ({type(e).__name__}: {str(e)[:120]})",
-                field="checkpoint",
-                value=str(f),
-                fix=_FIX,
-            ) from None
+        with _reading(f), safe_open(str(f), framework="pt") as h:  # truncated after the header was read
+            return h.get_tensor(key)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)

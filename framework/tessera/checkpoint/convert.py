@@ -77,7 +77,7 @@ def convert_to_hf(
     want = {k: v.to(DTYPES[dtype]) for k, v in state.items()}
     cfg = hf_config_of(meta)
     model = AutoModelForCausalLM.from_config(cfg).to(DTYPES[dtype])
-    missing, unexpected = model.load_state_dict(want, strict=False)
+    missing, unexpected = model.load_state_dict(want, strict=False, assign=True)  # no second copy
     tied = {k for k in missing if _is_tied(model, k)}
     if set(missing) - tied or unexpected:
         raise CheckpointError(

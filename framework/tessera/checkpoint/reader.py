@@ -197,7 +197,7 @@ def _deepspeed_moment(ckpt: Path, zero: int, kind: str) -> dict[str, torch.Tenso
         else:
             merged = z._get_fp32_state_dict_from_zero3_checkpoint(world, flat_groups, model_states, False)
     trainable = {n for group in model_states[0].param_shapes for n in group}
-    return {n: t.float().clone() for n, t in z.to_torch_tensor(merged).items() if n in trainable}
+    return {n: t.float() for n, t in z.to_torch_tensor(merged).items() if n in trainable}  # fresh copies
 
 
 def read_adam_step(ckpt: Path, meta: dict[str, Any]) -> int:
@@ -218,12 +218,3 @@ def read_adam_step(ckpt: Path, meta: dict[str, Any]) -> int:
                 fix="resume the run on its own layout once and convert the next checkpoint",
             )
     return step
-
-
-def read_hf_optimizer(ckpt: Path, meta: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]] | None:
-    """Both Adam moments keyed by HF parameter name (``{name: {"exp_avg": t, "exp_avg_sq": t}}``), or
-    None where :func:`read_hf_moment` cannot read them."""
-    per = {m: read_hf_moment(ckpt, meta, m) for m in MOMENTS}
-    if any(v is None for v in per.values()):
-        return None
-    return {name: {m: per[m][name] for m in MOMENTS} for name in per["exp_avg"]}  # type: ignore[index]

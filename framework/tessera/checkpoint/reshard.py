@@ -122,23 +122,16 @@ def verify_against_stage(stage_dir: Path, written: Path, *, prompts: int = 2) ->
 
     stage_dir = Path(stage_dir)
     info = json.loads((stage_dir / STAGE_INFO).read_text())
-    lazy = LazyTensors([stage_dir / WEIGHTS])
     cfg = hf_config_of({"model_config": json.loads((stage_dir / "config.json").read_text())})
-    tok = tokenizer_dir_of(Path(written))
     src = Side(
         label=f"{info['source']} (staged)",
         kind="checkpoint",
         config=cfg,
-        state={k: lazy[k] for k in lazy},
-        optimizer=_moments_dict(stage_moments(stage_dir)),
-        tokenizer_dir=tok,
+        state=LazyTensors([stage_dir / WEIGHTS]),  # read tensor by tensor as the comparison goes
+        moments=stage_moments(stage_dir).get,
+        tokenizer_dir=tokenizer_dir_of(Path(written)),
     )
     return compare(src, open_side(Path(written)), prompts=prompts)
-
-
-def _moments_dict(moments: Moments) -> dict[str, dict[str, torch.Tensor]]:
-    first = moments[MOMENTS[0]]
-    return {n: {k: moments[k][n] for k in MOMENTS} for n in first}
 
 
 def summary_of(report: dict[str, Any]) -> dict[str, Any]:

@@ -10,6 +10,7 @@ and logits within ``1e-5`` in fp32.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from tessera.atomic import sha256_bytes
+from tessera.engines.optim import MOMENTS
 
 LOGITS_TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-2}
 #: fixed prompts (Python, like the default corpus, and prose); tokenized by the run's tokenizer
@@ -34,13 +36,15 @@ PROMPTS = (
 
 @dataclass
 class Side:
-    """One model to compare: where it came from and its HF tensors."""
+    """One model to compare: where it came from, its HF tensors (a dict, or a lazy mapping that reads one
+    tensor per access) and, where the format keeps them, its Adam moments, read one kind at a time
+    (``moments("exp_avg")`` -> HF name -> tensor), so a comparison never holds both kinds of both sides."""
 
     label: str
     kind: str  # "hf" or "checkpoint"
     config: Any
-    state: dict[str, torch.Tensor]
-    optimizer: dict[str, dict[str, torch.Tensor]] | None
+    state: Mapping[str, torch.Tensor]
+    moments: Callable[[str], Mapping[str, torch.Tensor] | None] | None
     tokenizer_dir: Path | None
     model_dir: Path | None = None  # an HF directory loads through from_pretrained itself
 
@@ -50,7 +54,7 @@ def open_side(path: Path) -> Side:
     if (path / "config.json").is_file() and not (path / "meta.json").is_file():
         return _hf_side(path)
     from tessera.checkpoint.convert import resolve_source, tokenizer_dir_of
-    from tessera.checkpoint.reader import hf_config_of, read_hf_optimizer, read_hf_state
+    from tessera.checkpoint.reader import hf_config_of, read_hf_moment, read_hf_state
 
     ckpt = resolve_source(path)
     state, meta = read_hf_state(ckpt)
@@ -59,22 +63,20 @@ def open_side(path: Path) -> Side:
         kind="checkpoint",
         config=hf_config_of(meta),
         state=state,
-        optimizer=read_hf_optimizer(ckpt, meta),
+        moments=lambda kind: read_hf_moment(ckpt, meta, kind),
         tokenizer_dir=tokenizer_dir_of(ckpt),
     )
 
 
 def _hf_side(path: Path) -> Side:
     """An HF directory, under the model's own tensor names (:func:`tessera.models.hf.hf_dir_tensors`)."""
-    from transformers import AutoConfig
-
-    from tessera.models.hf import hf_dir_tensors
+    from tessera.models.hf import hf_dir_tensors, read_dir_config
 
     tensors = hf_dir_tensors(path)  # checks config.json and the weight files first
-    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    state = {k: tensors[k] for k in tensors}
     has_tok = any((path / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json"))
-    return Side(str(path), "hf", config, state, None, path if has_tok else None, model_dir=path)
+    return Side(
+        str(path), "hf", read_dir_config(path), tensors, None, path if has_tok else None, model_dir=path
+    )
 
 
 def _digest(t: torch.Tensor) -> str:
@@ -89,7 +91,10 @@ def _model(side: Side, dtype: torch.dtype) -> torch.nn.Module:
             str(side.model_dir), local_files_only=True, dtype=dtype, attn_implementation="eager"
         ).eval()
     model = AutoModelForCausalLM.from_config(side.config, attn_implementation="eager").to(dtype)
-    model.load_state_dict({k: v.to(dtype) for k, v in side.state.items()}, strict=False)
+    with torch.no_grad():  # one tensor at a time (the side's state may be read lazily)
+        for name, t in model.state_dict().items():
+            if name in side.state:
+                t.copy_(side.state[name])
     model.tie_weights()
     return model.eval()
 
@@ -131,7 +136,7 @@ def compare(a: Side, b: Side, *, prompts: int = 4) -> dict[str, Any]:
         "tensors": tensors,
         "weights_ok": bool(shared) and all(r["equal"] for r in tensors),
     }
-    report["optimizer"] = _compare_optimizer(a, b)
+    report["optimizer"] = _compare_moments(a, b)
     report["logits"] = _compare_logits(a, b, prompts) if prompts else None
     report["ok"] = (
         report["weights_ok"]
@@ -143,26 +148,31 @@ def compare(a: Side, b: Side, *, prompts: int = 4) -> dict[str, Any]:
     return report
 
 
-def _compare_optimizer(a: Side, b: Side) -> dict[str, Any] | None:
-    if a.optimizer is None or b.optimizer is None:
+def _compare_moments(a: Side, b: Side) -> dict[str, Any] | None:
+    """Each Adam moment of every parameter, bit-exact, one kind at a time; None unless both sides have
+    them."""
+    if a.moments is None or b.moments is None:
         return None
-    differ = sorted(
-        f"{k}.{m}"
-        for k in set(a.optimizer) & set(b.optimizer)
-        for m in a.optimizer[k]
-        if not torch.equal(a.optimizer[k][m], b.optimizer[k].get(m, torch.empty(0)))
-    )
-    missing = sorted(set(a.optimizer) ^ set(b.optimizer))
-    return {
-        "compared": len(a.optimizer),
-        "differ": differ,
-        "missing": missing,
-        "ok": not differ and not missing,
-    }
+    differ: list[str] = []
+    missing: set[str] = set()
+    compared = 0
+    for kind in MOMENTS:
+        ma, mb = a.moments(kind), b.moments(kind)
+        if ma is None or mb is None:
+            return None
+        missing |= set(ma) ^ set(mb)
+        shared = sorted(set(ma) & set(mb))
+        differ += [f"{k}.{kind}" for k in shared if not torch.equal(ma[k], mb[k])]
+        compared = max(compared, len(shared))
+        del ma, mb
+    return {"compared": compared, "differ": sorted(differ), "missing": sorted(missing),
+            "ok": not differ and not missing}  # fmt: skip
 
 
 def _compare_logits(a: Side, b: Side, n: int) -> dict[str, Any]:
-    dtype = min((t.dtype for s in (a, b) for t in s.state.values()), key=lambda d: torch.finfo(d).bits)
+    dtype = min(
+        (s.state[k].dtype for s in (a, b) for k in list(s.state)[:1]), key=lambda d: torch.finfo(d).bits
+    )
     dtype = dtype if dtype in LOGITS_TOL else torch.float32
     ma, mb = _model(a, dtype), _model(b, dtype)
     vocab = min(a.config.vocab_size, b.config.vocab_size)

@@ -449,29 +449,32 @@ class MegatronEngine:
         (zero_impl deepspeed), the distributed optimizer (this dp rank's range of the flat parameter) or
         megatron's per-parameter optimizer."""
         adapter = adapter_for(self.hf_config.model_type)
-        per_param = []
-        for vp, model in enumerate(self._local_modules()):
-            shard = shard_of(self.ps, self.layout, vp)
-            local = {k: hf_to_mcore(moments[k], adapter, self.hf_config, shard) for k in MOMENTS}
-            per_param += [(p, {k: local[k][n] for k in MOMENTS}) for n, p in model.named_parameters()]
-        if self.ds is not None:
-            self.ds.import_optimizer(per_param, step)
-            return
-        self._materialize_optimizer_state()
-        targets = self._main_params()
-        with torch.no_grad():
-            for p, full in per_param:
-                opt, main = targets[p]
-                if main is None:  # distributed optimizer: this dp rank's range of the flattened parameter
-                    r = opt._get_model_param_range_map(p)["param"]
-                    state = opt._get_main_param_and_optimizer_states(p)
-                    for k in MOMENTS:
-                        state[k].copy_(full[k].reshape(-1)[r.start : r.end])
-                else:
-                    for k in MOMENTS:
-                        opt.optimizer.state[main][k].copy_(full[k])
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            set_adam_step(opt.optimizer, step)
+        if self.ds is None:
+            self._materialize_optimizer_state()
+            targets = self._main_params()
+        for kind in MOMENTS:  # one kind at a time: this rank's slices of it, then into the optimizer
+            per_param = []
+            for vp, model in enumerate(self._local_modules()):
+                local = hf_to_mcore(
+                    moments[kind], adapter, self.hf_config, shard_of(self.ps, self.layout, vp)
+                )
+                per_param += [(p, {kind: local[n]}) for n, p in model.named_parameters()]
+            if self.ds is not None:
+                self.ds.import_optimizer(per_param, step)
+                continue
+            with torch.no_grad():
+                for p, full in per_param:
+                    opt, main = targets[p]
+                    if main is None:  # distributed optimizer: this dp rank's range of the flat parameter
+                        r = opt._get_model_param_range_map(p)["param"]
+                        state = opt._get_main_param_and_optimizer_states(p)
+                        state[kind].copy_(full[kind].reshape(-1)[r.start : r.end])
+                    else:
+                        opt.optimizer.state[main][kind].copy_(full[kind])
+            del per_param
+        if self.ds is None:
+            for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                set_adam_step(opt.optimizer, step)
 
     def _main_params(self) -> dict[torch.nn.Parameter, tuple[Any, torch.Tensor | None]]:
         """model parameter -> (its megatron optimizer, the parameter its Adam state is keyed by; None for

@@ -47,17 +47,24 @@ def load_hf_config(section: ModelSection, *, vocab_size: int | None = None):
                 value=str(path),
                 fix="give a local config.json or a directory holding one",
             )
-        try:
-            cfg = AutoConfig.from_pretrained(str(path), local_files_only=True)
-        except (OSError, ValueError) as e:
-            raise RecipeError(
-                f"cannot read an HF config there: {e}",
-                field="model.path",
-                value=str(path),
-                fix="point at a directory with config.json",
-            ) from None
+        cfg = read_dir_config(path)
         family_of(cfg.model_type)
     return cfg
+
+
+def read_dir_config(path: Path) -> Any:
+    """The HF config of a local directory (or config.json); an unreadable one names the path."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise RecipeError(
+            f"cannot read an HF config there: {e}",
+            field="model.path",
+            value=str(path),
+            fix="point at a directory with config.json",
+        ) from None
 
 
 def check_vocab(cfg, tokenizer_vocab: int) -> None:
@@ -135,21 +142,13 @@ def hf_dir_tensors(path: Path) -> Mapping[str, torch.Tensor]:
     own key conversion, in memory): a ``.bin`` checkpoint (``weights_only``), or a layout that
     ``save_pretrained`` still writes in its legacy form (Mixtral's per-expert ``w1``/``w2``/``w3``, which
     the model holds fused)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from tessera.errors import CheckpointError
     from tessera.tensorfile import LazyTensors
 
     path = Path(path)
-    try:
-        cfg = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(
-            f"cannot read its config.json ({e})",
-            field="model.path",
-            value=str(path),
-            fix="give an HF directory",
-        ) from None
+    cfg = read_dir_config(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():  # a sharded checkpoint: every shard it lists must be there
         import json
