@@ -174,15 +174,18 @@ def _compare_logits(a: Side, b: Side, n: int) -> dict[str, Any]:
         (s.state[k].dtype for s in (a, b) for k in list(s.state)[:1]), key=lambda d: torch.finfo(d).bits
     )
     dtype = dtype if dtype in LOGITS_TOL else torch.float32
-    ma, mb = _model(a, dtype), _model(b, dtype)
-    vocab = min(a.config.vocab_size, b.config.vocab_size)
+    prompts = _prompts(a, b, n, min(a.config.vocab_size, b.config.vocab_size))
+
+    def logits(side: Side) -> list[torch.Tensor]:  # one model in memory at a time
+        model = _model(side, dtype)
+        with torch.no_grad():
+            return [model(input_ids=ids).logits.float() for ids in prompts]
+
     worst, kls = 0.0, []
-    with torch.no_grad():
-        for ids in _prompts(a, b, n, vocab):
-            la, lb = ma(input_ids=ids).logits.float(), mb(input_ids=ids).logits.float()
-            worst = max(worst, float((la - lb).abs().max()))
-            pa, pb = la.log_softmax(-1), lb.log_softmax(-1)
-            kls.append(float((pa.exp() * (pa - pb)).sum(-1).mean()))
+    for la, lb in zip(logits(a), logits(b), strict=True):
+        worst = max(worst, float((la - lb).abs().max()))
+        pa, pb = la.log_softmax(-1), lb.log_softmax(-1)
+        kls.append(float((pa.exp() * (pa - pb)).sum(-1).mean()))
     tol = LOGITS_TOL[dtype]
     return {"prompts": n, "dtype": str(dtype).removeprefix("torch."), "max_abs_diff": worst,
             "mean_kl": sum(kls) / len(kls), "tolerance": tol, "ok": worst <= tol}  # fmt: skip
