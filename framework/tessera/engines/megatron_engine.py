@@ -522,6 +522,13 @@ class MegatronEngine:
             states = load_tensors(rng)
         tensor_parallel.get_cuda_rng_tracker().set_states(states)
 
+    def load_resharded(self, path: Path) -> None:
+        """Model and optimizer from a megatron checkpoint of another tp / pp / dp / ep layout (same
+        optimizer kind): dist_checkpointing reads each rank's part of the global tensors and of the
+        model-space optimizer state. The TP-region RNG tracker keeps this layout's own seeded streams:
+        the saved ones belong to the old ranks."""
+        self._load_dist(path)
+
     def _save_dist(self, ckpt: Path) -> None:
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing.strategies import filesystem_async

@@ -213,12 +213,13 @@ def setup(
     hf_source = convert_from is not None and not (Path(convert_from) / "meta.json").is_file()
     if convert_from is not None and not hf_source:
         resume_from = (Path(convert_from), ckpt.verify(Path(convert_from), any_world=True))
-    stage_dir = None
-    if resume_from is not None and (
+    reshard = resume_from is not None and bool(
         convert_from is not None
         or check_resume_layout(resume_from[1], layout, resume_from[0], same_layout=False)
-    ):
-        stage_dir = _stage(resume_from[0], run_dir)
+    )
+    stage_dir = None
+    if reshard and not _dist_checkpointing_reshards(resume_from[1], layout):  # type: ignore[index]
+        stage_dir = _stage(resume_from[0], run_dir)  # type: ignore[index]
 
     data = _load_data(run_dir, recipe)
     weights = Path(convert_from) if hf_source else stage_dir  # type: ignore[arg-type]
@@ -255,7 +256,7 @@ def setup(
     )
     if hf_source:
         _import(ctx, None, Path(convert_from), tag=None, verify=verify)  # type: ignore[arg-type]
-    elif stage_dir is not None:
+    elif reshard:
         assert resume_from is not None
         tag = None if convert_from is not None else layout_tag(layout.to_dict())
         resume_from = _import(ctx, resume_from, stage_dir, tag=tag, verify=verify)
@@ -284,6 +285,21 @@ def _on_rank0(fn: Any) -> Any:
     return out
 
 
+def _dist_checkpointing_reshards(meta: dict[str, Any], layout: ParallelLayout) -> bool:
+    """megatron -> megatron with the same optimizer kind: megatron-core's dist_checkpointing reshards the
+    checkpoint itself (global tensors; the optimizer state in model space), so no stage is needed. Not
+    between ep > 1 and ep = 1: megatron chains a separate expert optimizer only with expert parallelism,
+    and its state keys ("chained_<i>.optimizer...") then differ, which dist_checkpointing cannot map."""
+    same_kind = "megatron-distributed-optimizer" if layout.zero == 1 else "megatron-ddp"
+    saved_ep = int((meta.get("layout") or {}).get("ep", 1))
+    return (
+        layout.engine == "megatron"
+        and layout.zero_impl == "megatron"
+        and meta.get("sharding") == same_kind
+        and (saved_ep > 1) == (layout.ep > 1)
+    )
+
+
 def _stage(src: Path, run_dir: RunDir) -> Path:
     """Rank 0 writes the layout-free stage of checkpoint ``src`` (see :mod:`tessera.checkpoint.reshard`)."""
     from tessera.checkpoint.reshard import remove_stage, stage
@@ -301,14 +317,15 @@ def _stage(src: Path, run_dir: RunDir) -> Path:
 def _import(
     ctx: RunContext,
     src: tuple[Path, dict[str, Any]] | None,
-    stage_dir: Path,
+    stage_dir: Path | None,
     *,
     tag: str | None,
     verify: bool = True,
 ) -> tuple[Path, dict[str, Any]]:
     """The engine was built with the staged weights: give it the moments and step count, save it as a
     checkpoint of this layout, verify that against the source offline, record it. ``src`` None: an HF
-    directory (``stage_dir``), no optimizer state: step 0 with fresh moments."""
+    directory (``stage_dir``), no optimizer state: step 0 with fresh moments. ``stage_dir`` None:
+    megatron -> megatron, loaded and resharded by dist_checkpointing itself."""
     from tessera.checkpoint.manager import rng_file_name, set_rng_state
     from tessera.checkpoint.reshard import (
         STAGE_INFO,
@@ -323,7 +340,11 @@ def _import(
     from tessera.engines.optim import MOMENTS
     from tessera.tensorfile import LazyTensors, load_tensors_and_meta
 
-    if src is None:
+    if stage_dir is None:
+        assert src is not None
+        ctx.engine.load_resharded(src[0])  # type: ignore[attr-defined]  # the megatron engine's
+        step, sampler = int(src[1]["step"]), src[1]["sampler"]
+    elif src is None:
         zeros = ZeroMoments(LazyTensors.of_dir(stage_dir))
         ctx.engine.import_optimizer(dict.fromkeys(MOMENTS, zeros), 0)  # AdamW's own initial state
         step, sampler = 0, ctx.sampler.state_dict()
@@ -331,20 +352,20 @@ def _import(
         info = json.loads((stage_dir / STAGE_INFO).read_text())
         ctx.engine.import_optimizer(stage_moments(stage_dir), int(info["adam_step"]))
         step, sampler = int(info["step"]), info["sampler"]
-        rng = src[0] / rng_file_name(ctx.rank)
-        if rng.is_file():  # this rank's RNG streams continue where the source rank of that number left them
-            set_rng_state(*load_tensors_and_meta(rng))
+    if src is not None and (src[0] / rng_file_name(ctx.rank)).is_file():
+        # this rank's RNG streams continue where the source rank of that number left them
+        set_rng_state(*load_tensors_and_meta(src[0] / rng_file_name(ctx.rank)))
     path = ctx.ckpt.save(
         step, ctx.engine, describe=ctx.describe, sampler=sampler, manifest=ctx.manifest, tag=tag
     )
 
     def check() -> dict[str, Any] | None:
         if not verify:
-            if src is not None:
+            if src is not None and stage_dir is not None:
                 remove_stage(stage_dir)
             return None
-        if src is None:
-            report = compare(open_side(stage_dir), open_side(path), prompts=2)
+        if stage_dir is None or src is None:  # against the source itself: a checkpoint / an HF directory
+            report = compare(open_side(src[0] if src else stage_dir), open_side(path), prompts=2)  # type: ignore[arg-type]
         else:
             report = verify_against_stage(stage_dir, path)
             remove_stage(stage_dir)
@@ -354,6 +375,7 @@ def _import(
     report = _on_rank0(check)
     record = {
         "from": str(src[0] if src else stage_dir),
+        "by": "megatron-core dist_checkpointing" if stage_dir is None else "stage + engine import",
         "from_engine": src[1]["engine"] if src else "hf",
         "from_layout": layout_tag(src[1]["layout"]) if src else None,
         "to": str(path),
