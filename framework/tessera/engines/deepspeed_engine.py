@@ -7,7 +7,7 @@ the loss normalisation (by tokens, see :mod:`tessera.engines.base`) and the LR s
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ from tessera.engines.base import (
     summed_token_loss,
 )
 from tessera.engines.optim import MOMENTS
-from tessera.engines.zero import DeepSpeedRunner
+from tessera.engines.zero import DeepSpeedRunner, build_ds_config
 from tessera.plan.layout import ParallelLayout
 
 
@@ -37,7 +37,12 @@ class DeepSpeedEngine:
     def __init__(self, source: ModelSource, recipe: Recipe, layout: ParallelLayout, *, device: str) -> None:
         self.layout = layout
         self.device = torch.device(device if device == "cpu" else f"cuda:{torch.cuda.current_device()}")
-        self.ds = DeepSpeedRunner(source.build_hf(), recipe, layout, device=device)
+        tensors = source.hf_tensors()
+        if tensors is not None and layout.zero == 3:
+            model = partitioned_from(source, tensors, build_ds_config(recipe, layout, device=device))
+        else:
+            model = source.build_hf()
+        self.ds = DeepSpeedRunner(model, recipe, layout, device=device)
         self.sharding = self.ds.sharding
 
     @property
@@ -101,3 +106,54 @@ class DeepSpeedEngine:
 
     def close(self) -> None:
         """Nothing to release: the process group belongs to the worker."""
+
+
+def partitioned_from(
+    source: ModelSource, tensors: Mapping[str, torch.Tensor], ds_config: dict[str, Any]
+) -> Any:
+    """ZeRO-3 from given weights (``model.pretrained``, a resharded checkpoint): the HF model is created
+    under ``deepspeed.zero.Init``, so every parameter is partitioned as it is made, and each rank copies
+    its flat partition of every tensor from the lazy reader, one tensor at a time: no rank holds the whole
+    model. (Initialised from the seed, the model is still built whole first, as every engine builds it,
+    so that all layouts start from the same weights.)"""
+    import deepspeed
+    from transformers import AutoModelForCausalLM
+
+    from tessera.errors import CheckpointError
+
+    # the dtype comes from the config (fp32 unless bf16 / fp16 is on): deepspeed 0.19.8 ignores an
+    # explicit dtype= on an accelerator without fp16 (operator precedence in Init._set_dtype) and
+    # makes bf16 partitions
+    with deepspeed.zero.Init(config_dict_or_path=ds_config):
+        model = AutoModelForCausalLM.from_config(
+            source.hf_config(), attn_implementation=source.section.attn_implementation
+        )
+    where = str(source.weights_dir())
+    fix = "give weights written for this model config (model.hf_config / model.path)"
+    missing = [n for n, _ in model.named_parameters() if n not in tensors]
+    if missing:
+        raise CheckpointError(
+            f"the weights do not fit the model: missing {missing[:3]}",
+            field="model.path",
+            value=where,
+            fix=fix,
+        )
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            full = tensors[name]
+            if tuple(full.shape) != tuple(p.ds_shape):
+                raise CheckpointError(
+                    f"{name} has shape {list(full.shape)}, the model's is {list(p.ds_shape)}",
+                    field="model.path",
+                    value=where,
+                    fix=fix,
+                )
+            part, numel = int(p.ds_tensor.numel()), int(p.ds_numel)
+            start = min(rank * part, numel)
+            stop = min(start + part, numel)
+            p.ds_tensor.view(-1)[: stop - start].copy_(full.reshape(-1)[start:stop])
+        for name, b in model.named_buffers():  # persistent buffers are not partitioned
+            if name in tensors and name in model.state_dict():
+                b.copy_(tensors[name])
+    return model
