@@ -349,14 +349,6 @@ def _convert_to_layout(args: argparse.Namespace) -> int:
     overrides += [f"run.out_dir={out}", "train.precision=" + {"fp32": "fp32", "bf16": "bf16"}[args.dtype]]
     resolved, layout, device = _validate(str(source_recipe(src, args.recipe)), overrides)
     recipe = resolved.recipe
-    if layout.engine == "megatron" and layout.zero_impl == "deepspeed":
-        raise RecipeError(
-            f"megatron with DeepSpeed ZeRO-{layout.zero} writes DeepSpeed's partitions of megatron's TP "
-            "shards, which Tessera cannot read back yet to verify the conversion",
-            field="--layout",
-            value=args.layout,
-            fix="add zero=0 (megatron DDP) or zero=1 (megatron's distributed optimizer)",
-        )
     tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     con = _console()

@@ -36,6 +36,7 @@ R = REPO / "recipes"
 LLAMA = R / "tiny-llama-cpu.yaml"
 ORIGINALS = {  # name -> (recipe, overrides): 2 ranks unless "1" in the name
     "ds_z2": (LLAMA, []),
+    "ds_z0": (LLAMA, ["parallel.zero=0"]),
     "ddp": (LLAMA, ["parallel.engine=ddp", "parallel.zero=0"]),
     "mc_tp2": (R / "tiny-llama-cpu-mcore-tp2.yaml", []),
     "mc_pp2": (R / "tiny-llama-cpu-mcore-pp2.yaml", []),
@@ -54,6 +55,8 @@ CHANGES = {
     "ds_z2_to_mc_tp2": ("ds_z2", ["parallel.engine=megatron", "parallel.tp=2", "parallel.zero=1"], 2),
     "mc_tp2_to_ds_z2": ("mc_tp2", ["parallel.engine=deepspeed", "parallel.tp=1", "parallel.zero=2"], 2),
     "ddp_to_ds_z3": ("ddp", ["parallel.engine=deepspeed", "parallel.zero=3"], 2),
+    "ds_z0_to_z2": ("ds_z0", ["parallel.zero=2"], 2),
+    "ds_z2_to_mc_tp2_ds": ("ds_z2", ["parallel.engine=megatron", "parallel.tp=2", "parallel.zero=2"], 2),
 }
 CKPT = ["train.steps=10", "checkpoint.every=5", "checkpoint.keep=3"]
 

@@ -57,6 +57,8 @@ def read_hf_state(ckpt: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         state = _deepspeed(ckpt, int(meta["layout"]["zero"]))
     elif sharding.startswith("megatron-"):
         state = _megatron(ckpt, hf_config_of(meta))
+    elif sharding.startswith("megatron+deepspeed-zero"):
+        state = _megatron_deepspeed(ckpt, meta)
     else:
         raise CheckpointError(
             f"reading sharding {sharding!r} is not supported yet",
@@ -150,8 +152,8 @@ def _megatron(ckpt: Path, hf_cfg: Any, moment: str | None = None) -> dict[str, t
 
 def read_hf_moment(ckpt: Path, meta: dict[str, Any], kind: str) -> dict[str, torch.Tensor] | None:
     """One Adam moment (``exp_avg`` or ``exp_avg_sq``) of every trainable parameter, keyed by HF name, in
-    fp32; None where the format's moments are not readable offline (ZeRO-0's index-keyed torch state,
-    DeepSpeed ZeRO under megatron). One kind at a time, so a caller never holds the weights and both
+    fp32; None where the format's moments are not readable offline (DeepSpeed ZeRO under megatron,
+    DeepSpeed's bf16 / fp16 optimizer wrappers without ZeRO). One kind at a time, so a caller never holds the weights and both
     moments together. ``ckpt`` is verified."""
     sharding = meta["sharding"]
     if sharding == "torch-ddp":
@@ -163,30 +165,78 @@ def read_hf_moment(ckpt: Path, meta: dict[str, Any], kind: str) -> dict[str, tor
     if sharding.startswith("megatron-"):  # megatron DDP and the distributed optimizer save them alike
         got = _megatron(ckpt, hf_config_of(meta), moment=kind)
         return {k: v.float() for k, v in got.items()} or None
-    if sharding.startswith("deepspeed-zero") and int(meta["layout"]["zero"]) > 0:
-        return _deepspeed_moment(ckpt, int(meta["layout"]["zero"]), kind)
+    if sharding == "deepspeed-zero0":
+        return _deepspeed_zero0_moment(ckpt, meta, kind)
+    if sharding.startswith("megatron+deepspeed-zero"):
+        return _megatron_deepspeed(ckpt, meta, kind)
+    if sharding.startswith("deepspeed-zero"):
+        return _zero_merge(ckpt, int(meta["layout"]["zero"]), kind)
     return None
 
 
-def _deepspeed_moment(ckpt: Path, zero: int, kind: str) -> dict[str, torch.Tensor]:
-    """ZeRO 1-3 keep each Adam moment as flat partitions laid out exactly like the fp32 master partitions
-    (the optimizer steps on those flat tensors), so DeepSpeed's own zero_to_fp32 merge, which undoes the
-    partitioning, alignment padding and ZeRO-3 per-parameter split of the masters, is fed the moment's
-    partitions in their place. Those merge functions are private to DeepSpeed (pinned version); the
-    files are memory-mapped, so only the moment being merged is read."""
-    from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT, PARAM_ALIGNMENT_PADDINGS
+def _deepspeed_zero0_moment(ckpt: Path, meta: dict[str, Any], kind: str) -> dict[str, torch.Tensor] | None:
+    """Without ZeRO, DeepSpeed saves torch AdamW's own state dict, whose parameters are positions in its
+    groups. Tessera built those groups (:func:`tessera.engines.optim.param_groups`: the HF model's
+    parameters in order, matrices first), so the positions map back to names; every shape is checked.
+    None for an optimizer of another form (DeepSpeed's bf16 / fp16 wrappers)."""
+    from transformers import AutoModelForCausalLM
+
+    from tessera.engines.optim import param_groups
+
+    files = sorted(ckpt.glob("mp_rank_*_model_states.pt"))
+    # DeepSpeed's own pickle, unpickled as its loader does; its checksum was verified first
+    opt = torch.load(files[0], map_location="cpu", mmap=True, weights_only=False).get("optimizer")
+    if not isinstance(opt, dict) or "state" not in opt or "param_groups" not in opt:
+        return None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config_of(meta))
+    named = {id(p): n for n, p in model.named_parameters()}
+    order = [named[id(p)] for g in param_groups(model.named_parameters(), 0.0) for p in g["params"]]
+    shapes = dict((n, tuple(p.shape)) for n, p in model.named_parameters())
+    got = [i for g in opt["param_groups"] for i in g["params"]]
+    if len(got) != len(order) or any(
+        tuple(opt["state"][i][kind].shape) != shapes[order[k]] for k, i in enumerate(got) if i in opt["state"]
+    ):
+        raise CheckpointError(
+            "DeepSpeed's optimizer state does not line up with the model's parameter groups",
+            field="checkpoint",
+            value=str(files[0]),
+            fix="resume it on its own layout (--same-layout), or export only the weights (--to hf)",
+        )
+    return {order[k]: opt["state"][i][kind].float() for k, i in enumerate(got) if i in opt["state"]}
+
+
+def _zero_merge(ckpt: Path, zero: int, kind: str | None, mp: int | None = None) -> dict[str, torch.Tensor]:
+    """DeepSpeed's own zero_to_fp32 merge, which undoes the partitioning, alignment padding and ZeRO-3
+    per-parameter split of the fp32 master partitions (``kind`` None: the weights, with the buffers and
+    shared parameters zero_to_fp32 adds), or of one Adam moment: ZeRO 1-3 keep each moment as flat
+    partitions laid out exactly like the masters (the optimizer steps on those flat tensors), so the merge
+    is fed the moment's partitions in their place. ``mp``: only the files of that model-parallel (TP) rank
+    (megatron with DeepSpeed ZeRO: one ZeRO checkpoint per TP rank). The merge functions are private to
+    DeepSpeed (pinned version); the files are memory-mapped, so only what is merged is read."""
+    from deepspeed.checkpoint.constants import (
+        FP32_FLAT_GROUPS,
+        OPTIMIZER_STATE_DICT,
+        PARAM_ALIGNMENT_PADDINGS,
+        SINGLE_PARTITION_OF_FP32_GROUPS,
+    )
     from deepspeed.utils import zero_to_fp32 as z
 
-    model_states = z.parse_model_states(z.get_model_state_files(str(ckpt)))
+    def mine(files: list[str]) -> list[str]:
+        return [f for f in files if mp is None or f"mp_rank_{mp:02d}_" in Path(f).name]
+
+    model_states = z.parse_model_states(mine(z.get_model_state_files(str(ckpt))))
     flat_groups = []
     paddings = None
-    for f in z.get_optim_files(str(ckpt)):
+    for f in mine(z.get_optim_files(str(ckpt))):
         # DeepSpeed's own pickles, unpickled as zero_to_fp32 does; their checksums were verified first
         sd = torch.load(f, map_location="cpu", mmap=True, weights_only=False)[OPTIMIZER_STATE_DICT]
         paddings = sd.get(PARAM_ALIGNMENT_PADDINGS)
-        inner = sd.get("base_optimizer_state") or sd["optimizer_state_dict"]  # ZeRO 1-2 / ZeRO-3's name
-        state = inner["state"]
-        flat_groups.append([state[g][kind] for g in sorted(state)])
+        if kind is None:
+            flat_groups.append(sd[SINGLE_PARTITION_OF_FP32_GROUPS if zero <= 2 else FP32_FLAT_GROUPS])
+        else:
+            state = (sd.get("base_optimizer_state") or sd["optimizer_state_dict"])["state"]  # ZeRO 1-2 / 3
+            flat_groups.append([state[g][kind] for g in sorted(state)])
         del sd
     world = len(flat_groups)
     with contextlib.redirect_stdout(io.StringIO()):  # its progress prints
@@ -197,7 +247,26 @@ def _deepspeed_moment(ckpt: Path, zero: int, kind: str) -> dict[str, torch.Tenso
         else:
             merged = z._get_fp32_state_dict_from_zero3_checkpoint(world, flat_groups, model_states, False)
     trainable = {n for group in model_states[0].param_shapes for n in group}
-    return {n: t.float() for n, t in z.to_torch_tensor(merged).items() if n in trainable}  # fresh copies
+    keep = (lambda n: True) if kind is None else (lambda n: n in trainable)
+    return {n: t.float() for n, t in z.to_torch_tensor(merged).items() if keep(n)}  # fresh copies
+
+
+def _megatron_deepspeed(ckpt: Path, meta: dict[str, Any], kind: str | None = None) -> dict[str, torch.Tensor]:
+    """megatron with DeepSpeed ZeRO (pp = 1): one ZeRO checkpoint per TP rank over megatron's modules,
+    each merged by DeepSpeed's zero_to_fp32 (:func:`_zero_merge`), then the TP shards back to HF by the
+    same weight map the engine loads with."""
+    from tessera.models.megatron import Shard, adapter_for
+    from tessera.models.weight_map import mcore_to_hf
+
+    cfg, layout = hf_config_of(meta), meta["layout"]
+    tp, zero = int(layout["tp"]), int(layout["zero"])
+    chunks = {}
+    for r in range(tp):
+        local = _zero_merge(ckpt, zero, kind, mp=r)
+        chunks[Shard(tp=tp, tp_rank=r, etp=tp, etp_rank=r)] = {
+            k: v for k, v in local.items() if not k.endswith("_extra_state")
+        }
+    return mcore_to_hf(chunks, adapter_for(cfg.model_type), cfg)
 
 
 def read_adam_step(ckpt: Path, meta: dict[str, Any]) -> int:

@@ -78,9 +78,7 @@ class DeepSpeedEngine:
         rank = dist.get_rank() if dist.is_initialized() else 0
         for name, p in self.module.named_parameters():
             if hasattr(p, "ds_tensor"):  # ZeRO-3: this rank's partition of the flattened tensor
-                numel, part = int(p.ds_numel), int(p.ds_tensor.numel())
-                start = min(rank * part, numel)
-                stop = min(start + part, numel)
+                start, stop = partition_range(p, rank)
                 t = p.ds_tensor.detach().view(-1)[: stop - start]
                 out[name] = [TensorSlice(tensor=t, full_shape=tuple(p.ds_shape), flat=(start, stop))]
             else:
@@ -108,6 +106,14 @@ class DeepSpeedEngine:
         """Nothing to release: the process group belongs to the worker."""
 
 
+def partition_range(p: Any, rank: int) -> tuple[int, int]:
+    """The elements ``[start, stop)`` of the flattened parameter that ZeRO-3 rank ``rank`` holds (equal
+    partitions, the last one padded)."""
+    part, numel = int(p.ds_tensor.numel()), int(p.ds_numel)
+    start = min(rank * part, numel)
+    return start, min(start + part, numel)
+
+
 def partitioned_from(
     source: ModelSource, tensors: Mapping[str, torch.Tensor], ds_config: dict[str, Any]
 ) -> Any:
@@ -119,7 +125,7 @@ def partitioned_from(
     import deepspeed
     from transformers import AutoModelForCausalLM
 
-    from tessera.errors import CheckpointError
+    from tessera.models.hf import fill_from
 
     # the dtype comes from the config (fp32 unless bf16 / fp16 is on): deepspeed 0.19.8 ignores an
     # explicit dtype= on an accelerator without fp16 (operator precedence in Init._set_dtype) and
@@ -128,32 +134,20 @@ def partitioned_from(
         model = AutoModelForCausalLM.from_config(
             source.hf_config(), attn_implementation=source.section.attn_implementation
         )
-    where = str(source.weights_dir())
-    fix = "give weights written for this model config (model.hf_config / model.path)"
-    missing = [n for n, _ in model.named_parameters() if n not in tensors]
-    if missing:
-        raise CheckpointError(
-            f"the weights do not fit the model: missing {missing[:3]}",
-            field="model.path",
-            value=where,
-            fix=fix,
-        )
     rank = dist.get_rank() if dist.is_initialized() else 0
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            full = tensors[name]
-            if tuple(full.shape) != tuple(p.ds_shape):
-                raise CheckpointError(
-                    f"{name} has shape {list(full.shape)}, the model's is {list(p.ds_shape)}",
-                    field="model.path",
-                    value=where,
-                    fix=fix,
-                )
-            part, numel = int(p.ds_tensor.numel()), int(p.ds_numel)
-            start = min(rank * part, numel)
-            stop = min(start + part, numel)
-            p.ds_tensor.view(-1)[: stop - start].copy_(full.reshape(-1)[start:stop])
-        for name, b in model.named_buffers():  # persistent buffers are not partitioned
-            if name in tensors and name in model.state_dict():
-                b.copy_(tensors[name])
+
+    def copy_partition(t: torch.Tensor, full: torch.Tensor) -> None:
+        if not hasattr(t, "ds_tensor"):  # a buffer: not partitioned
+            t.copy_(full)
+            return
+        start, stop = partition_range(t, rank)
+        t.ds_tensor.view(-1)[: stop - start].copy_(full.reshape(-1)[start:stop])
+
+    fill_from(
+        model,
+        tensors,
+        where=str(source.weights_dir()),
+        shape_of=lambda t: tuple(getattr(t, "ds_shape", t.shape)),
+        copy=copy_partition,
+    )
     return model

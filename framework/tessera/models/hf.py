@@ -6,7 +6,7 @@ here for the callers that load models.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -97,10 +97,18 @@ def build_model(
     return model
 
 
-def fill_from(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], *, where: str) -> None:
+def fill_from(
+    model: torch.nn.Module,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    where: str,
+    shape_of: Callable[[torch.Tensor], tuple[int, ...]] = lambda t: tuple(t.shape),
+    copy: Callable[[torch.Tensor, torch.Tensor], Any] = lambda t, src: t.copy_(src),
+) -> None:
     """Copy HF-named ``tensors`` into ``model``'s parameters and persistent buffers one tensor at a time
     (``tensors`` may read lazily). Every tensor of the model must be there with its shape, and nothing
-    else (a tied ``lm_head.weight`` may be absent or present)."""
+    else (a tied ``lm_head.weight`` may be absent or present). ``shape_of`` / ``copy``: for parameters
+    that hold only a part of themselves (ZeRO-3 partitions)."""
     from tessera.errors import CheckpointError
 
     own = dict(model.named_parameters())
@@ -118,14 +126,14 @@ def fill_from(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], *, wh
     with torch.no_grad():
         for name, t in own.items():
             src = tensors[name]
-            if tuple(src.shape) != tuple(t.shape):
+            if tuple(src.shape) != shape_of(t):
                 raise CheckpointError(
-                    f"{name} has shape {list(src.shape)}, the model's is {list(t.shape)}",
+                    f"{name} has shape {list(src.shape)}, the model's is {list(shape_of(t))}",
                     field="model.path",
                     value=where,
                     fix=fix,
                 )
-            t.copy_(src)
+            copy(t, src)
 
 
 def model_tensor_names(cfg: Any) -> set[str]:

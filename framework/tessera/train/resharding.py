@@ -1,0 +1,160 @@
+"""Resume at another layout, and ``tessera convert --to ENGINE``, on the target layout's ranks.
+
+The worker calls these between building the engine and the first step: rank 0 stages the source
+(:mod:`tessera.checkpoint.reshard`) unless megatron-core's dist_checkpointing can reshard it itself; the
+engine (built with the staged weights) takes its share of the Adam moments and step count; the result
+is saved as a checkpoint of this layout, verified offline against the source on rank 0, recorded in the
+manifest and announced.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from tessera.errors import CheckpointError, TesseraError
+from tessera.plan.layout import ParallelLayout
+from tessera.rundir import RunDir
+from tessera.train.loop import RunContext
+
+
+def on_rank0(fn: Any) -> Any:
+    """``fn()`` on rank 0 only; its result, or its CheckpointError, on every rank."""
+    from tessera.comm.groups import all_gather_object
+
+    out, err = None, None
+    if int(os.environ.get("RANK", 0)) == 0:
+        try:
+            out = fn()
+        except TesseraError as e:
+            err = (e.message, e.field, e.value, e.fix)
+    out, err = all_gather_object((out, err))[0]
+    if err is not None:
+        msg, field, value, fix = err
+        raise CheckpointError(msg, field=field, value=value, fix=fix)
+    return out
+
+
+def dist_checkpointing_reshards(meta: dict[str, Any], layout: ParallelLayout) -> bool:
+    """megatron -> megatron with the same optimizer kind: megatron-core's dist_checkpointing reshards the
+    checkpoint itself (global tensors; the optimizer state in model space), so no stage is needed. Not
+    between ep > 1 and ep = 1: megatron chains a separate expert optimizer only with expert parallelism,
+    and its state keys ("chained_<i>.optimizer...") then differ, which dist_checkpointing cannot map."""
+    same_kind = "megatron-distributed-optimizer" if layout.zero == 1 else "megatron-ddp"
+    saved_ep = int((meta.get("layout") or {}).get("ep", 1))
+    return (
+        layout.engine == "megatron"
+        and layout.zero_impl == "megatron"
+        and meta.get("sharding") == same_kind
+        and (saved_ep > 1) == (layout.ep > 1)
+    )
+
+
+def stage_on_rank0(src: Path, run_dir: RunDir) -> Path:
+    """Rank 0 writes the layout-free stage of checkpoint ``src`` (see :mod:`tessera.checkpoint.reshard`)."""
+    from tessera.checkpoint.reshard import remove_stage, stage
+
+    where = run_dir.checkpoints / f".stage-{src.name}"
+
+    def write() -> None:
+        remove_stage(where)  # a stale one of a failed attempt
+        stage(src, where)
+
+    on_rank0(write)
+    return where
+
+
+def import_reshard(
+    ctx: RunContext,
+    src: tuple[Path, dict[str, Any]] | None,
+    stage_dir: Path | None,
+    *,
+    tag: str | None,
+    verify: bool = True,
+) -> tuple[Path, dict[str, Any]]:
+    """The engine was built with the staged weights: give it the moments and step count, save it as a
+    checkpoint of this layout, verify that against the source offline, record it. ``src`` None: an HF
+    directory (``stage_dir``), no optimizer state: step 0 with fresh moments. ``stage_dir`` None:
+    megatron -> megatron, loaded and resharded by dist_checkpointing itself."""
+    from tessera.checkpoint.manager import rng_file_name, set_rng_state
+    from tessera.checkpoint.reshard import (
+        STAGE_INFO,
+        ZeroMoments,
+        layout_tag,
+        remove_stage,
+        stage_moments,
+        summary_of,
+        verify_against_stage,
+    )
+    from tessera.checkpoint.verify import compare, open_side
+    from tessera.engines.optim import MOMENTS
+    from tessera.tensorfile import LazyTensors, load_tensors_and_meta
+
+    if stage_dir is None:
+        assert src is not None
+        ctx.engine.load_resharded(src[0])  # type: ignore[attr-defined]  # the megatron engine's
+        step, sampler = int(src[1]["step"]), src[1]["sampler"]
+    elif src is None:
+        zeros = ZeroMoments(LazyTensors.of_dir(stage_dir))
+        ctx.engine.import_optimizer(dict.fromkeys(MOMENTS, zeros), 0)  # AdamW's own initial state
+        step, sampler = 0, ctx.sampler.state_dict()
+    else:
+        info = json.loads((stage_dir / STAGE_INFO).read_text())
+        ctx.engine.import_optimizer(stage_moments(stage_dir), int(info["adam_step"]))
+        step, sampler = int(info["step"]), info["sampler"]
+    if src is not None and (src[0] / rng_file_name(ctx.rank)).is_file():
+        # this rank's RNG streams continue where the source rank of that number left them
+        set_rng_state(*load_tensors_and_meta(src[0] / rng_file_name(ctx.rank)))
+    path = ctx.ckpt.save(
+        step, ctx.engine, describe=ctx.describe, sampler=sampler, manifest=ctx.manifest, tag=tag
+    )
+
+    def check() -> dict[str, Any] | None:
+        if not verify:
+            if src is not None and stage_dir is not None:
+                remove_stage(stage_dir)
+            return None
+        if stage_dir is None or src is None:  # against the source itself: a checkpoint / an HF directory
+            report = compare(open_side(src[0] if src else stage_dir), open_side(path), prompts=2)  # type: ignore[arg-type]
+        else:
+            report = verify_against_stage(stage_dir, path)
+            remove_stage(stage_dir)
+        ctx.run_dir.write_json(f"reshard-{path.name}.json", report)
+        return report
+
+    report = on_rank0(check)
+    record = {
+        "from": str(src[0] if src else stage_dir),
+        "by": "megatron-core dist_checkpointing" if stage_dir is None else "stage + engine import",
+        "from_engine": src[1]["engine"] if src else "hf",
+        "from_layout": layout_tag(src[1]["layout"]) if src else None,
+        "to": str(path),
+        "to_layout": layout_tag(ctx.layout.to_dict()),
+        "step": step,
+        "verify": summary_of(report) if report else "skipped (--no-verify)",
+    }
+    if report and not report["ok"]:
+        bad = [r["name"] for r in report["tensors"] if not r["equal"]]
+        raise CheckpointError(
+            "the resharded checkpoint does not verify against its source: "
+            + ", ".join((bad or (report.get("optimizer") or {}).get("differ") or ["logits"])[:4]),
+            field="checkpoint",
+            value=str(path),
+            fix=f"report this as a bug; resume with --same-layout on the source layout ({record['from_layout']})",
+        )
+    ctx.manifest["resharded"] = record
+    if ctx.is_rank0:
+        v = record["verify"]
+        what = f"{Path(record['from']).name} ({record['from_layout'] or 'hf'}) -> {path.name} ({record['to_layout']})"
+        if report is None:
+            print(f"[tessera] resharded {what}; not verified (--no-verify)", flush=True)
+        else:
+            moments = "bit-exact" if v["moments_equal"] else "none (fresh optimizer)"
+            print(
+                f"[tessera] resharded {what}; verified: {v['tensors_equal']} tensors bit-exact, "
+                f"Adam moments {moments}, logits max |diff| {v['logits_max_abs_diff']:.2g}",
+                flush=True,
+            )
+    return path, ctx.ckpt.verify(path)
