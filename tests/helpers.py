@@ -425,7 +425,7 @@ def hf_loss_on_step(model, run_dir: Path, step: int) -> float:
         return float(summed_token_loss(model(input_ids=ids).logits, labels)) / label_tokens(labels)
 
 
-def assert_hf_export_replays_the_run(run_dir: Path, ckpt_step: int, out: Path, *, rel: float = 1e-5) -> dict:
+def assert_hf_export_replays_the_run(run_dir: Path, ckpt_step: int, out: Path, *, rel: float = 1e-6) -> dict:
     """``tessera convert`` of the run's step ``ckpt_step`` checkpoint to an HF directory: it loads with
     ``from_pretrained`` (and its tokenizer with ``AutoTokenizer``), and that model's token-normalised
     loss on the global batch of step ``ckpt_step + 1`` equals the loss the run logged for that step."""
