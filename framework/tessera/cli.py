@@ -5,6 +5,7 @@
     tessera convert SRC --to hf|deepspeed|megatron|ddp [--layout k=v,...] [--recipe R.yaml] --out DIR
                     [--dtype fp32|bf16] [--no-verify] [--prompts N]
     tessera verify A B [--prompts N] [--json]
+    tessera manifest show RUN | tessera manifest diff RUN_A RUN_B [--json]
     tessera config show R.yaml [key=value ...]
 
 User mistakes (recipe, override, layout, data, checkpoint) exit with code 2 and a short message that
@@ -90,13 +91,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     run_dir = run_dir_of(recipe, args.recipe).resolve()
     for note in resolved.notes:
         print(f"tessera: note: {note}", file=sys.stderr)
-    cmd, env = build_command(
-        recipe,
-        run_dir,
-        resume=args.resume,
-        device=device,
-        worker_args=("--same-layout",) if args.same_layout else (),
-    )
+    flags = (("--same-layout",) if args.same_layout else ()) + (("--strict",) if args.strict else ())
+    cmd, env = build_command(recipe, run_dir, resume=args.resume, device=device, worker_args=flags)
     con = _console()
     env_txt = " ".join(f"{k}={v}" for k, v in env.items())
     printable = (env_txt + " " if env_txt else "") + shlex.join(cmd)
@@ -123,10 +119,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     )
     if args.resume:
         _check_resumable(ckpts, layout, run_dir, same_layout=args.same_layout)
-    elif args.same_layout:
-        raise TesseraError(
-            "--same-layout only applies to --resume", field="--same-layout", value=True, fix="add --resume"
-        )
+    elif args.same_layout or args.strict:
+        flag = "--same-layout" if args.same_layout else "--strict"
+        raise TesseraError(f"{flag} only applies to --resume", field=flag, value=True, fix="add --resume")
     if not args.resume and ckpts.complete():
         raise TesseraError(
             "this run directory already holds checkpoints; a fresh run would mix with them",
@@ -395,6 +390,43 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if report["ok"] else 1
 
 
+def _read_manifest(path: str) -> dict[str, Any]:
+    p = Path(path)
+    f = p / RunDir.MANIFEST if p.is_dir() else p
+    try:
+        return json.loads(f.read_text())
+    except FileNotFoundError:
+        raise TesseraError(
+            "no manifest.json there", field="RUN", value=str(p), fix="give a run directory or a checkpoint"
+        ) from None
+    except json.JSONDecodeError as e:
+        raise TesseraError(
+            f"manifest.json is not JSON ({e})", field="RUN", value=str(f), fix="restore it"
+        ) from None
+
+
+def cmd_manifest_show(args: argparse.Namespace) -> int:
+    print(json.dumps(_read_manifest(args.run), indent=2, sort_keys=True))
+    return 0
+
+
+def cmd_manifest_diff(args: argparse.Namespace) -> int:
+    """Exit 0 whether or not they differ (a diff is an answer, not a failure)."""
+    from tessera.evidence.manifest import grouped_diff, short
+
+    groups = grouped_diff(_read_manifest(args.run_a), _read_manifest(args.run_b))
+    if args.json:
+        rows = {g: [{"key": k, "a": a, "b": b} for k, a, b in r] for g, r in groups.items()}
+        print(json.dumps(rows, default=str))
+        return 0
+    if not groups:
+        print("no differences (volatile keys such as the host and the launch command are left out)")
+    for group in ("code", "config", "data", "environment", "hardware", "other"):
+        for key, a, b in groups.get(group, []):
+            print(f"{group:<11} {key}: {short(a)} -> {short(b)}")
+    return 0
+
+
 def _fmt(v: Any) -> str:
     if isinstance(v, dict):
         return json.dumps(v, sort_keys=True)
@@ -448,6 +480,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --resume: refuse a checkpoint of another layout instead of resharding it",
     )
+    r.add_argument(
+        "--strict",
+        action="store_true",
+        help="with --resume: refuse when code, config, data or environment changed since the checkpoint",
+    )
     r.add_argument("--dry-run", action="store_true", help="print the command and the layout; start nothing")
     r.set_defaults(fn=cmd_run)
     pl = sub.add_parser("plan", help="rank the layouts of a recipe's model on N devices")
@@ -487,6 +524,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     vf.add_argument("--json", action="store_true", help="the full report as JSON on stdout")
     vf.set_defaults(fn=cmd_verify)
+    mf = sub.add_parser("manifest", help="a run's reproducibility manifest, and what differs between two")
+    msub = mf.add_subparsers(dest="manifest_command", required=True)
+    ms = msub.add_parser("show", help="the manifest of a run directory (or a checkpoint)")
+    ms.add_argument("run")
+    ms.set_defaults(fn=cmd_manifest_show)
+    md = msub.add_parser("diff", help="differences grouped as code, config, data, environment, hardware")
+    md.add_argument("run_a")
+    md.add_argument("run_b")
+    md.add_argument("--json", action="store_true")
+    md.set_defaults(fn=cmd_manifest_diff)
     c = sub.add_parser("config", help="recipe tools")
     csub = c.add_subparsers(dest="config_command", required=True)
     show = csub.add_parser("show", help="the resolved recipe and which layer set each value")

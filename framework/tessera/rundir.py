@@ -49,6 +49,7 @@ class RunDir:
     """One run directory. Paths are properties; the JSON / JSONL files have readers and writers here."""
 
     RECIPE = "recipe.resolved.yaml"
+    GIT_DIFF = "git.diff"  # the uncommitted code of the run (manifest.json holds its sha256)
     DATA = "data.json"
     PLAN = "plan.json"
     LAUNCH = "launch.json"

@@ -342,3 +342,20 @@ def test_bf16_trains(zero_runs):
     ls, ref = losses(zero_runs["bf16"]), losses(zero_runs["ref"])[:8]
     assert ls[-1] < ls[0]
     assert_close_rel(ls, ref, 2e-2)  # bf16 compute stays near the fp32 curve
+
+
+def test_manifest_diff_of_two_zero_stages(zero_runs, capsys):
+    """`tessera manifest diff` of two runs that differ only in parallel.zero: exactly that, its layout
+    field and the recipe hash, all under config; a run against its own checkpoint's copy: nothing."""
+    from tessera.cli import main
+
+    base = zero_runs["_base"]
+    assert main(["manifest", "diff", str(base / "z1"), str(base / "z2"), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert set(got) == {"config"}
+    assert {r["key"] for r in got["config"]} == {"recipe.parallel.zero", "layout.zero", "recipe_hash"}
+    zero = {r["key"]: (r["a"], r["b"]) for r in got["config"]}
+    assert zero["recipe.parallel.zero"] == zero["layout.zero"] == (1, 2)
+    ckpt = RunDir(base / "resume_z2").checkpoints / step_dir_name(20)
+    assert main(["manifest", "diff", str(base / "resume_z2"), str(ckpt / "manifest.json"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {}

@@ -276,9 +276,9 @@ def test_world_size_mismatch_is_refused(tmp_path):
 
 
 def test_manifest_capture_and_diff():
-    from tessera.evidence.manifest import capture_manifest, diff_manifests
+    from tessera.evidence.manifest import capture_manifest, diff_manifests, grouped_diff
 
-    m = capture_manifest(
+    m, _ = capture_manifest(
         recipe={"a": 1},
         recipe_hash="h",
         layout={"dp": 2},
@@ -291,11 +291,41 @@ def test_manifest_capture_and_diff():
     )
     assert m["versions"]["torch"].startswith("2.13") and m["versions"]["python"].startswith("3.11")
     assert m["hardware"]["cpu_cores"] >= 1 and m["hardware"]["memory_bytes"] > 0
-    assert set(m["git"]) == {"commit", "dirty"}
+    assert set(m["git"]) == {"commit", "dirty", "diff_sha256"}
+    assert m["packages"]["torch"] == m["versions"]["torch"] and len(m["packages"]) > 50  # the full list
+    assert m["topology"]["ranks"] == 2 and m["topology"]["nodes"] == 1
     m2 = json.loads(json.dumps(m))
     m2["layout"]["dp"] = 4
     m2["launcher_command"] = "other"
+    m2["hardware"]["hostname"] = "elsewhere"
     assert diff_manifests(m, m2) == [("layout.dp", 2, 4)]
+    m2["packages"]["torch"] = "2.99"
+    assert grouped_diff(m, m2) == {
+        "config": [("layout.dp", 2, 4)],
+        "environment": [("packages.torch", m["packages"]["torch"], "2.99")],
+    }
+
+
+def test_manifest_environment_redacts_secrets(monkeypatch):
+    """Numerics / communication variables are recorded; anything named like a secret keeps its name and
+    loses its value."""
+    from tessera.evidence.manifest import REDACTED, capture_manifest
+
+    secrets = {
+        "WANDB_API_KEY": "wk-123456",
+        "HF_TOKEN": "hf_abcdef",
+        "DB_PASSWORD": "hunter2",
+        "NCCL_SECRET": "x9",
+    }
+    for k, v in {**secrets, "NCCL_DEBUG": "INFO", "OMP_NUM_THREADS": "3", "HOME_DIR": "/h"}.items():
+        monkeypatch.setenv(k, v)
+    m, _ = capture_manifest(recipe={}, recipe_hash="h", layout={}, data_fingerprint={}, tokenizer_hash="t",
+                            launcher_command=None, world_size=1, seed=1, device="cpu")  # fmt: skip
+    env = m["environment"]
+    assert env["NCCL_DEBUG"] == "INFO" and env["OMP_NUM_THREADS"] == "3" and "HOME_DIR" not in env
+    assert all(env[k] == REDACTED for k in secrets)
+    text = json.dumps(m)
+    assert not any(v in text for v in secrets.values())
 
 
 def test_lr_schedule_warmup_cosine():

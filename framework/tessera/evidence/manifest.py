@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tessera.atomic import sha256_bytes
+
 MANIFEST_VERSION = 1
 _PACKAGES = (
     "torch",
@@ -34,26 +36,59 @@ def _version(pkg: str) -> str | None:
         return None
 
 
-def git_state(cwd: Path | None = None) -> dict[str, Any]:
-    """Commit and dirty flag of the checkout Tessera runs from (None outside a git work tree)."""
+def _git(args: list[str], where: Path) -> str:
+    return subprocess.run(
+        ["git", *args], cwd=where, capture_output=True, text=True, timeout=10, check=True
+    ).stdout
+
+
+def git_state(cwd: Path | None = None) -> tuple[dict[str, Any], str]:
+    """(commit, dirty flag and the sha256 of the uncommitted diff of tracked files; the diff itself) of
+    the checkout Tessera runs from (None values and an empty diff outside a git work tree)."""
     where = cwd or Path(__file__).resolve().parent
     try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, timeout=10, check=True
-        ).stdout.strip()
-        dirty = bool(
-            subprocess.run(
-                ["git", "status", "--porcelain", "--untracked-files=no"],
-                cwd=where,
-                capture_output=True,
-                text=True,
-                timeout=10,
-                check=True,
-            ).stdout.strip()
-        )
-        return {"commit": commit, "dirty": dirty}
+        commit = _git(["rev-parse", "HEAD"], where).strip()
+        diff = _git(["diff", "HEAD", "--no-color", "--no-ext-diff"], where)
     except (OSError, subprocess.SubprocessError):
-        return {"commit": None, "dirty": None}
+        return {"commit": None, "dirty": None, "diff_sha256": None}, ""
+    return {
+        "commit": commit,
+        "dirty": bool(diff),
+        "diff_sha256": sha256_bytes(diff.encode()) if diff else None,
+    }, diff
+
+
+#: environment variables that change numerics or communication, recorded in the manifest
+ENV_PREFIXES = ("CUDA_", "NCCL_", "OMP_", "TORCH_", "DS_", "PYTORCH_", "CUBLAS_", "MKL_", "GLOO_", "NVIDIA_")
+ENV_NAMES = ("PYTHONHASHSEED", "CUBLAS_WORKSPACE_CONFIG", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")
+_SECRET_MARKS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "CREDENTIAL")
+REDACTED = "<redacted>"
+
+
+def environment(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The numerics / communication environment, secrets redacted: any name containing KEY, TOKEN,
+    SECRET, PASSWORD or CREDENTIAL keeps its name, never its value."""
+    env = dict(os.environ if env is None else env)
+    out = {}
+    for name in sorted(env):
+        if (
+            name.startswith(ENV_PREFIXES)
+            or name in ENV_NAMES
+            or any(m in name.upper() for m in _SECRET_MARKS)
+        ):
+            secret = any(m in name.upper() for m in _SECRET_MARKS)
+            out[name] = REDACTED if secret else env[name]
+    return out
+
+
+def installed_packages() -> dict[str, str]:
+    """Every installed distribution and its version (the environment the numbers came from)."""
+    out = {}
+    for dist in importlib.metadata.distributions():
+        name = dist.metadata["Name"]
+        if name:
+            out[name.lower()] = dist.version
+    return dict(sorted(out.items()))
 
 
 def _cpu_model() -> str:
@@ -91,6 +126,24 @@ def hardware() -> dict[str, Any]:
     }
 
 
+def topology(world_size: int, hostfile: str | None) -> dict[str, Any]:
+    """Nodes, devices per node and the interconnect where it is known (a hostfile's slots; NCCL's
+    transport choice is not visible before the first collective, so GPU runs say "nccl")."""
+    import torch
+
+    nodes = 1
+    if hostfile and Path(hostfile).is_file():
+        nodes = sum(1 for ln in Path(hostfile).read_text().splitlines() if ln.split("#", 1)[0].strip())
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return {
+        "nodes": nodes,
+        "ranks": world_size,
+        "devices_per_node": gpus or world_size // max(nodes, 1),
+        "device_kind": "cuda" if gpus else "cpu",
+        "interconnect": "nccl" if gpus else ("gloo over TCP (loopback)" if nodes == 1 else "gloo over TCP"),
+    }
+
+
 def capture_manifest(
     *,
     recipe: dict[str, Any],
@@ -102,15 +155,21 @@ def capture_manifest(
     world_size: int,
     seed: int,
     device: str,
-) -> dict[str, Any]:
-    """Build the manifest on rank 0 (cheap: no tensor work, one git call)."""
-    return {
+    hostfile: str | None = None,
+) -> tuple[dict[str, Any], str]:
+    """Build the manifest on rank 0 (cheap: no tensor work, two git calls). Returns it and the
+    uncommitted git diff, which is saved beside it (the manifest holds its hash)."""
+    git, diff = git_state()
+    manifest = {
         "manifest_version": MANIFEST_VERSION,
         "recipe": recipe,
         "recipe_hash": recipe_hash,
-        "git": git_state(),
+        "git": git,
         "versions": {"python": sys.version.split()[0], **{p: _version(p) for p in _PACKAGES}},
+        "packages": installed_packages(),
+        "environment": environment(),
         "hardware": hardware(),
+        "topology": topology(world_size, hostfile),
         "device": device,
         "world_size": world_size,
         "layout": layout,
@@ -118,11 +177,25 @@ def capture_manifest(
         "data": data_fingerprint,
         "tokenizer_hash": tokenizer_hash,
         "launcher_command": launcher_command,
+        "hostfile": hostfile,
     }
+    return manifest, diff
 
 
-# keys that differ between two launches of the same experiment and mean nothing for the numbers
-_VOLATILE = {"launcher_command", "hardware.hostname", "checkpoint_step", "resumed_from"}
+# keys that differ between two launches of the same experiment and mean nothing for the numbers: the
+# host, the launch (ports, paths), what the run did after it started, and what is derived from recorded
+# inputs (the plan follows from config + hardware)
+_VOLATILE = {
+    "launcher_command", "hardware.hostname", "checkpoint_step", "resumed_from", "resharded", "plan",
+    "fault_injection", "environment.MASTER_ADDR", "environment.MASTER_PORT", "environment.WORLD_SIZE",
+}  # fmt: skip
+#: top-level manifest key -> the group a difference is reported under
+GROUPS = {
+    "git": "code", "versions": "environment", "packages": "environment", "environment": "environment",
+    "recipe": "config", "recipe_hash": "config", "layout": "config", "seed": "config", "world_size": "config",
+    "data": "data", "tokenizer_hash": "data", "hardware": "hardware", "topology": "hardware",
+    "device": "hardware", "hostfile": "hardware", "manifest_version": "code",
+}  # fmt: skip
 
 
 def diff_manifests(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[tuple[str, Any, Any]]:
@@ -138,3 +211,17 @@ def diff_manifests(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> li
         elif va != vb:
             out.append((key, va, vb))
     return out
+
+
+def grouped_diff(a: dict[str, Any], b: dict[str, Any]) -> dict[str, list[tuple[str, Any, Any]]]:
+    """:func:`diff_manifests` grouped as code, config, data, environment, hardware (other: the rest)."""
+    out: dict[str, list[tuple[str, Any, Any]]] = {}
+    for key, va, vb in diff_manifests(a, b):
+        out.setdefault(GROUPS.get(key.split(".", 1)[0], "other"), []).append((key, va, vb))
+    return out
+
+
+def short(value: Any, limit: int = 60) -> str:
+    """A value for a one-line diff."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

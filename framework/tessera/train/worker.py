@@ -164,7 +164,7 @@ def _manifest(
     from tessera.evidence.manifest import capture_manifest
 
     launch = run_dir.read_json_if_present(RunDir.LAUNCH) or {}
-    manifest = capture_manifest(
+    manifest, diff = capture_manifest(
         recipe=recipe.to_dict(),
         recipe_hash=recipe_hash(recipe),
         layout=layout.to_dict(),
@@ -174,7 +174,12 @@ def _manifest(
         world_size=layout.world_size,
         seed=recipe.train.seed,
         device=device,
+        hostfile=recipe.run.hostfile,
     )
+    if diff and _rank_env()[0] == 0:  # the uncommitted code, beside the manifest that holds its hash
+        from tessera.atomic import write_text_atomic
+
+        write_text_atomic(run_dir / RunDir.GIT_DIFF, diff)
     plan = run_dir.read_json_if_present(RunDir.PLAN)
     if plan is not None:  # what the layout should cost (tessera run writes it)
         manifest["plan"] = plan.get("chosen")
@@ -188,6 +193,7 @@ def setup(
     same_layout: bool = False,
     convert_from: Path | None = None,
     verify: bool = True,
+    strict: bool = False,
 ) -> tuple[RunContext, Any]:
     """Everything up to the first step; returns the context and the fault injection (None unless set).
     A resume whose checkpoint has another layout reshards it first (unless ``same_layout``);
@@ -262,32 +268,39 @@ def setup(
         tag = None if convert_from is not None else layout_tag(layout.to_dict())
         resume_from = import_reshard(ctx, resume_from, stage_dir, tag=tag, verify=verify)
     if resume_from is not None and convert_from is None:
-        _restore(ctx, *resume_from)
+        _restore(ctx, *resume_from, strict=strict)
     manifest["resumed_from"] = str(resume_from[0]) if resume_from else None
     if rank == 0:
         run_dir.write_json(RunDir.MANIFEST, manifest)
     return ctx, fault
 
 
-def _restore(ctx: RunContext, path: Path, meta: dict[str, Any]) -> None:
-    from tessera.evidence.manifest import diff_manifests
+def _restore(ctx: RunContext, path: Path, meta: dict[str, Any], *, strict: bool = False) -> None:
+    """Load the checkpoint; say what changed since it was written (code, config, data, environment,
+    hardware: one line per key), or with ``strict`` refuse a change that is not hardware."""
+    from tessera.evidence.manifest import grouped_diff, short
 
+    manifest_file = path / RunDir.MANIFEST
+    groups = (
+        grouped_diff(json.loads(manifest_file.read_text()), ctx.manifest) if manifest_file.is_file() else {}
+    )
+    if strict:
+        changed = [(g, k) for g, rows in groups.items() if g != "hardware" for k, _, _ in rows]
+        if changed:
+            g, k = changed[0]
+            raise CheckpointError(
+                f"--strict: the {g} changed since {path.name} was written ({k}"
+                + (f" and {len(changed) - 1} more" if len(changed) > 1 else "")
+                + ")",
+                field=k,
+                value=str(path),
+                fix="resume without --strict, or restore what changed (see: tessera manifest diff)",
+            )
     ctx.sampler.load_state_dict(ctx.ckpt.load(path, meta, ctx.engine))
     ctx.start_step = ctx.last_saved = int(meta["step"])
-    manifest_file = path / RunDir.MANIFEST
-    if ctx.is_rank0 and manifest_file.is_file():
-        changed = diff_manifests(json.loads(manifest_file.read_text()), ctx.manifest)
-        if changed:
-            print(
-                f"[tessera] resuming with {len(changed)} manifest difference(s): "
-                + "; ".join(f"{k}: {_short(a)} -> {_short(b)}" for k, a, b in changed[:8]),
-                flush=True,
-            )
-
-
-def _short(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    if ctx.is_rank0 and groups:
+        lines = [f"  {g:<11} {k}: {short(a)} -> {short(b)}" for g, rows in groups.items() for k, a, b in rows]
+        print(f"[tessera] resuming {path.name}; the manifest changed since:\n" + "\n".join(lines), flush=True)
 
 
 # ---- tear down -----------------------------------------------------------------------------------------
@@ -336,6 +349,7 @@ def train(
     same_layout: bool = False,
     convert_from: str | None = None,
     verify: bool = True,
+    strict: bool = False,
 ) -> list[dict[str, Any]]:
     """Train this rank; returns its per-step records. ``convert_from``: only reshard that checkpoint (or
     HF directory) into this run directory's first checkpoint (``tessera convert --to ENGINE``)."""
@@ -343,7 +357,12 @@ def train(
 
     src = Path(convert_from) if convert_from else None
     ctx, fault = setup(
-        RunDir(run_dir), resume=resume, same_layout=same_layout, convert_from=src, verify=verify
+        RunDir(run_dir),
+        resume=resume,
+        same_layout=same_layout,
+        convert_from=src,
+        verify=verify,
+        strict=strict,
     )
     if src is not None:
         ctx.engine.close()
@@ -371,6 +390,7 @@ def run_rank(
     same_layout: bool = False,
     convert_from: str | None = None,
     verify: bool = True,
+    strict: bool = False,
 ) -> int:
     """Entry of one rank with status files and a log; returns the exit code.
 
@@ -397,7 +417,14 @@ def run_rank(
 
     signal.signal(signal.SIGTERM, _on_term)
     try:
-        train(rd.path, resume=resume, same_layout=same_layout, convert_from=convert_from, verify=verify)
+        train(
+            rd.path,
+            resume=resume,
+            same_layout=same_layout,
+            convert_from=convert_from,
+            verify=verify,
+            strict=strict,
+        )
     except SystemExit as e:
         code = int(e.code) if isinstance(e.code, int) else ExitCode.FAILED
     except TesseraError as e:
@@ -436,6 +463,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--same-layout", action="store_true", help="refuse to reshard a checkpoint at resume")
     ap.add_argument("--convert-from", default=None, help="reshard this checkpoint / HF dir, no training")
     ap.add_argument("--no-verify", action="store_true", help="do not verify a resharded checkpoint")
+    ap.add_argument("--strict", action="store_true", help="refuse to resume when the manifest changed")
     ap.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     args = ap.parse_args(argv)
     exit_process(
@@ -445,6 +473,7 @@ def main(argv: list[str] | None = None) -> None:
             same_layout=args.same_layout,
             convert_from=args.convert_from,
             verify=not args.no_verify,
+            strict=args.strict,
         )
     )
 
