@@ -44,14 +44,14 @@ def _rank_main(rank: int, world: int, port: int, runs: list[RunSpec]) -> None:
 
     torch.set_num_threads(1)
     from tessera.train.faults import ENV
-    from tessera.train.worker import exit_process, run_rank
+    from tessera.train.worker import Start, exit_process, run_rank
 
     code = 0
     for i, spec in enumerate(runs):
         os.environ.pop(ENV, None)
         if spec.fault:
             os.environ[ENV] = spec.fault
-        code = run_rank(spec.run_dir, spec.resume, keep_process_group=i < len(runs) - 1)
+        code = run_rank(spec.run_dir, Start(resume=spec.resume), keep_process_group=i < len(runs) - 1)
         if code != spec.expect:
             break
         code = 0
@@ -243,12 +243,17 @@ PICKLE_MARKER = "PICKLE_PAYLOAD_RAN"
 
 def set_steps(run_dir: Path, steps: int) -> None:
     """Raise train.steps of a run directory's recipe (what --resume reads) to continue it."""
+    rewrite_recipe(run_dir, [f"train.steps={steps}"])
+
+
+def rewrite_recipe(run_dir: Path, overrides: list[str]) -> None:
+    """Apply ``overrides`` to a run directory's resolved recipe (what ``--resume`` reads)."""
     import yaml
 
+    from tessera.config.loader import load_recipe
+
     rd = RunDir(run_dir)
-    doc = yaml.safe_load(rd.recipe.read_text())
-    doc["train"]["steps"] = steps
-    rd.recipe.write_text(yaml.safe_dump(doc))
+    rd.recipe.write_text(yaml.safe_dump(load_recipe(rd.recipe, overrides).recipe.to_dict(), sort_keys=False))
 
 
 class PicklePayload:
@@ -464,10 +469,7 @@ def relayout(src: Path, dst: Path, overrides: list[str], *, at_step: int | None 
     step's checkpoint (later ones are dropped), so one uninterrupted run is also the source."""
     import shutil
 
-    import yaml
-
     from tessera.checkpoint.manager import LATEST, step_dir_name
-    from tessera.config.loader import load_recipe
 
     shutil.copytree(src, dst)
     rd = RunDir(dst)
@@ -477,6 +479,5 @@ def relayout(src: Path, dst: Path, overrides: list[str], *, at_step: int | None 
             if d.name != keep:
                 shutil.rmtree(d)
         (rd.checkpoints / LATEST).write_text(keep + "\n")
-    recipe = load_recipe(rd.recipe, overrides).recipe
-    rd.recipe.write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+    rewrite_recipe(dst, overrides)
     return dst

@@ -83,7 +83,7 @@ def run_dir_of(recipe, recipe_path: str) -> Path:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from tessera.checkpoint.manager import CheckpointManager
-    from tessera.launch.launcher import build_command, run_and_monitor
+    from tessera.launch.launcher import build_command
     from tessera.train.worker import prepare_run_dir
 
     resolved, layout, device = _validate(args.recipe, args.overrides)
@@ -135,20 +135,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     con.print(f"data: {len(data)} samples x {recipe.data.seq_len} tokens, vocab {data.vocab_size}")
     rd.write_json(RunDir.LAUNCH, {"command": printable, "argv": sys.argv, "resume": args.resume})
     con.print(f"[bold]launch[/] {printable}")
-    rc, failure = run_and_monitor(cmd, env, run_dir, recipe.run.world_size)
-    if failure is not None:
-        con.print(
-            f"[bold red]rank {failure.rank} {failure.how}[/]; last log lines ({rd.rank_file(failure.rank, 'log')}):"
-        )
-        for line in failure.log_tail:
-            print(f"  | {line}")
-        print(f"tessera: run failed: rank {failure.rank} {failure.how} (exit code {rc})", file=sys.stderr)
-        # a rank's own verdict (bad input, divergence) is the run's exit code, not the launcher's
-        if failure.code in (ExitCode.USER_ERROR, ExitCode.DIVERGED):
-            return int(failure.code)
-        return rc or ExitCode.FAILED
+    rc = _launch(cmd, env, rd, recipe.run.world_size, what="run")
     if rc != 0:
-        print(f"tessera: launcher exited with code {rc}; logs in {rd.logs}", file=sys.stderr)
         return rc
     s = rd.read_json_if_present(RunDir.SUMMARY)
     if s is not None:
@@ -161,6 +149,27 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"                  (upload with: wandb sync {s['wandb_dir']})")
         print(f"plots:            {', '.join(s['plots'])}")
     return 0
+
+
+def _launch(cmd: list[str], env: dict[str, str], rd: RunDir, world: int, *, what: str) -> int:
+    """Start the ranks through the launcher and wait. A failed rank is named with its last log lines; the
+    exit code is the rank's own verdict (bad input, divergence) where it gave one, else the launcher's."""
+    from tessera.launch.launcher import run_and_monitor
+
+    rc, failure = run_and_monitor(cmd, env, rd.path, world)
+    if failure is not None:
+        _console().print(
+            f"[bold red]rank {failure.rank} {failure.how}[/]; last log lines ({rd.rank_file(failure.rank, 'log')}):"
+        )
+        for line in failure.log_tail:
+            print(f"  | {line}")
+        print(f"tessera: {what} failed: rank {failure.rank} {failure.how} (exit code {rc})", file=sys.stderr)
+        if failure.code in (ExitCode.USER_ERROR, ExitCode.DIVERGED):
+            return int(failure.code)
+        return rc or ExitCode.FAILED
+    if rc != 0:
+        print(f"tessera: launcher exited with code {rc}; logs in {rd.logs}", file=sys.stderr)
+    return rc
 
 
 def _check_resumable(ckpts, layout, run_dir: Path, *, same_layout: bool) -> None:
@@ -294,7 +303,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
             fix="drop it, or convert --to deepspeed | megatron | ddp",
         )
     rec = convert_to_hf(
-        Path(args.src), Path(args.out), dtype=args.dtype, verify=not args.no_verify, prompts=args.prompts
+        Path(args.src),
+        Path(args.out),
+        dtype=args.dtype or "fp32",
+        verify=not args.no_verify,
+        prompts=args.prompts,
     )
     print(
         f"converted {rec['source']} (step {rec['step']}, {rec['sharding']}) -> {args.out}: {rec['tensors']} tensors"
@@ -324,7 +337,7 @@ def _convert_to_layout(args: argparse.Namespace) -> int:
         write_conversion_record,
     )
     from tessera.checkpoint.manager import verify_or_raise
-    from tessera.launch.launcher import build_command, run_and_monitor
+    from tessera.launch.launcher import build_command
     from tessera.train.worker import prepare_run_dir
 
     out = Path(args.out).resolve()
@@ -341,7 +354,7 @@ def _convert_to_layout(args: argparse.Namespace) -> int:
     overrides = layout_overrides(args.layout, engine=args.to, source_world=world)
     if world is None:  # an HF directory: the run trains that model, from those weights
         overrides += ["model.hf_config=null", f"model.path={src}", "model.pretrained=true"]
-    overrides += [f"run.out_dir={out}", "train.precision=" + {"fp32": "fp32", "bf16": "bf16"}[args.dtype]]
+    overrides += [f"run.out_dir={out}"] + ([f"train.precision={args.dtype}"] if args.dtype else [])
     resolved, layout, device = _validate(str(source_recipe(src, args.recipe)), overrides)
     recipe = resolved.recipe
     tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
@@ -353,15 +366,10 @@ def _convert_to_layout(args: argparse.Namespace) -> int:
         worker_args = ("--convert-from", str(src)) + (("--no-verify",) if args.no_verify else ())
         cmd, env = build_command(recipe, tmp, resume=False, device=device, worker_args=worker_args)
         con.print(f"[bold]convert[/] {src} -> {args.to} {layout.describe()} on {layout.world_size} rank(s)")
-        rc, failure = run_and_monitor(cmd, env, tmp, recipe.run.world_size)
-        if rc != 0 or failure is not None:
-            rank = failure.rank if failure is not None else 0
-            for line in failure.log_tail if failure is not None else RunDir(tmp).log_tail(rank):
-                print(f"  | {line}", file=sys.stderr)
-            print(f"tessera: conversion failed (rank {rank}); nothing written to {out}", file=sys.stderr)
-            if failure is not None and failure.code == ExitCode.USER_ERROR:
-                return int(ExitCode.USER_ERROR)  # bad input, named in the log lines above
-            return rc or ExitCode.FAILED
+        rc = _launch(cmd, env, RunDir(tmp), recipe.run.world_size, what="conversion")
+        if rc != 0:
+            print(f"tessera: nothing written to {out}", file=sys.stderr)
+            return rc
         rec = write_conversion_record(tmp, src, args.to)
         if out.exists():
             out.rmdir()  # empty, checked above
@@ -512,7 +520,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--recipe", default=None, help="recipe the converted run resumes with (default: the source run's)"
     )
     cv.add_argument("--out", required=True, help="new (or empty) output directory")
-    cv.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="dtype of the written weights")
+    cv.add_argument(
+        "--dtype",
+        default=None,
+        choices=["fp32", "bf16"],
+        help="dtype of the written weights (--to hf, default fp32) or the training precision (engines: "
+        "default the source run's)",
+    )
     cv.add_argument("--no-verify", action="store_true", help="skip `tessera verify` of the output (recorded)")
     cv.add_argument("--prompts", type=int, default=4, help="prompts for the logits check of the verification")
     cv.set_defaults(fn=cmd_convert)

@@ -22,7 +22,6 @@ from tessera.checkpoint.manager import FORMAT_VERSION, verify_or_raise
 from tessera.errors import CheckpointError
 
 _EXPERTS = "mlp.experts.experts."
-MOMENTS = ("exp_avg", "exp_avg_sq")
 #: megatron's optimizer state keys: "optimizer.state.<kind>.<model key>", prefixed "chained_<i>." when the
 #: optimizer is chained (dense + expert parameters); "optimizer.*" also covers its other entries
 _OPTIM = re.compile(r"^(?:chained_\d+\.)?optimizer\.(?:state\.(\w+?)\.)?")
@@ -73,11 +72,7 @@ def _deepspeed(ckpt: Path, zero: int) -> dict[str, torch.Tensor]:
     if zero == 0:  # no partitions: the module's own state dict (tensors only, so weights_only holds)
         files = sorted(ckpt.glob("mp_rank_*_model_states.pt"))
         return dict(torch.load(files[0], map_location="cpu", weights_only=True)["module"])
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    # DeepSpeed unpickles its own files here; their checksums were verified above
-    with contextlib.redirect_stdout(io.StringIO()):  # its progress prints
-        return dict(get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name))
+    return _zero_merge(ckpt, zero, None)
 
 
 def _megatron(ckpt: Path, hf_cfg: Any, moment: str | None = None) -> dict[str, torch.Tensor]:
@@ -152,9 +147,9 @@ def _megatron(ckpt: Path, hf_cfg: Any, moment: str | None = None) -> dict[str, t
 
 def read_hf_moment(ckpt: Path, meta: dict[str, Any], kind: str) -> dict[str, torch.Tensor] | None:
     """One Adam moment (``exp_avg`` or ``exp_avg_sq``) of every trainable parameter, keyed by HF name, in
-    fp32; None where the format's moments are not readable offline (DeepSpeed ZeRO under megatron,
-    DeepSpeed's bf16 / fp16 optimizer wrappers without ZeRO). One kind at a time, so a caller never holds the weights and both
-    moments together. ``ckpt`` is verified."""
+    fp32; None where the format's moments are not readable offline (DeepSpeed's bf16 / fp16 optimizer
+    wrappers without ZeRO). One kind at a time, so a caller never holds the weights and both moments
+    together. ``ckpt`` is verified."""
     sharding = meta["sharding"]
     if sharding == "torch-ddp":
         from tessera.engines.ddp import OPTIMIZER_FILE

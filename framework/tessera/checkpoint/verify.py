@@ -50,10 +50,11 @@ class Side:
 
 
 def open_side(path: Path) -> Side:
+    from tessera.checkpoint.convert import is_hf_dir, resolve_source, tokenizer_dir_of
+
     path = Path(path)
-    if (path / "config.json").is_file() and not (path / "meta.json").is_file():
+    if is_hf_dir(path):
         return _hf_side(path)
-    from tessera.checkpoint.convert import resolve_source, tokenizer_dir_of
     from tessera.checkpoint.reader import hf_config_of, read_hf_moment, read_hf_state
 
     ckpt = resolve_source(path)

@@ -87,6 +87,19 @@ class MpuAdapter:
         return self._ps.get_tensor_model_parallel_rank()
 
 
+def sharding_of(layout: ParallelLayout) -> str:
+    """The checkpoint ``sharding`` this engine writes at ``layout``: megatron's own DDP or distributed
+    optimizer, or DeepSpeed ZeRO over megatron's modules."""
+    if layout.zero_impl == "deepspeed":
+        return f"megatron+deepspeed-zero{layout.zero}"
+    return "megatron-" + ("distributed-optimizer" if layout.zero == 1 else "ddp")
+
+
+def chained(optimizer: Any) -> list[Any]:
+    """The megatron optimizers inside ``optimizer`` (dense and expert ones are chained under EP)."""
+    return getattr(optimizer, "chained_optimizers", [optimizer])
+
+
 def init_parallel_state(layout: ParallelLayout, *, seed: int, device: str) -> Any:
     """megatron-core's process groups from the layout (rank order tp, then dp, then pp)."""
     from megatron.core import parallel_state as ps
@@ -270,10 +283,9 @@ class MegatronEngine:
         self.ds: DeepSpeedRunner | None = None
         if self.uses_deepspeed:
             self._init_deepspeed(chunks[0], recipe, device)
-            self.sharding = f"megatron+{self.ds.sharding}"  # type: ignore[union-attr]
         else:
             self._init_megatron(chunks, recipe)
-            self.sharding = "megatron-" + ("distributed-optimizer" if layout.zero == 1 else "ddp")
+        self.sharding = sharding_of(layout)
 
     # ---- setup -------------------------------------------------------------------------------------
     def _init_megatron(self, chunks: list[torch.nn.Module], recipe: Recipe) -> None:
@@ -431,7 +443,7 @@ class MegatronEngine:
         if self.ds is not None:
             yield from self.ds.optimizer_tensors()
             return
-        for j, opt in enumerate(getattr(self.optimizer, "chained_optimizers", [self.optimizer])):
+        for j, opt in enumerate(chained(self.optimizer)):
             inner = opt.optimizer
             for g, group in enumerate(inner.param_groups):
                 for i, p in enumerate(group["params"]):
@@ -473,14 +485,14 @@ class MegatronEngine:
                         opt.optimizer.state[main][kind].copy_(full[kind])
             del per_param
         if self.ds is None:
-            for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            for opt in chained(self.optimizer):
                 set_adam_step(opt.optimizer, step)
 
     def _main_params(self) -> dict[torch.nn.Parameter, tuple[Any, torch.Tensor | None]]:
         """model parameter -> (its megatron optimizer, the parameter its Adam state is keyed by; None for
         the distributed optimizer, which keys a shard)."""
         out: dict[torch.nn.Parameter, tuple[Any, torch.Tensor | None]] = {}
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+        for opt in chained(self.optimizer):
             if hasattr(opt, "model_param_gbuf_map"):
                 out.update((p, (opt, None)) for p in opt.model_param_gbuf_map)
             elif hasattr(opt, "float16_groups"):  # bf16: fp32 main copies
@@ -571,9 +583,9 @@ class MegatronEngine:
         step) and then overwrites it from the load template. Each parameter gets its own tensor holding
         the step saved in the optimizer's common state (measured: without this, the resumed run's
         second step differed)."""
-        chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
-        per_opt = [loaded] if len(chained) == 1 else [loaded[i] for i in range(len(chained))]
-        for opt, sd in zip(chained, per_opt, strict=True):
+        opts = chained(self.optimizer)
+        per_opt = [loaded] if len(opts) == 1 else [loaded[i] for i in range(len(opts))]
+        for opt, sd in zip(opts, per_opt, strict=True):
             groups = sd.get("optimizer", {}).get("param_groups", [])
             steps = {float(g["step"]) for g in groups if g.get("step") is not None}
             if len(steps) > 1:  # internal: one optimizer, one step count
@@ -588,7 +600,7 @@ class MegatronEngine:
     def _materialize_optimizer_state(self) -> None:
         """A fresh torch AdamW creates its state at the first step, but the load template needs it (and
         megatron reads its "step" without Apex / TE): zero placeholders, all overwritten by the load."""
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+        for opt in chained(self.optimizer):
             materialize_adam_state(opt.optimizer)
 
     def _sharded_state_dict(self, *, is_loading: bool) -> dict[str, Any]:
@@ -652,7 +664,7 @@ def _model_space_step_fix(optimizer: Any) -> Iterator[None]:
     (and is made per-parameter afterwards by ``_restore_adam_steps``). The copy is megatron's own
     (``_set_main_param_and_optimizer_states``, non-precision-aware branch), minus the missing key."""
     patched = []
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for opt in chained(optimizer):
         if not hasattr(opt, "model_param_gbuf_map"):
             continue
 

@@ -42,12 +42,13 @@ def dist_checkpointing_reshards(meta: dict[str, Any], layout: ParallelLayout) ->
     checkpoint itself (global tensors; the optimizer state in model space), so no stage is needed. Not
     between ep > 1 and ep = 1: megatron chains a separate expert optimizer only with expert parallelism,
     and its state keys ("chained_<i>.optimizer...") then differ, which dist_checkpointing cannot map."""
-    same_kind = "megatron-distributed-optimizer" if layout.zero == 1 else "megatron-ddp"
+    from tessera.engines.megatron_engine import sharding_of
+
     saved_ep = int((meta.get("layout") or {}).get("ep", 1))
     return (
         layout.engine == "megatron"
         and layout.zero_impl == "megatron"
-        and meta.get("sharding") == same_kind
+        and meta.get("sharding") == sharding_of(layout)
         and (saved_ep > 1) == (layout.ep > 1)
     )
 

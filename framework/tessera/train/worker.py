@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from tessera.checkpoint.convert import is_hf_dir
 from tessera.checkpoint.reshard import layout_tag
 from tessera.config.loader import recipe_hash, validate_recipe
 from tessera.config.schema import Recipe
@@ -34,6 +36,20 @@ from tessera.plan.layout import ParallelLayout
 from tessera.rundir import ORDERLY_EXITS, ExitCode, RunDir
 from tessera.train.loop import RunContext, TrainingLoop
 from tessera.train.resharding import dist_checkpointing_reshards, import_reshard, stage_on_rank0
+
+
+@dataclass(frozen=True)
+class Start:
+    """How a rank starts: fresh, or ``resume`` from the run's latest checkpoint (resharded when its
+    layout differs, unless ``same_layout``; refused on a changed manifest with ``strict``), or only
+    ``convert_from`` a checkpoint / HF directory into this run's first checkpoint (``verify``: check the
+    written checkpoint against its source)."""
+
+    resume: bool = False
+    same_layout: bool = False
+    strict: bool = False
+    convert_from: Path | None = None
+    verify: bool = True
 
 
 def resolve_device(requested: str) -> str:
@@ -113,8 +129,9 @@ def _load_data(run_dir: RunDir, recipe: Recipe):
 
 def _resume_point(
     ckpt: Any, layout: ParallelLayout, run_dir: RunDir, *, same_layout: bool
-) -> tuple[Path, dict[str, Any]]:
-    """The checkpoint to resume from, verified file by file before any engine exists, and its meta."""
+) -> tuple[Path, dict[str, Any], bool]:
+    """The checkpoint to resume from, verified file by file before any engine exists, its meta, and
+    whether its layout differs from this run's (it is resharded first)."""
     latest = ckpt.latest()
     if latest is None:
         raise TesseraError(
@@ -124,8 +141,7 @@ def _resume_point(
             fix="run without --resume to start fresh",
         )
     meta = ckpt.verify(latest, any_world=not same_layout)
-    check_resume_layout(meta, layout, latest, same_layout=same_layout)
-    return latest, meta
+    return latest, meta, bool(check_resume_layout(meta, layout, latest, same_layout=same_layout))
 
 
 def check_resume_layout(
@@ -186,18 +202,11 @@ def _manifest(
     return manifest
 
 
-def setup(
-    run_dir: RunDir,
-    *,
-    resume: bool,
-    same_layout: bool = False,
-    convert_from: Path | None = None,
-    verify: bool = True,
-    strict: bool = False,
-) -> tuple[RunContext, Any]:
+def setup(run_dir: RunDir, start: Start) -> tuple[RunContext, Any]:
     """Everything up to the first step; returns the context and the fault injection (None unless set).
-    A resume whose checkpoint has another layout reshards it first (unless ``same_layout``);
-    ``convert_from`` (a checkpoint or an HF directory) is resharded into this run's first checkpoint."""
+    A resume whose checkpoint has another layout reshards it first (unless ``start.same_layout``);
+    ``start.convert_from`` (a checkpoint or an HF directory) is resharded into this run's first
+    checkpoint."""
     from tessera.checkpoint.manager import CheckpointManager
     from tessera.comm.accounting import group_namer, install
     from tessera.data import StepSampler
@@ -216,21 +225,20 @@ def setup(
     counter = install(group_namer(layout))
     _init_distributed(device)
     ckpt = CheckpointManager(run_dir.checkpoints, keep=recipe.checkpoint.keep, rank=rank, world_size=world)
-    resume_from = _resume_point(ckpt, layout, run_dir, same_layout=same_layout) if resume else None
-    hf_source = convert_from is not None and not (Path(convert_from) / "meta.json").is_file()
-    if convert_from is not None and not hf_source:
-        resume_from = (Path(convert_from), ckpt.verify(Path(convert_from), any_world=True))
-    reshard = resume_from is not None and bool(
-        convert_from is not None
-        or check_resume_layout(resume_from[1], layout, resume_from[0], same_layout=False)
-    )
+    resume_from, reshard = None, False
+    if start.resume:
+        *point, reshard = _resume_point(ckpt, layout, run_dir, same_layout=start.same_layout)
+        resume_from = (point[0], point[1])
+    src = start.convert_from
+    hf_source = src is not None and is_hf_dir(src)
+    if src is not None and not hf_source:
+        resume_from, reshard = (src, ckpt.verify(src, any_world=True)), True
     stage_dir = None
     if reshard and not dist_checkpointing_reshards(resume_from[1], layout):  # type: ignore[index]
         stage_dir = stage_on_rank0(resume_from[0], run_dir)  # type: ignore[index]
 
     data = _load_data(run_dir, recipe)
-    weights = Path(convert_from) if hf_source else stage_dir  # type: ignore[arg-type]
-    source = ModelSource.of(recipe, vocab_size=data.vocab_size, weights=weights)
+    source = ModelSource.of(recipe, vocab_size=data.vocab_size, weights=src if hf_source else stage_dir)
     engine = engine_class(layout.engine)(source, recipe, layout, device=device)
     counter.namer = group_namer(layout, engine.named_groups())
     sampler = StepSampler.for_layout(len(data), layout, rank=rank, seed=recipe.train.seed)
@@ -259,16 +267,16 @@ def setup(
             "tokenizer_hash": data.tokenizer_hash,
             "data_fingerprint": {k: v for k, v in data.fingerprint.items() if k != "files"},
         },
-        resumed=resume,
+        resumed=start.resume,
     )
     if hf_source:
-        import_reshard(ctx, None, Path(convert_from), tag=None, verify=verify)  # type: ignore[arg-type]
+        import_reshard(ctx, None, src, tag=None, verify=start.verify)  # type: ignore[arg-type]
     elif reshard:
         assert resume_from is not None
-        tag = None if convert_from is not None else layout_tag(layout.to_dict())
-        resume_from = import_reshard(ctx, resume_from, stage_dir, tag=tag, verify=verify)
-    if resume_from is not None and convert_from is None:
-        _restore(ctx, *resume_from, strict=strict)
+        tag = None if src is not None else layout_tag(layout.to_dict())
+        resume_from = import_reshard(ctx, resume_from, stage_dir, tag=tag, verify=start.verify)
+    if resume_from is not None and src is None:
+        _restore(ctx, *resume_from, strict=start.strict)
     manifest["resumed_from"] = str(resume_from[0]) if resume_from else None
     if rank == 0:
         run_dir.write_json(RunDir.MANIFEST, manifest)
@@ -342,29 +350,13 @@ def _wandb_dir(ctx: RunContext) -> str | None:
     return next((cb.tracker.dir for cb in ctx.loop.callbacks if isinstance(cb, WandbCallback)), None)
 
 
-def train(
-    run_dir: str | Path,
-    *,
-    resume: bool = False,
-    same_layout: bool = False,
-    convert_from: str | None = None,
-    verify: bool = True,
-    strict: bool = False,
-) -> list[dict[str, Any]]:
-    """Train this rank; returns its per-step records. ``convert_from``: only reshard that checkpoint (or
-    HF directory) into this run directory's first checkpoint (``tessera convert --to ENGINE``)."""
+def train(run_dir: str | Path, start: Start = Start()) -> list[dict[str, Any]]:
+    """Train this rank; returns its per-step records. ``start.convert_from``: only reshard that checkpoint
+    (or HF directory) into this run directory's first checkpoint (``tessera convert --to ENGINE``)."""
     from tessera.train.callbacks import default_callbacks
 
-    src = Path(convert_from) if convert_from else None
-    ctx, fault = setup(
-        RunDir(run_dir),
-        resume=resume,
-        same_layout=same_layout,
-        convert_from=src,
-        verify=verify,
-        strict=strict,
-    )
-    if src is not None:
+    ctx, fault = setup(RunDir(run_dir), start)
+    if start.convert_from is not None:
         ctx.engine.close()
         if ctx.is_rank0:
             ctx.run_dir.write_json(RunDir.MANIFEST, ctx.manifest)
@@ -382,16 +374,7 @@ def train(
 # ---- the rank entry ------------------------------------------------------------------------------------
 
 
-def run_rank(
-    run_dir: str | Path,
-    resume: bool = False,
-    *,
-    keep_process_group: bool = False,
-    same_layout: bool = False,
-    convert_from: str | None = None,
-    verify: bool = True,
-    strict: bool = False,
-) -> int:
+def run_rank(run_dir: str | Path, start: Start = Start(), *, keep_process_group: bool = False) -> int:
     """Entry of one rank with status files and a log; returns the exit code.
 
     ``keep_process_group``: leave the process group up for another run in this process (the test
@@ -417,14 +400,7 @@ def run_rank(
 
     signal.signal(signal.SIGTERM, _on_term)
     try:
-        train(
-            rd.path,
-            resume=resume,
-            same_layout=same_layout,
-            convert_from=convert_from,
-            verify=verify,
-            strict=strict,
-        )
+        train(rd.path, start)
     except SystemExit as e:
         code = int(e.code) if isinstance(e.code, int) else ExitCode.FAILED
     except TesseraError as e:
@@ -466,16 +442,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--strict", action="store_true", help="refuse to resume when the manifest changed")
     ap.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     args = ap.parse_args(argv)
-    exit_process(
-        run_rank(
-            args.run_dir,
-            resume=args.resume,
-            same_layout=args.same_layout,
-            convert_from=args.convert_from,
-            verify=not args.no_verify,
-            strict=args.strict,
-        )
+    start = Start(
+        resume=args.resume,
+        same_layout=args.same_layout,
+        strict=args.strict,
+        convert_from=Path(args.convert_from) if args.convert_from else None,
+        verify=not args.no_verify,
     )
+    exit_process(run_rank(args.run_dir, start))
 
 
 if __name__ == "__main__":
