@@ -1,6 +1,8 @@
 """The ``tessera`` command.
 
-    tessera run R.yaml [key=value ...] [--resume [--same-layout]] [--dry-run]
+    tessera run R.yaml [key=value ...] [--resume [--same-layout] [--strict]] [--dry-run]
+    tessera compare R.yaml [key=value ...] [--baseline ddp|B.yaml] [--seeds K] [--scaling] [--out DIR]
+    tessera compare --runs CANDIDATE BASELINE [...] [--acceptance FILE] [--out DIR]
     tessera plan R.yaml [key=value ...] --world-size N [--hardware X] [--json]
     tessera convert SRC --to hf|deepspeed|megatron|ddp [--layout k=v,...] [--recipe R.yaml] --out DIR
                     [--dtype fp32|bf16] [--no-verify] [--prompts N]
@@ -16,12 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
 from tessera.errors import RecipeError, TesseraError
+from tessera.launch.runs import launch_ranks, plan_record, start_run, validate
 from tessera.rundir import ExitCode, RunDir
 
 
@@ -31,116 +33,20 @@ def _console():
     return Console()
 
 
-def _validate(path: str, overrides: list[str]):
-    """Everything about the recipe that can be checked before launch, cheaply (the data files are checked
-    where they are read: by ``load_corpus`` on a dry run, by ``prepare_run_dir`` otherwise); returns
-    (resolved, layout, device)."""
-    from tessera.config.loader import load_recipe
-    from tessera.plan.layout import layout_from_recipe
-    from tessera.train.worker import resolve_device
-
-    resolved = load_recipe(path, overrides)
-    device = resolve_device(resolved.recipe.run.device)
-    if resolved.recipe.parallel.auto:  # the planner's layout, written into the recipe the ranks read
-        from tessera.plan.search import apply_plan, hardware_for, plan_recipe
-
-        r = resolved.recipe
-        plan = plan_recipe(r, world_size=r.run.world_size, hardware=hardware_for(r, device=device))
-        resolved.recipe = apply_plan(r, plan)
-        resolved.plan = plan.to_json()
-    recipe = resolved.recipe
-    layout = layout_from_recipe(recipe)
-    if recipe.train.precision == "fp16" and device == "cpu":
-        raise RecipeError(
-            "fp16 does not exist on the CPU",
-            field="train.precision",
-            value="fp16",
-            fix="use train.precision: bf16 or fp32 on CPU",
-        )
-    from tessera.engines.registry import capabilities
-    from tessera.engines.zero import build_ds_config
-
-    if recipe.parallel.deepspeed_config and "deepspeed" not in capabilities(layout.engine).zero_impls:
-        raise RecipeError(
-            f"engine '{layout.engine}' does not run DeepSpeed, so a DeepSpeed JSON would be ignored",
-            field="parallel.deepspeed_config",
-            value=recipe.parallel.deepspeed_config,
-            fix="remove parallel.deepspeed_config, or use parallel.engine: deepspeed",
-        )
-    build_ds_config(recipe, layout, device=device)  # user JSON conflicts are errors before launch
-    from tessera.models.hf import check_vocab, load_hf_config
-
-    cfg = load_hf_config(recipe.model)
-    if recipe.data.tokenizer == "bpe":
-        check_vocab(cfg, recipe.data.vocab_size)
-    return resolved, layout, device
-
-
-def run_dir_of(recipe, recipe_path: str) -> Path:
-    name = recipe.run.name or Path(recipe_path).stem
-    return Path(recipe.run.out_dir) if recipe.run.out_dir else Path("runs") / name
-
-
 def cmd_run(args: argparse.Namespace) -> int:
-    from tessera.checkpoint.manager import CheckpointManager
-    from tessera.launch.launcher import build_command
-    from tessera.train.worker import prepare_run_dir
-
-    resolved, layout, device = _validate(args.recipe, args.overrides)
-    recipe = resolved.recipe
-    run_dir = run_dir_of(recipe, args.recipe).resolve()
-    for note in resolved.notes:
-        print(f"tessera: note: {note}", file=sys.stderr)
-    flags = (("--same-layout",) if args.same_layout else ()) + (("--strict",) if args.strict else ())
-    cmd, env = build_command(recipe, run_dir, resume=args.resume, device=device, worker_args=flags)
-    con = _console()
-    env_txt = " ".join(f"{k}={v}" for k, v in env.items())
-    printable = (env_txt + " " if env_txt else "") + shlex.join(cmd)
-    if args.dry_run:
-        from tessera.data import load_corpus
-
-        load_corpus(recipe.data, root=Path.cwd())  # missing files / empty globs fail here
-        con.print(f"[bold]layout[/]  {layout.describe()}")
-        con.print(f"[bold]device[/]  {device}")
-        con.print(f"[bold]run dir[/] {run_dir}")
-        con.print("[bold]command[/]")
-        print(printable)
-        return 0
-    if run_dir.exists() and not run_dir.is_dir():
-        raise TesseraError(
-            "the run directory is an existing file",
-            field="run.out_dir",
-            value=str(run_dir),
-            fix="point run.out_dir at a directory (new or an earlier run of this recipe)",
-        )
-    rd = RunDir(run_dir)
-    ckpts = CheckpointManager(
-        rd.checkpoints, keep=recipe.checkpoint.keep, rank=0, world_size=layout.world_size
+    rc, rd = start_run(
+        args.recipe,
+        args.overrides,
+        resume=args.resume,
+        same_layout=args.same_layout,
+        strict=args.strict,
+        dry_run=args.dry_run,
     )
-    if args.resume:
-        _check_resumable(ckpts, layout, run_dir, same_layout=args.same_layout)
-    elif args.same_layout or args.strict:
-        flag = "--same-layout" if args.same_layout else "--strict"
-        raise TesseraError(f"{flag} only applies to --resume", field=flag, value=True, fix="add --resume")
-    if not args.resume and ckpts.complete():
-        raise TesseraError(
-            "this run directory already holds checkpoints; a fresh run would mix with them",
-            field="run.out_dir",
-            value=str(run_dir),
-            fix="pass --resume to continue it, or set run.out_dir (or run.name) to a new directory",
-        )
-    with con.status("preparing data (tokenizer + packing, cached by content hash)"):
-        data = prepare_run_dir(recipe, rd, root=Path.cwd())
-    rd.write_json(RunDir.PLAN, _plan_record(resolved, layout, device))
-    con.print(f"data: {len(data)} samples x {recipe.data.seq_len} tokens, vocab {data.vocab_size}")
-    rd.write_json(RunDir.LAUNCH, {"command": printable, "argv": sys.argv, "resume": args.resume})
-    con.print(f"[bold]launch[/] {printable}")
-    rc = _launch(cmd, env, rd, recipe.run.world_size, what="run")
-    if rc != 0:
+    if rc != 0 or args.dry_run:
         return rc
     s = rd.read_json_if_present(RunDir.SUMMARY)
     if s is not None:
-        con.print(f"[bold green]done[/]  final loss {s['final_loss']:.4f}")
+        _console().print(f"[bold green]done[/]  final loss {s['final_loss']:.4f}")
         # plain prints: paths must stay copy-pasteable (rich would wrap them)
         print(f"run dir:          {s['run_dir']}")
         print(f"last checkpoint:  {s['last_checkpoint']}")
@@ -151,63 +57,37 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _launch(cmd: list[str], env: dict[str, str], rd: RunDir, world: int, *, what: str) -> int:
-    """Start the ranks through the launcher and wait. A failed rank is named with its last log lines; the
-    exit code is the rank's own verdict (bad input, divergence) where it gave one, else the launcher's."""
-    from tessera.launch.launcher import run_and_monitor
+def cmd_compare(args: argparse.Namespace) -> int:
+    from tessera.launch.compare import compare_existing, run_comparison
 
-    rc, failure = run_and_monitor(cmd, env, rd.path, world)
-    if failure is not None:
-        _console().print(
-            f"[bold red]rank {failure.rank} {failure.how}[/]; last log lines ({rd.rank_file(failure.rank, 'log')}):"
-        )
-        for line in failure.log_tail:
-            print(f"  | {line}")
-        print(f"tessera: {what} failed: rank {failure.rank} {failure.how} (exit code {rc})", file=sys.stderr)
-        if failure.code in (ExitCode.USER_ERROR, ExitCode.DIVERGED):
-            return int(failure.code)
-        return rc or ExitCode.FAILED
-    if rc != 0:
-        print(f"tessera: launcher exited with code {rc}; logs in {rd.logs}", file=sys.stderr)
-    return rc
-
-
-def _check_resumable(ckpts, layout, run_dir: Path, *, same_layout: bool) -> None:
-    """Before launch: the checkpoint ``--resume`` would read exists and every file matches its checksum
-    (the ranks verify again before loading); a layout change is announced (the ranks reshard it), or
-    refused with ``same_layout``."""
-    from tessera.train.worker import check_resume_layout
-
-    latest = ckpts.latest()
-    if latest is None:
+    if args.runs:
+        if args.recipe or args.overrides:
+            raise TesseraError(
+                "--runs compares finished runs; a recipe would start new ones",
+                field="--runs",
+                value=" ".join(args.runs),
+                fix="drop the recipe, or drop --runs",
+            )
+        return compare_existing(args.runs, acceptance_file=args.acceptance, out=args.out)
+    if not args.recipe:
         raise TesseraError(
-            "--resume found no complete checkpoint",
-            field="run.out_dir",
-            value=str(run_dir),
-            fix="run without --resume to start fresh",
+            "compare needs a recipe or --runs", field="recipe", value=None, fix="tessera compare R.yaml"
         )
-    meta = ckpts.verify(latest, any_world=not same_layout)
-    diff = check_resume_layout(meta, layout, latest, same_layout=same_layout)
-    if diff:
-        print(
-            f"tessera: {latest.name} was written with "
-            + ", ".join(f"{k}={a}" for k, a, _ in diff)
-            + "; resharding it to "
-            + ", ".join(f"{k}={b}" for k, _, b in diff)
-            + " before the first step (--same-layout refuses instead)",
-            file=sys.stderr,
+    if args.acceptance:
+        raise TesseraError(
+            "--acceptance only applies to --runs (a new comparison registers the recipe's acceptance section)",
+            field="--acceptance",
+            value=args.acceptance,
+            fix="put the thresholds in the recipe's acceptance section, or pass them as overrides",
         )
-
-
-def _plan_record(resolved, layout, device: str) -> dict[str, Any]:
-    """plan.json: the planner's full answer for ``parallel: auto``; otherwise the estimates of the
-    recipe's own layout (what the run should cost, against which comm.jsonl is read)."""
-    if resolved.plan is not None:
-        return {"source": "planner", **resolved.plan}
-    from tessera.plan.search import estimate_layout, hardware_for
-
-    hw = hardware_for(resolved.recipe, device=device)
-    return {"source": "recipe", "chosen": estimate_layout(resolved.recipe, layout, hardware=hw).to_json()}
+    return run_comparison(
+        args.recipe,
+        args.overrides,
+        baseline=args.baseline,
+        seeds=args.seeds,
+        out=args.out,
+        scaling=args.scaling,
+    )
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -355,18 +235,18 @@ def _convert_to_layout(args: argparse.Namespace) -> int:
     if world is None:  # an HF directory: the run trains that model, from those weights
         overrides += ["model.hf_config=null", f"model.path={src}", "model.pretrained=true"]
     overrides += [f"run.out_dir={out}"] + ([f"train.precision={args.dtype}"] if args.dtype else [])
-    resolved, layout, device = _validate(str(source_recipe(src, args.recipe)), overrides)
+    resolved, layout, device = validate(str(source_recipe(src, args.recipe)), overrides)
     recipe = resolved.recipe
     tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     con = _console()
     try:
         prepare_run_dir(recipe, RunDir(tmp), root=Path.cwd())
-        RunDir(tmp).write_json(RunDir.PLAN, _plan_record(resolved, layout, device))
+        RunDir(tmp).write_json(RunDir.PLAN, plan_record(resolved, layout, device))
         worker_args = ("--convert-from", str(src)) + (("--no-verify",) if args.no_verify else ())
         cmd, env = build_command(recipe, tmp, resume=False, device=device, worker_args=worker_args)
         con.print(f"[bold]convert[/] {src} -> {args.to} {layout.describe()} on {layout.world_size} rank(s)")
-        rc = _launch(cmd, env, RunDir(tmp), recipe.run.world_size, what="conversion")
+        rc = launch_ranks(cmd, env, RunDir(tmp), recipe.run.world_size, what="conversion")
         if rc != 0:
             print(f"tessera: nothing written to {out}", file=sys.stderr)
             return rc
@@ -495,6 +375,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--dry-run", action="store_true", help="print the command and the layout; start nothing")
     r.set_defaults(fn=cmd_run)
+    cp = sub.add_parser(
+        "compare", help="the recipe against the naive data-parallel baseline, under pre-registered thresholds"
+    )
+    cp.add_argument("recipe", nargs="?", default=None)
+    cp.add_argument("overrides", nargs="*", help="dotted overrides, applied to candidate and baseline")
+    cp.add_argument("--baseline", default="ddp", help="'ddp' (engine ddp, same ranks) or a baseline recipe")
+    cp.add_argument("--seeds", type=int, default=2, help="baseline seeds (the noise floor needs 2 or more)")
+    cp.add_argument("--out", default=None, help="comparison directory (default runs/compare-<name>-<time>)")
+    cp.add_argument(
+        "--scaling", action="store_true", help="also run the recipe on one rank (scaling efficiency)"
+    )
+    cp.add_argument("--runs", nargs="+", default=None, help="CANDIDATE BASELINE [...]: judge finished runs")
+    cp.add_argument("--acceptance", default=None, help="with --runs: a YAML file of acceptance thresholds")
+    cp.set_defaults(fn=cmd_compare)
     pl = sub.add_parser("plan", help="rank the layouts of a recipe's model on N devices")
     pl.add_argument("recipe")
     pl.add_argument("overrides", nargs="*")

@@ -91,15 +91,19 @@ class CommCounter:
     enabled: bool = True
     _step: dict[tuple[str, str, str], _Agg] = field(default_factory=lambda: defaultdict(_Agg))
     _local: threading.local = field(default_factory=threading.local)
+    #: seconds of every op counted since the process installed the counter (never reset)
+    total_seconds: float = 0.0
 
     def record(self, op: str, group: Any, payload: Any, seconds: float) -> None:
         agg = self._step[(op, self.namer(group), _dtype(payload))]
         agg.count += 1
         agg.bytes += _nbytes(payload)
         agg.seconds += seconds
+        self.total_seconds += seconds
 
     def add_seconds(self, op: str, group: Any, payload: Any, seconds: float) -> None:
         self._step[(op, self.namer(group), _dtype(payload))].seconds += seconds
+        self.total_seconds += seconds
 
     def pop_step(self) -> list[dict[str, Any]]:
         """This step's ops (sorted), and a fresh tally for the next step."""
@@ -239,6 +243,26 @@ def add_async_seconds(op: str, group: Any, payload: Any, seconds: float) -> None
     comm hooks): added to the op the wrapper already counted. No-op when nothing is installed."""
     if _COUNTER is not None and _COUNTER.enabled:
         _COUNTER.add_seconds(op, group, payload, seconds)
+
+
+class Phase:
+    """A timed block: ``seconds`` of wall time and ``comm_seconds`` of counted collectives inside it (an
+    engine's optimizer step, so that the report can split a step into compute, communication and
+    optimizer without counting the optimizer's own collectives twice)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.comm_seconds = 0.0
+
+    def __enter__(self) -> Phase:
+        self._t0 = time.perf_counter()
+        self._c0 = _COUNTER.total_seconds if _COUNTER is not None else 0.0
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.seconds += time.perf_counter() - self._t0
+        if _COUNTER is not None:
+            self.comm_seconds += _COUNTER.total_seconds - self._c0
 
 
 def group_namer(layout: Any, known: dict[Any, str] | None = None) -> Callable[[Any], str]:

@@ -46,6 +46,17 @@ class ModelSection(_Section):
         return self
 
 
+class EvalSection(_Section):
+    fraction: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="share of the documents held out for eval loss (the last ones; never trained on); "
+        "0 = no eval split",
+    )
+    max_samples: int = Field(256, ge=1, description="cap on eval rows (whole global batches are used)")
+
+
 class DataSection(_Section):
     source: Literal["stdlib", "files"] = Field(
         "stdlib", description="stdlib = the Python standard library's source files; files = data.files"
@@ -69,6 +80,7 @@ class DataSection(_Section):
     cache_dir: str = Field(
         ".cache/tessera", description="where tokenizers and tokenized data are cached by hash"
     )
+    eval: EvalSection = Field(default_factory=EvalSection, description="the held-out eval split")
 
     @model_validator(mode="after")
     def _files_given(self) -> DataSection:
@@ -157,6 +169,50 @@ class TrainSection(_Section):
     seed: int = Field(1234, description="seed of weights, data order and RNG")
     precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="compute precision")
     log_every: int = Field(1, ge=1, description="metrics / progress every N steps")
+    eval_every: int = Field(
+        0,
+        ge=0,
+        description="eval loss on data.eval every N steps and after the last; 0 = after the last only",
+    )
+
+
+class Tolerance(_Section):
+    """A band around the baseline's curve, step by step; several forms given: the widest applies."""
+
+    rel: float | None = Field(None, gt=0, description="|candidate - baseline| <= rel * |baseline|")
+    abs: float | None = Field(None, gt=0, description="|candidate - baseline| <= abs")
+    noise_floor_multiple: float | None = Field(
+        None, gt=0, description="|candidate - baseline| <= k * the baseline seeds' spread at that step"
+    )
+
+    @model_validator(mode="after")
+    def _one_form(self) -> Tolerance:
+        if self.rel is None and self.abs is None and self.noise_floor_multiple is None:
+            raise ValueError("give rel, abs or noise_floor_multiple")
+        return self
+
+
+class AcceptanceSection(_Section):
+    """Thresholds of ``tessera compare``, fixed before the runs start (written to preregistration.json).
+    Ratios are candidate / baseline; an unset threshold is not checked."""
+
+    throughput_ratio_min: float | None = Field(
+        None, gt=0, description="steady-state tokens/s of the candidate over the baseline's, at least"
+    )
+    peak_memory_ratio_max: float | None = Field(
+        None, gt=0, description="largest per-rank peak memory over the baseline's, at most"
+    )
+    time_to_first_step_ratio_max: float | None = Field(
+        None, gt=0, description="process start to the end of step 1, over the baseline's, at most"
+    )
+    loss_tolerance: Tolerance | None = Field(None, description="band of the loss curve around the baseline")
+    grad_norm_tolerance: Tolerance | None = Field(
+        None, description="band of the grad-norm curve around the baseline"
+    )
+    eval_loss_ratio_max: float | None = Field(
+        None, gt=0, description="final eval loss over the baseline's, at most (needs data.eval)"
+    )
+    warmup_steps: int = Field(5, ge=0, description="first steps left out of every timing statistic")
 
 
 class CheckpointSection(_Section):
@@ -213,6 +269,9 @@ class Recipe(_Section):
     train: TrainSection = Field(default_factory=TrainSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     tracking: TrackingSection = Field(default_factory=TrackingSection)
+    acceptance: AcceptanceSection = Field(
+        default_factory=AcceptanceSection, description="tessera compare's pre-registered thresholds"
+    )
     run: RunSection = Field(default_factory=RunSection)
 
     def to_dict(self) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from tessera.data.tokenizer import load_tokenizer
 from tessera.errors import DataError
 
 IGNORE_INDEX = -100
+_TENSORS = ("input_ids", "labels", "eval_input_ids", "eval_labels")
 # Bumped when the tensor layout produced from the same tokens changes (invalidates old cache entries).
 DATA_VERSION = 1
 
@@ -51,13 +52,16 @@ class PreparedData:
     """files, content_hash, data_hash, num_docs, num_tokens, num_samples, seq_len, packing."""
     cache_file: str
     """the cached tensors these rows were read from"""
+    eval_input_ids: torch.Tensor | None = None
+    """the held-out rows (``data.eval``), built from documents never trained on; None without a split"""
+    eval_labels: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
 
     def record(self) -> dict[str, Any]:
         """Everything but the tensors, as JSON: what :func:`load_prepared` needs to skip the hashing."""
-        return {k: v for k, v in self.__dict__.items() if k not in ("input_ids", "labels")}
+        return {k: v for k, v in self.__dict__.items() if k not in _TENSORS}
 
 
 def load_prepared(record: dict[str, Any]) -> PreparedData:
@@ -74,13 +78,28 @@ def load_prepared(record: dict[str, Any]) -> PreparedData:
             value=record["cache_file"],
             fix="run `tessera run` again (it rebuilds the cache)",
         )
-    input_ids, labels = _tensors(payload)
-    return PreparedData(input_ids=input_ids, labels=labels, **record)
+    return PreparedData(**_tensors(payload), **record)
 
 
-def _tensors(payload: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    input_ids = payload["input_ids"]
-    return input_ids, input_ids.clone() if payload["labels"] is None else payload["labels"]
+def _tensors(payload: dict[str, Any]) -> dict[str, torch.Tensor | None]:
+    """The row tensors of a cache payload (packed rows store no labels: they equal the input ids)."""
+    out: dict[str, torch.Tensor | None] = {}
+    for prefix in ("", "eval_"):
+        ids = payload.get(prefix + "input_ids")
+        labels = payload.get(prefix + "labels")
+        out[prefix + "input_ids"] = ids
+        out[prefix + "labels"] = None if ids is None else (ids.clone() if labels is None else labels)
+    return out
+
+
+def eval_split_hash(input_ids: torch.Tensor, labels: torch.Tensor) -> str:
+    """sha256 of the eval rows (ids and labels, int64 little-endian): what the manifest pins."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for t in (input_ids, labels):
+        h.update(t.contiguous().to(torch.int64).numpy().tobytes())
+    return h.hexdigest()
 
 
 def prepare_data(section: DataSection, *, root: Path | None = None) -> PreparedData:
@@ -94,15 +113,16 @@ def prepare_data(section: DataSection, *, root: Path | None = None) -> PreparedD
     tok = load_tokenizer(section, corpus, root=root, cache_dir=cache_dir)
     tokenizer = tok.tokenizer
     eos_id, pad_id = int(tokenizer.eos_token_id), int(tokenizer.pad_token_id)
-    data_hash = sha256_json(
-        {
-            "version": DATA_VERSION,
-            "corpus": corpus.content_hash,
-            "tokenizer": tok.tokenizer_hash,
-            "seq_len": section.seq_len,
-            "packing": section.packing,
-        }
-    )
+    key: dict[str, Any] = {
+        "version": DATA_VERSION,
+        "corpus": corpus.content_hash,
+        "tokenizer": tok.tokenizer_hash,
+        "seq_len": section.seq_len,
+        "packing": section.packing,
+    }
+    if section.eval.fraction > 0:  # absent otherwise: runs without a split keep their cache entries
+        key["eval_fraction"] = section.eval.fraction
+    data_hash = sha256_json(key)
     target = cache_dir / "data" / f"{data_hash}.pt"
     payload = _read_cache(target)
     if payload is None:
@@ -111,8 +131,10 @@ def prepare_data(section: DataSection, *, root: Path | None = None) -> PreparedD
             if payload is None:
                 payload = _build(section, corpus, tokenizer, eos_id=eos_id, pad_id=pad_id)
                 atomic_torch_save(payload, target)
-    input_ids, labels = _tensors(payload)
-    fingerprint = {
+    rows = _tensors(payload)
+    input_ids = rows["input_ids"]
+    assert input_ids is not None
+    fingerprint: dict[str, Any] = {
         "source": corpus.fingerprint["source"],
         "files": corpus.fingerprint["files"],
         "content_hash": corpus.content_hash,
@@ -123,9 +145,16 @@ def prepare_data(section: DataSection, *, root: Path | None = None) -> PreparedD
         "seq_len": section.seq_len,
         "packing": section.packing,
     }
+    if rows["eval_input_ids"] is not None:
+        assert rows["eval_labels"] is not None
+        fingerprint["eval"] = {
+            "fraction": section.eval.fraction,
+            "num_docs": int(payload["eval_docs"]),
+            "num_samples": int(rows["eval_input_ids"].shape[0]),
+            "sha256": eval_split_hash(rows["eval_input_ids"], rows["eval_labels"]),
+        }
     return PreparedData(
-        input_ids=input_ids,
-        labels=labels,
+        **rows,
         vocab_size=len(tokenizer),
         pad_id=pad_id,
         eos_id=eos_id,
@@ -146,21 +175,50 @@ def _read_cache(path: Path) -> dict[str, Any] | None:
 def _build(
     section: DataSection, corpus: Corpus, tokenizer: Any, *, eos_id: int, pad_id: int
 ) -> dict[str, Any]:
-    """Tokenize the corpus and lay it out as packed or padded rows."""
+    """Tokenize the corpus and lay it out as packed or padded rows; with ``data.eval`` the last documents
+    are laid out the same way into separate eval rows (a document is in one split only)."""
     docs = corpus.documents
     encoded = _encode(tokenizer, docs)
+    n_eval = _eval_docs(section, len(docs))
+    out = _rows(section, encoded[: len(docs) - n_eval], eos_id=eos_id, pad_id=pad_id, what="training")
+    out["num_docs"] = len(docs)
+    if n_eval:
+        held = _rows(section, encoded[len(docs) - n_eval :], eos_id=eos_id, pad_id=pad_id, what="eval")
+        out.update(eval_input_ids=held["input_ids"], eval_labels=held["labels"], eval_docs=n_eval)
+    return out
+
+
+def _eval_docs(section: DataSection, num_docs: int) -> int:
+    """Documents held out for eval: ``data.eval.fraction`` of them, at least one, never all."""
+    if section.eval.fraction <= 0:
+        return 0
+    n = max(1, round(section.eval.fraction * num_docs))
+    if n >= num_docs:
+        raise DataError(
+            f"data.eval.fraction holds out {n} of {num_docs} documents, leaving none to train on",
+            field="data.eval.fraction",
+            value=section.eval.fraction,
+            fix="lower data.eval.fraction or read more documents (data.max_docs, data.files)",
+        )
+    return n
+
+
+def _rows(
+    section: DataSection, encoded: list[list[int]], *, eos_id: int, pad_id: int, what: str
+) -> dict[str, Any]:
+    """Token ids per document -> ``input_ids`` / ``labels`` rows (labels None when packed) + token count."""
     seq_len = section.seq_len
     labels: torch.Tensor | None
     if section.packing:
         stream = [t for ids in encoded for t in (*ids, eos_id)]
         rows = len(stream) // seq_len
-        _require_samples(rows, section, f"{len(stream)} tokens in all, fewer than seq_len={seq_len}")
+        _require_samples(rows, section, f"{len(stream)} {what} tokens, fewer than seq_len={seq_len}")
         input_ids = torch.tensor(stream[: rows * seq_len], dtype=torch.int64).view(rows, seq_len)
         labels = None  # == input_ids; not stored twice, rebuilt on load
         num_tokens = rows * seq_len
     else:
         encoded = [ids for ids in encoded if ids]
-        _require_samples(len(encoded), section, "every document tokenized to nothing")
+        _require_samples(len(encoded), section, f"every {what} document tokenized to nothing")
         input_ids = torch.full((len(encoded), seq_len), pad_id, dtype=torch.int64)
         labels = torch.full((len(encoded), seq_len), IGNORE_INDEX, dtype=torch.int64)
         for i, ids in enumerate(encoded):
@@ -169,7 +227,7 @@ def _build(
             input_ids[i, : len(row)] = torch.tensor(row, dtype=torch.int64)
             labels[i, : len(row)] = input_ids[i, : len(row)]
         num_tokens = int((labels != IGNORE_INDEX).sum())
-    return {"input_ids": input_ids, "labels": labels, "num_docs": len(docs), "num_tokens": num_tokens}
+    return {"input_ids": input_ids, "labels": labels, "num_tokens": num_tokens}
 
 
 def _encode(tokenizer: Any, docs: list[str]) -> list[list[int]]:

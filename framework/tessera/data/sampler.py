@@ -114,18 +114,36 @@ class StepSampler:
 
     def next_step(self) -> list[list[int]]:
         """This rank's ``grad_accum`` micro-batches (``micro_batch`` indices each) for the next step."""
-        batch = self._global_batch(self.epoch, self.step_in_epoch)
-        mb = self.micro_batch
-        micro = []
-        for k in range(self.grad_accum):
-            start = (k * self.dp_size + self.dp_rank) * mb
-            micro.append(batch[start : start + mb].tolist())
+        micro = self.split(self._global_batch(self.epoch, self.step_in_epoch).tolist())
         self.step_in_epoch += 1
         self.consumed_samples += self.global_batch
         if self.step_in_epoch == self.steps_per_epoch:
             self.epoch += 1
             self.step_in_epoch = 0
         return micro
+
+    def split(self, batch: list[int]) -> list[list[int]]:
+        """This rank's ``grad_accum`` micro-batches of one global batch of ``G`` indices."""
+        mb = self.micro_batch
+        return [
+            batch[(k * self.dp_size + self.dp_rank) * mb : (k * self.dp_size + self.dp_rank + 1) * mb]
+            for k in range(self.grad_accum)
+        ]
+
+    def eval_batches(self, num_eval: int, *, max_samples: int) -> list[list[list[int]]]:
+        """The held-out rows in order, as whole global batches split like a training step (so every layout
+        evaluates the same rows): at most ``max_samples`` rows, the incomplete last batch dropped."""
+        g = self.global_batch
+        used = min(num_eval, max_samples) // g * g
+        if used == 0:
+            raise DataError(
+                f"the eval split has {num_eval} rows (capped at data.eval.max_samples={max_samples}), "
+                f"fewer than one global batch of {g}",
+                field="data.eval.fraction",
+                value=num_eval,
+                fix=f"raise data.eval.fraction (and data.eval.max_samples) to give at least {g} eval rows",
+            )
+        return [self.split(list(range(c, c + g))) for c in range(0, used, g)]
 
     def __iter__(self):
         """Endless: steps continue into new epochs; the training loop decides when to stop."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tessera.comm.accounting import Phase
 from tessera.config.schema import ModelSection, Recipe
 from tessera.plan.layout import ParallelLayout
 
@@ -38,6 +39,8 @@ class StepResult:
     lr: float
     tokens: int  # label tokens in the global batch
     input_tokens: int  # input positions in the global batch (throughput counts these)
+    optimizer_s: float = 0.0  # wall seconds of the optimizer step (clip + update), its collectives included
+    optimizer_comm_s: float = 0.0  # the counted collective seconds inside optimizer_s
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,8 @@ class ModelSource:
     #: an HF directory (safetensors) whose tensors replace the initial weights: a resharded checkpoint's
     #: staged weights; ``model.pretrained`` reads ``model.path`` the same way
     weights: Path | None = None
+    #: sha256 of the seeded initial weights, set by the first :meth:`build_hf` (see :meth:`initial_weights`)
+    _seeded_digest: list[str] = field(default_factory=list, compare=False, repr=False)
 
     @classmethod
     def of(cls, recipe: Recipe, *, vocab_size: int, weights: Path | None = None) -> ModelSource:
@@ -85,7 +90,29 @@ class ModelSource:
         model = build_model(section, seed=self.seed, vocab_size=self.vocab_size)
         if tensors is not None:
             fill_from(model, tensors, where=str(self.weights_dir()))
+        elif not self._seeded_digest and _is_rank0():
+            from tessera.evidence.manifest import weights_digest
+
+            self._seeded_digest.append(weights_digest(model.state_dict().items()))
         return model
+
+    def initial_weights(self) -> dict[str, Any] | None:
+        """What the manifest records of the initial weights (rank 0): the sha256 of the weight files of
+        a pretrained / given directory, or of the tensors the seed gave (by HF name, so every layout of
+        the same model and seed records the same hash). None where this rank did not build them."""
+        d = self.weights_dir()
+        if d is not None:
+            from tessera.evidence.manifest import files_digest
+
+            files = sorted(d.glob("*.safetensors")) or sorted(d.glob("*.bin"))
+            return {"from": "files", "path": str(d), "sha256": files_digest(files)}
+        if self._seeded_digest:
+            return {"from": "seed", "seed": self.seed, "sha256": self._seeded_digest[0]}
+        return None
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 @dataclass(frozen=True)
@@ -130,6 +157,11 @@ class Engine(Protocol):
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]], step: int) -> StepResult:
         """One optimizer step over this rank's micro-batches (``step`` is 1-based and sets the LR)."""
+        ...
+
+    def eval_loss(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
+        """(summed token loss, label tokens) of one held-out global batch (this rank's micro-batches of
+        it, as in ``train_step``), summed over the whole batch; no gradients, nothing updated."""
         ...
 
     def named_groups(self) -> dict[Any, str]:
@@ -210,8 +242,17 @@ def global_counts(
     return tokens, inputs
 
 
-def step_result(loss_sum: float, grad_norm: Any, *, lr: float, tokens: float, inputs: float) -> StepResult:
-    """The step's report; an engine that has no norm passes ``None`` (never NaN, which means diverged)."""
+def step_result(
+    loss_sum: float,
+    grad_norm: Any,
+    *,
+    lr: float,
+    tokens: float,
+    inputs: float,
+    optimizer: Phase | None = None,
+) -> StepResult:
+    """The step's report; an engine that has no norm passes ``None`` (never NaN, which means diverged);
+    ``optimizer``: the timed optimizer step."""
     norm = None if grad_norm is None else float(grad_norm)
     return StepResult(
         loss=float(loss_sum) / max(tokens, 1.0),
@@ -219,7 +260,32 @@ def step_result(loss_sum: float, grad_norm: Any, *, lr: float, tokens: float, in
         lr=lr,
         tokens=int(tokens),
         input_tokens=int(inputs),
+        optimizer_s=optimizer.seconds if optimizer else 0.0,
+        optimizer_comm_s=optimizer.comm_seconds if optimizer else 0.0,
     )
+
+
+def hf_eval_loss(
+    model: Any,
+    micro_batches: list[dict[str, torch.Tensor]],
+    layout: ParallelLayout,
+    *,
+    device: torch.device,
+    autocast_bf16: bool = False,
+    group: Any = None,
+) -> tuple[float, float]:
+    """(summed token loss, label tokens) of a held-out global batch through an HF causal LM (or a
+    DeepSpeed engine around one), summed over data parallelism; no gradients, eval mode."""
+    model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    with torch.no_grad():
+        for mb in micro_batches:
+            ids = mb["input_ids"].to(device, non_blocking=True)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast_bf16):
+                logits = model(input_ids=ids, use_cache=False).logits
+            loss_sum += summed_token_loss(logits, mb["labels"].to(device, non_blocking=True))
+    tokens, _ = global_counts(micro_batches, layout, device=device, group=group)
+    return float(dp_sum(loss_sum, layout, group)), tokens
 
 
 def first_nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> str | None:

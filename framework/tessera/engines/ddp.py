@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tessera.comm.accounting import Phase
 from tessera.config.schema import Recipe
 from tessera.engines.base import (
     ModelSource,
@@ -32,6 +33,7 @@ from tessera.engines.base import (
     TensorSlice,
     dp_sum,
     global_counts,
+    hf_eval_loss,
     step_result,
     summed_token_loss,
 )
@@ -110,13 +112,19 @@ class DDPEngine:
                 (token_loss * scale).backward()
         if self._grads_held is None:  # gradients exist between backward and the next zero_grad
             self._grads_held = tensor_bytes(p.grad for p in self.model.parameters() if p.grad is not None)
-        # the pre-clip norm of the all-reduced gradients: the same on every rank
-        norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), self.grad_clip if self.grad_clip > 0 else math.inf
-        )
-        self.optimizer.step()
+        with Phase() as opt:
+            # the pre-clip norm of the all-reduced gradients: the same on every rank
+            norm = torch.nn.utils.clip_grad_norm_(
+                self.model.parameters(), self.grad_clip if self.grad_clip > 0 else math.inf
+            )
+            self.optimizer.step()
         dp_sum(loss_sum, self.layout)
-        return step_result(float(loss_sum), float(norm), lr=lr, tokens=tokens, inputs=inputs)
+        return step_result(float(loss_sum), float(norm), lr=lr, tokens=tokens, inputs=inputs, optimizer=opt)
+
+    def eval_loss(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
+        return hf_eval_loss(
+            self.model, micro_batches, self.layout, device=self.device, autocast_bf16=self.bf16
+        )
 
     def named_groups(self) -> dict[Any, str]:
         """Data parallelism over the whole world: the comm accounting names it from the layout."""

@@ -23,6 +23,7 @@ from tessera.engines.base import (
     TensorSlice,
     dp_sum,
     global_counts,
+    hf_eval_loss,
     step_result,
     summed_token_loss,
 )
@@ -58,7 +59,13 @@ class DeepSpeedEngine:
         scale = self.layout.grad_accum * self.layout.dp / max(tokens, 1.0)
         loss_sum, norm = self.ds.step(micro_batches, scale, self._loss_of)
         dp_sum(loss_sum, self.layout)
-        return step_result(float(loss_sum), norm, lr=lr, tokens=tokens, inputs=inputs)
+        return step_result(
+            float(loss_sum), norm, lr=lr, tokens=tokens, inputs=inputs, optimizer=self.ds.optimizer_phase
+        )
+
+    def eval_loss(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
+        """Through the DeepSpeed engine (ZeRO-3 gathers its parameters in the forward; bf16 casts)."""
+        return hf_eval_loss(self.ds.engine, micro_batches, self.layout, device=self.device)
 
     def _loss_of(self, engine: Any, mb: dict[str, torch.Tensor]) -> torch.Tensor:
         ids = mb["input_ids"].to(self.device, non_blocking=True)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tessera.comm.accounting import Phase
 from tessera.config.schema import Recipe
 from tessera.engines.base import (
     IGNORE_INDEX,
@@ -360,17 +361,36 @@ class MegatronEngine:
             c.train()
         if self.ds is not None:
             loss_t, grad_norm = self.ds.step(micro_batches, scale, self._loss_sum)
-            loss_sum = float(dp_sum(loss_t, self.layout, self.dp_group))
+            loss_sum, opt = float(dp_sum(loss_t, self.layout, self.dp_group)), self.ds.optimizer_phase
         else:
-            loss_sum, grad_norm = self._step_megatron(micro_batches, scale)
-        return step_result(loss_sum, grad_norm, lr=lr, tokens=tokens, inputs=inputs)
+            for c in self.chunks:
+                c.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            loss_sum = self._schedule(micro_batches, scale, forward_only=False)
+            with Phase() as opt:
+                ok, grad_norm, _ = self.optimizer.step()
+            if not ok:  # only fp16 loss scaling skips a step, and fp16 is refused before launch
+                raise RuntimeError("megatron optimizer skipped the step")
+            grad_norm = None if grad_norm is None else float(grad_norm)
+        return step_result(loss_sum, grad_norm, lr=lr, tokens=tokens, inputs=inputs, optimizer=opt)
 
-    def _step_megatron(
-        self, micro_batches: list[dict[str, torch.Tensor]], scale: float
-    ) -> tuple[float, float | None]:
+    def eval_loss(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
+        tokens, _ = global_counts(micro_batches, self.layout, device=self.device, group=self.dp_group)
         for c in self.chunks:
-            c.zero_grad_buffer()
-        self.optimizer.zero_grad()
+            c.eval()
+        with torch.no_grad():
+            if self.ds is not None:
+                loss_t = sum((self._loss_sum(self.ds.engine, mb).double() for mb in micro_batches), start=0.0)
+                loss = torch.as_tensor(loss_t, dtype=torch.float64, device=self.device)
+                # tp ranks hold copies of the same loss: one dp replica's sum per dp rank
+                return float(dp_sum(loss, self.layout, self.dp_group)), tokens
+            return self._schedule(micro_batches, 1.0, forward_only=True), tokens
+
+    def _schedule(
+        self, micro_batches: list[dict[str, torch.Tensor]], scale: float, *, forward_only: bool
+    ) -> float:
+        """Run megatron-core's schedule (1F1B / interleaved / no pipelining) over the micro-batches;
+        returns the summed token loss of the global batch (every rank gets it)."""
 
         def loss_func(loss_sum: torch.Tensor):
             return loss_sum * scale, {"loss_sum": loss_sum.detach()}
@@ -390,11 +410,8 @@ class MegatronEngine:
             num_microbatches=len(micro_batches),
             seq_length=self.seq_len,
             micro_batch_size=self.layout.micro_batch,
-            forward_only=False,
+            forward_only=forward_only,
         )
-        ok, grad_norm, _ = self.optimizer.step()
-        if not ok:  # only fp16 loss scaling skips a step, and fp16 is refused before launch
-            raise RuntimeError("megatron optimizer skipped the step")
         # the loss lives on the last stage; tp ranks hold copies: count one rank per dp replica
         mine = torch.zeros((), dtype=torch.float64, device=self.device)
         if (
@@ -405,7 +422,7 @@ class MegatronEngine:
                 mine += d["loss_sum"].double()
         if dist.get_world_size() > 1:
             dist.all_reduce(mine)
-        return float(mine), None if grad_norm is None else float(grad_norm)
+        return float(mine)
 
     # ---- what this rank holds ----------------------------------------------------------------------
     def held_state(self) -> dict[str, int]:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from tessera.comm.accounting import Phase
 from tessera.config.schema import Recipe
 from tessera.engines.held import (
     deepspeed_grad_bytes,
@@ -149,6 +150,8 @@ class DeepSpeedRunner:
         self.schedule = LRSchedule(recipe)
         self._grads_held: int | None = None
         self.sharding = f"deepspeed-zero{layout.zero}"
+        #: the last step's optimizer step (the boundary ``engine.step()``), timed
+        self.optimizer_phase = Phase()
 
     @property
     def module(self) -> torch.nn.Module:
@@ -165,18 +168,22 @@ class DeepSpeedRunner:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.engine.device)
         manual_norm = None
         self.engine.train()
+        self.optimizer_phase = Phase()
         for i, mb in enumerate(micro_batches):
             token_loss = loss_of(self.engine, mb)
             loss_sum += token_loss.detach()  # stays on the device: no sync per micro-batch
             self.engine.backward(token_loss * scale)
-            if i == len(micro_batches) - 1:
+            if i < len(micro_batches) - 1:
+                self.engine.step()  # not a boundary: DeepSpeed only counts the micro-step
+                continue
+            if self._grads_held is None:  # gradients exist only here; measured once
+                self._grads_held = deepspeed_grad_bytes(self.engine, self.layout.zero)
+            with self.optimizer_phase:  # the boundary: clip, (ZeRO) reduce, update, (ZeRO) gather
                 if self.layout.zero == 0:
                     # without ZeRO, DeepSpeed clips but does not keep the norm; gradients are all-reduced
                     # by now (backward at the boundary), so the pre-clip norm is the same on every rank
                     manual_norm = _grad_norm(self.engine.module.parameters())
-                if self._grads_held is None:  # gradients exist only here; measured once
-                    self._grads_held = deepspeed_grad_bytes(self.engine, self.layout.zero)
-            self.engine.step()
+                self.engine.step()
         norm = self.engine.get_global_grad_norm() if manual_norm is None else manual_norm
         return loss_sum, None if norm is None else float(norm)
 

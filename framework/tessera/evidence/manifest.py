@@ -144,6 +144,27 @@ def topology(world_size: int, hostfile: str | None) -> dict[str, Any]:
     }
 
 
+def weights_digest(named: Any) -> str:
+    """sha256 over (name, dtype, shape, bytes) of tensors in name order: the same on every layout."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256()
+    for name, t in sorted(named, key=lambda kv: kv[0]):
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def files_digest(paths: list[Path]) -> str:
+    """sha256 over (file name, sha256 of its bytes) of weight files, streamed."""
+    from tessera.atomic import sha256_file
+
+    return sha256_bytes("".join(f"{p.name}:{sha256_file(p)}\n" for p in sorted(paths)).encode())
+
+
 def capture_manifest(
     *,
     recipe: dict[str, Any],
@@ -186,7 +207,7 @@ def capture_manifest(
 # host, the launch (ports, paths), what the run did after it started, and what is derived from recorded
 # inputs (the plan follows from config + hardware)
 _VOLATILE = {
-    "launcher_command", "hardware.hostname", "checkpoint_step", "resumed_from", "resharded", "plan",
+    "launcher_command", "hardware.hostname", "checkpoint_step", "resumed_from", "resharded", "plan", "restarts",
     "fault_injection", "environment.MASTER_ADDR", "environment.MASTER_PORT", "environment.WORLD_SIZE",
 }  # fmt: skip
 #: top-level manifest key -> the group a difference is reported under
@@ -194,7 +215,8 @@ GROUPS = {
     "git": "code", "versions": "environment", "packages": "environment", "environment": "environment",
     "recipe": "config", "recipe_hash": "config", "layout": "config", "seed": "config", "world_size": "config",
     "data": "data", "tokenizer_hash": "data", "hardware": "hardware", "topology": "hardware",
-    "device": "hardware", "hostfile": "hardware", "manifest_version": "code",
+    "device": "hardware", "hostfile": "hardware", "manifest_version": "code", "initial_weights": "data",
+    "preregistration_sha256": "config",
 }  # fmt: skip
 
 

@@ -49,6 +49,8 @@ class HardwareProfile:
     host_link_bandwidth: float | None = None
     #: host-memory bandwidth per node in bytes/s (the CPU Adam step of offload is bound by it)
     host_memory_bandwidth: float | None = None
+    #: price of one device for one hour (any currency; the report quotes cost per 1B tokens); None = unknown
+    price_per_device_hour: float | None = None
 
     @property
     def can_offload(self) -> bool:

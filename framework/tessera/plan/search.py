@@ -77,6 +77,7 @@ class Candidate:
             "bubble_fraction": self.bubble,
             "step_time_s": self.time.step_s,
             "mfu": self.time.mfu,
+            "model_flops_per_step": self.time.model_flops_per_step,
             "step_time_breakdown_s": {k: v for k, v in self.time.to_json().items() if k.endswith("_s")},
             "formulas": {
                 **self.memory.formulas,

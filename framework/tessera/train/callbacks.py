@@ -21,6 +21,9 @@ class CommLogCallback(Callback):
     def on_checkpoint(self, ctx: RunContext, step: int, path: Path) -> None:
         self.log.write("checkpoint", step, ctx.counter.pop_step())
 
+    def on_eval(self, ctx: RunContext, step: int, ops: list[dict[str, Any]]) -> None:
+        self.log.write("eval", step, ops)
+
     def on_run_end(self, ctx: RunContext) -> None:
         self.log.close()
 
@@ -60,7 +63,14 @@ class WandbCallback(Callback):
         self.tracker.log(rec, rec["step"])
 
     def on_run_end(self, ctx: RunContext) -> None:
-        self.tracker.summary({"final_loss": ctx.records[-1]["loss"] if ctx.records else None})
+        last = ctx.records[-1] if ctx.records else {}
+        evals = [r["eval_loss"] for r in ctx.records if r.get("eval_loss") is not None]
+        self.tracker.summary(
+            {"final_loss": last.get("loss"), "final_eval_loss": evals[-1] if evals else None}
+        )
+        self.tracker.log_files(
+            f"manifest-{self.tracker.run_id}", "manifest", {"manifest.json": ctx.run_dir.manifest}
+        )
         self.tracker.finish()
 
     def on_failure(self, ctx: RunContext, exc: BaseException) -> None:

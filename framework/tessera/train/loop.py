@@ -39,6 +39,13 @@ class RunContext:
     describe: dict[str, Any]  # what every checkpoint's meta.json says of the run (engine, layout, model)
     start_step: int = 0
     resumed: bool = False
+    #: the held-out global batches (this rank's micro-batch indices into data.eval_*), None: no eval split
+    eval_batches: list[list[list[int]]] | None = None
+    #: model FLOPs of one step (the planner's formula) and the peak FLOP/s of one device: MFU per step
+    model_flops_per_step: float | None = None
+    peak_flops: float | None = None
+    #: when this rank's process started (epoch seconds): time to first step
+    process_start: float | None = None
     step: int = 0  # the step in progress (1-based), 0 before the first
     last_saved: int | None = None
     records: list[dict[str, Any]] = field(default_factory=list)
@@ -64,6 +71,8 @@ class Callback:
 
     def on_checkpoint(self, ctx: RunContext, step: int, path: Path) -> None: ...
 
+    def on_eval(self, ctx: RunContext, step: int, ops: list[dict[str, Any]]) -> None: ...
+
     def on_run_end(self, ctx: RunContext) -> None: ...
 
     def on_failure(self, ctx: RunContext, exc: BaseException) -> None: ...
@@ -88,6 +97,9 @@ class TrainingLoop:
                 ctx.step = step
                 self._each("on_step_start", step)
                 rec, ops = self._step(step)
+                if self._eval_due(step):
+                    rec["eval_loss"] = self.evaluate()
+                    self._each("on_eval", step, ctx.counter.pop_step())
                 ctx.records.append(rec)
                 self._each("on_step_end", rec, ops)
         except BaseException as exc:
@@ -103,7 +115,9 @@ class TrainingLoop:
     def _step(self, step: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         ctx = self.ctx
         data = ctx.data
+        t_data = time.perf_counter()
         micro = [{"input_ids": data.input_ids[i], "labels": data.labels[i]} for i in ctx.sampler.next_step()]
+        data_s = time.perf_counter() - t_data
         cuda = ctx.device == "cuda"
         if cuda:
             torch.cuda.synchronize()
@@ -114,6 +128,7 @@ class TrainingLoop:
         dt = time.perf_counter() - t0
         ops = ctx.counter.pop_step()
         comm_s = sum(o["seconds"] for o in ops)
+        optimizer_s = max(res.optimizer_s - res.optimizer_comm_s, 0.0)  # its collectives count as comm
         from tessera.train.metrics import peak_memory_bytes
 
         rec = {
@@ -129,8 +144,36 @@ class TrainingLoop:
             "comm_bytes": sum(o["bytes"] for o in ops),
             "comm_time_s": comm_s,
             "comm_fraction": comm_s / dt if dt > 0 else float("nan"),
+            # where the step went: data (outside step_time_s), optimizer, communication, compute (the rest)
+            "data_time_s": data_s,
+            "optimizer_time_s": optimizer_s,
+            "compute_time_s": max(dt - comm_s - optimizer_s, 0.0),
+            "wall_time": time.time(),
         }
+        if ctx.model_flops_per_step and ctx.peak_flops and dt > 0:
+            rec["mfu"] = ctx.model_flops_per_step / (dt * ctx.peak_flops * ctx.world)
+        if not ctx.records and ctx.process_start is not None:  # this process's first step
+            rec["time_to_first_step_s"] = rec["wall_time"] - ctx.process_start
         return rec, ops
+
+    def _eval_due(self, step: int) -> bool:
+        every = self.ctx.recipe.train.eval_every
+        return bool(self.ctx.eval_batches) and (step == self.ctx.total or (every > 0 and step % every == 0))
+
+    def evaluate(self) -> float:
+        """Eval loss on the held-out split: token-summed over every eval batch, divided by its tokens. The
+        RNG state is left as it was, so a run with eval trains exactly like one without."""
+        ctx = self.ctx
+        data = ctx.data
+        assert ctx.eval_batches
+        loss_sum = tokens = 0.0
+        devices = [ctx.engine.device] if ctx.device == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            for batch in ctx.eval_batches:
+                micro = [{"input_ids": data.eval_input_ids[i], "labels": data.eval_labels[i]} for i in batch]
+                s, n = ctx.engine.eval_loss(micro)
+                loss_sum, tokens = loss_sum + s, tokens + n
+        return loss_sum / max(tokens, 1.0)
 
     def save_checkpoint(self, step: int) -> Path:
         """Save now (all ranks), then tell every callback."""

@@ -199,7 +199,25 @@ def _manifest(
     plan = run_dir.read_json_if_present(RunDir.PLAN)
     if plan is not None:  # what the layout should cost (tessera run writes it)
         manifest["plan"] = plan.get("chosen")
+    if launch.get("preregistration_sha256"):  # a run of `tessera compare`: the thresholds it is judged by
+        manifest["preregistration_sha256"] = launch["preregistration_sha256"]
     return manifest
+
+
+def _history(manifest: dict[str, Any], run_dir: RunDir, source: Any, resume_from: Path | None) -> None:
+    """The run's initial weights and its restarts: a fresh run records what it built; a resume keeps
+    the first launch's record (its weights came from the checkpoint) and adds one restart."""
+    before = run_dir.read_json_if_present(RunDir.MANIFEST) if resume_from is not None else None
+    if before and before.get("initial_weights"):
+        manifest["initial_weights"] = before["initial_weights"]
+    else:
+        manifest["initial_weights"] = source.initial_weights()
+    restarts = list((before or {}).get("restarts", []))
+    if resume_from is not None:
+        restarts.append(
+            {"from": resume_from.name, "at": datetime.datetime.now().isoformat(timespec="seconds")}
+        )
+    manifest["restarts"] = restarts
 
 
 def setup(run_dir: RunDir, start: Start) -> tuple[RunContext, Any]:
@@ -278,9 +296,29 @@ def setup(run_dir: RunDir, start: Start) -> tuple[RunContext, Any]:
     if resume_from is not None and src is None:
         _restore(ctx, *resume_from, strict=start.strict)
     manifest["resumed_from"] = str(resume_from[0]) if resume_from else None
+    _history(manifest, run_dir, source, resume_from[0] if resume_from and src is None else None)
+    _evidence_inputs(ctx, data, device)
     if rank == 0:
         run_dir.write_json(RunDir.MANIFEST, manifest)
     return ctx, fault
+
+
+def _evidence_inputs(ctx: RunContext, data: Any, device: str) -> None:
+    """What the loop needs to measure beyond the loss: the eval batches, the FLOPs of a step and the
+    device's peak (MFU), and when this process started (time to first step)."""
+    import psutil
+
+    from tessera.plan.search import hardware_for
+
+    recipe = ctx.recipe
+    if data.eval_input_ids is not None:
+        ctx.eval_batches = ctx.sampler.eval_batches(
+            len(data.eval_input_ids), max_samples=recipe.data.eval.max_samples
+        )
+    plan = ctx.manifest.get("plan") or {}
+    ctx.model_flops_per_step = plan.get("model_flops_per_step")
+    ctx.peak_flops = hardware_for(recipe, device=device).peak_for(recipe.train.precision)
+    ctx.process_start = psutil.Process().create_time()
 
 
 def _restore(ctx: RunContext, path: Path, meta: dict[str, Any], *, strict: bool = False) -> None:

@@ -1,0 +1,348 @@
+"""The baseline comparison: pre-registration, what each run measured, and the verdict.
+
+``tessera compare`` (orchestrated in :mod:`tessera.launch.compare`) runs the naive data-parallel baseline
+with K seeds and the candidate, then calls :func:`judge` on the run directories. Everything here reads
+files (``metrics.jsonl``, ``summary.json``, ``manifest.json``, ``plan.json``); nothing runs a model.
+
+Definitions (the report quotes them):
+
+- Timing statistics leave out the first ``acceptance.warmup_steps`` steps of each run.
+- Steady-state tokens/s: input tokens of the timed steps over their summed step time.
+- Time to first step: the rank-0 process start to the end of step 1 (``time_to_first_step_s`` of step 1).
+- Noise floor at step s: the seed-to-seed standard deviation of the baseline runs (ddof 1), as the root
+  of the across-seed variance averaged over steps s-4..s+4 (one step's spread of 2 seeds is too noisy).
+- A band around the same-seed baseline: ``rel`` x |baseline|, ``abs``, ``noise_floor_multiple`` x the
+  noise floor; with several forms given the widest applies. Measured: the largest |candidate - baseline|
+  as a share of the band (<= 1 passes), and the first step outside it.
+- Ratios are candidate / baseline, the baseline value being the mean over its seeds (time, memory) or
+  the same-seed run (eval loss).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tessera.atomic import sha256_bytes, write_text_atomic
+from tessera.errors import TesseraError
+from tessera.rundir import RunDir
+
+PREREGISTRATION = "preregistration.json"
+PREREGISTRATION_SHA = "preregistration.sha256"
+VERDICT = "verdict.json"
+REPORT = "report.md"
+NOISE_WINDOW = 4  # steps either side averaged into the noise floor
+
+
+# ---- pre-registration --------------------------------------------------------------------------------
+
+
+def preregister(out: Path, record: dict[str, Any]) -> str:
+    """Write ``preregistration.json`` (canonical JSON) and ``preregistration.sha256`` (``sha256sum -c``
+    format) before any run starts; returns the hash the runs' manifests and the report quote."""
+    out.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(record, indent=2, sort_keys=True) + "\n"
+    sha = sha256_bytes(text.encode())
+    write_text_atomic(out / PREREGISTRATION, text)
+    write_text_atomic(out / PREREGISTRATION_SHA, f"{sha}  {PREREGISTRATION}\n")
+    return sha
+
+
+def read_preregistration(out: Path) -> tuple[dict[str, Any], str]:
+    """The registered record and its hash, refused if the file changed since it was written."""
+    path, sha_file = out / PREREGISTRATION, out / PREREGISTRATION_SHA
+    if not path.is_file() or not sha_file.is_file():
+        raise TesseraError(
+            "no pre-registration in the comparison directory",
+            field="--out",
+            value=str(out),
+            fix="run `tessera compare` to register thresholds before the runs",
+        )
+    sha = sha256_bytes(path.read_bytes())
+    if sha != sha_file.read_text().split()[0]:
+        raise TesseraError(
+            "preregistration.json changed after it was registered: thresholds cannot change after the runs start",
+            field=PREREGISTRATION,
+            value=sha,
+            fix="restore the registered file, or run a new comparison with the new thresholds",
+        )
+    return json.loads(path.read_text()), sha
+
+
+def thresholds_of(acceptance: dict[str, Any]) -> dict[str, Any]:
+    """The thresholds that are set (an unset one is not checked); ``warmup_steps`` is kept apart."""
+    return {k: v for k, v in acceptance.items() if v is not None and k != "warmup_steps"}
+
+
+# ---- runs ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunData:
+    """What one finished run left in its directory."""
+
+    role: str  # candidate | baseline | scaling
+    path: Path
+    seed: int
+    world: int
+    metrics: list[dict[str, Any]]
+    summary: dict[str, Any]
+    manifest: dict[str, Any]
+    plan: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, path: Path, role: str) -> RunData:
+        rd = RunDir(path)
+        missing = [n for n in (RunDir.METRICS, RunDir.SUMMARY, RunDir.MANIFEST) if not (path / n).is_file()]
+        if missing:
+            raise TesseraError(
+                f"{path} is not a finished run (no {', '.join(missing)})",
+                field="--runs",
+                value=str(path),
+                fix="give run directories of finished `tessera run`s",
+            )
+        manifest = rd.read_manifest()
+        plan = (rd.read_json_if_present(RunDir.PLAN) or {}).get("chosen") or {}
+        return cls(
+            role=role,
+            path=path,
+            seed=int(manifest.get("seed", 0)),
+            world=int(manifest.get("world_size", 1)),
+            metrics=rd.read_metrics(),
+            summary=rd.read_summary(),
+            manifest=manifest,
+            plan=plan,
+        )
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def series(self, key: str) -> dict[int, float]:
+        return {r["step"]: float(r[key]) for r in self.metrics if r.get(key) is not None}
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    """p50 / p95 / p99 / max (numpy's default linear interpolation) and the mean."""
+    a = np.asarray(values, dtype=np.float64)
+    return {
+        "p50": float(np.percentile(a, 50)),
+        "p95": float(np.percentile(a, 95)),
+        "p99": float(np.percentile(a, 99)),
+        "max": float(a.max()),
+        "mean": float(a.mean()),
+    }
+
+
+def timed(run: RunData, warmup: int) -> list[dict[str, Any]]:
+    """The steps timing statistics use: after the warmup (all but the first if the run is shorter)."""
+    steps = [r for r in run.metrics if r["step"] > warmup]
+    return steps or run.metrics[1:] or run.metrics
+
+
+def run_stats(run: RunData, *, warmup: int, price_per_device_hour: float | None = None) -> dict[str, Any]:
+    """Everything the report says of one run."""
+    steps = timed(run, warmup)
+    times = [r["step_time_s"] for r in steps]
+    total_t = sum(times)
+    inputs = sum(r["tokens_per_s"] * r["step_time_s"] for r in steps)
+    tps = inputs / total_t if total_t > 0 else float("nan")
+    first = next((r for r in run.metrics if r["step"] == 1), None)
+    wall = sum(r["step_time_s"] + r.get("data_time_s", 0.0) for r in steps)
+    where = {
+        part: sum(r.get(f"{part}_time_s", 0.0) for r in steps) / wall if wall > 0 else float("nan")
+        for part in ("compute", "comm", "optimizer", "data")
+    }
+    plan = run.plan or {}
+    breakdown = plan.get("step_time_breakdown_s") or {}
+    planned_comm_s = sum(breakdown.get(k, 0.0) for k in ("dp_exposed_s", "tp_ep_s", "pp_s"))
+    device_hour = tps / run.world * 3600 if math.isfinite(tps) else float("nan")
+    evals = run.series("eval_loss")
+    mfu = [r["mfu"] for r in steps if r.get("mfu") is not None]
+    return {
+        "run": run.name,
+        "role": run.role,
+        "seed": run.seed,
+        "world_size": run.world,
+        "engine": run.manifest.get("layout", {}).get("engine"),
+        "layout": run.manifest.get("layout", {}),
+        "steps": len(run.metrics),
+        "timed_steps": [steps[0]["step"], steps[-1]["step"]] if steps else None,
+        "step_time_s": percentiles(times) if times else None,
+        "tokens_per_s": tps,
+        "time_to_first_step_s": first.get("time_to_first_step_s") if first else None,
+        "peak_memory_bytes_per_rank": run.summary.get("peak_memory_bytes_per_rank") or [],
+        "comm_bytes_per_step": float(np.mean([r["comm_bytes"] for r in steps])) if steps else None,
+        "comm_fraction": percentiles([r["comm_fraction"] for r in steps]) if steps else None,
+        "planned_comm_bytes_per_step": sum((plan.get("comm_bytes_per_step") or {}).values()) or None,
+        "planned_comm_fraction": planned_comm_s / plan["step_time_s"] if plan.get("step_time_s") else None,
+        "planned_step_time_s": plan.get("step_time_s"),
+        "mfu": percentiles(mfu) if mfu else None,
+        "tokens_per_device_hour": device_hour,
+        "cost_per_1b_tokens": price_per_device_hour * 1e9 / device_hour
+        if price_per_device_hour and device_hour
+        else None,
+        "where_the_time_went": where,
+        "final_loss": run.metrics[-1]["loss"] if run.metrics else None,
+        "final_eval_loss": evals[max(evals)] if evals else None,
+    }
+
+
+# ---- bands and the verdict -----------------------------------------------------------------------------
+
+
+def noise_floor(baselines: list[RunData], key: str) -> dict[int, float]:
+    """Per step: the seed-to-seed spread of ``key`` over the baseline runs (see the module docstring);
+    empty with fewer than two seeds."""
+    if len(baselines) < 2:
+        return {}
+    series = [b.series(key) for b in baselines]
+    steps = sorted(set.intersection(*(set(s) for s in series)))
+    var = {s: float(np.var([x[s] for x in series], ddof=1)) for s in steps}
+    out = {}
+    for i, s in enumerate(steps):
+        window = steps[max(0, i - NOISE_WINDOW) : i + NOISE_WINDOW + 1]
+        out[s] = math.sqrt(sum(var[w] for w in window) / len(window))
+    return out
+
+
+def band_check(
+    cand: dict[int, float], ref: dict[int, float], floor: dict[int, float], tol: dict[str, Any]
+) -> dict[str, Any]:
+    """The candidate's curve against the band around the reference, step by step."""
+    worst = {"share": 0.0, "step": None, "diff": 0.0, "width": None}
+    first_out = None
+    widths = {}
+    for s in sorted(set(cand) & set(ref)):
+        forms = []
+        if tol.get("rel") is not None:
+            forms.append(tol["rel"] * abs(ref[s]))
+        if tol.get("abs") is not None:
+            forms.append(tol["abs"])
+        if tol.get("noise_floor_multiple") is not None and s in floor:
+            forms.append(tol["noise_floor_multiple"] * floor[s])
+        if not forms:
+            continue
+        width = max(forms)
+        widths[s] = width
+        diff = abs(cand[s] - ref[s])
+        share = diff / width if width > 0 else (0.0 if diff == 0 else math.inf)
+        if share > worst["share"] or worst["step"] is None:
+            worst = {"share": share, "step": s, "diff": diff, "width": width}
+        if share > 1.0 and first_out is None:
+            first_out = s
+    return {
+        "measured": worst["share"],
+        "worst_step": worst["step"],
+        "max_abs_diff": max((abs(cand[s] - ref[s]) for s in widths), default=0.0),
+        "first_step_outside": first_out,
+        "steps_checked": len(widths),
+        "width": widths,
+    }
+
+
+def _check(name: str, measured: float | None, threshold: float, op: str, **extra: Any) -> dict[str, Any]:
+    ok = measured is not None and math.isfinite(measured)
+    passed = ok and (measured >= threshold if op == ">=" else measured <= threshold)  # type: ignore[operator]
+    return {
+        "threshold_name": name,
+        "measured": measured,
+        "threshold": threshold,
+        "op": op,
+        "passed": bool(passed),
+        "refutes_claim": not passed,
+        **extra,
+    }
+
+
+def _mean(values: list[float | None]) -> float | None:
+    vals = [v for v in values if v is not None and math.isfinite(v)]
+    return float(np.mean(vals)) if vals else None
+
+
+def judge(
+    acceptance: dict[str, Any],
+    cand: RunData,
+    baselines: list[RunData],
+    *,
+    scaling: RunData | None = None,
+    price_per_device_hour: float | None = None,
+) -> dict[str, Any]:
+    """Statistics of every run and the verdict: each set threshold measured, PASS only if all hold."""
+    warmup = int(acceptance.get("warmup_steps") or 0)
+    runs = [cand, *baselines, *([scaling] if scaling else [])]
+    stats = {r.name: run_stats(r, warmup=warmup, price_per_device_hour=price_per_device_hour) for r in runs}
+    cs, bs = stats[cand.name], [stats[b.name] for b in baselines]
+    ref = baselines[0]  # the same seed as the candidate
+    checks = []
+    th = thresholds_of(acceptance)
+    if "throughput_ratio_min" in th:
+        base = _mean([b["tokens_per_s"] for b in bs])
+        checks.append(
+            _check("throughput_ratio_min", _ratio(cs["tokens_per_s"], base), th["throughput_ratio_min"], ">=")
+        )
+    if "peak_memory_ratio_max" in th:
+        base = _mean([max(b["peak_memory_bytes_per_rank"] or [0]) for b in bs])
+        checks.append(
+            _check(
+                "peak_memory_ratio_max",
+                _ratio(max(cs["peak_memory_bytes_per_rank"] or [0]), base),
+                th["peak_memory_ratio_max"],
+                "<=",
+            )
+        )
+    if "time_to_first_step_ratio_max" in th:
+        base = _mean([b["time_to_first_step_s"] for b in bs])
+        checks.append(
+            _check(
+                "time_to_first_step_ratio_max",
+                _ratio(cs["time_to_first_step_s"], base),
+                th["time_to_first_step_ratio_max"],
+                "<=",
+            )
+        )
+    bands = {}
+    for key, name in (("loss", "loss_tolerance"), ("grad_norm", "grad_norm_tolerance")):
+        if name not in th:
+            continue
+        band = band_check(cand.series(key), ref.series(key), noise_floor(baselines, key), th[name])
+        bands[key] = band
+        extra = {k: band[k] for k in ("worst_step", "max_abs_diff", "first_step_outside", "steps_checked")}
+        checks.append(_check(name, band["measured"], 1.0, "<=", tolerance=th[name], **extra))
+    if "eval_loss_ratio_max" in th:
+        checks.append(
+            _check(
+                "eval_loss_ratio_max",
+                _ratio(cs["final_eval_loss"], stats[ref.name]["final_eval_loss"]),
+                th["eval_loss_ratio_max"],
+                "<=",
+            )
+        )
+    scaling_eff = None
+    if scaling is not None:
+        one = stats[scaling.name]["tokens_per_s"]
+        scaling_eff = _ratio(cs["tokens_per_s"], one * cand.world) if one else None
+    return {
+        "verdict": "PASS" if checks and all(c["passed"] for c in checks) else "FAIL",
+        "checks": checks,
+        "first_divergent_step": {k: b["first_step_outside"] for k, b in bands.items()},
+        "bands": bands,
+        "noise_floor": {k: noise_floor(baselines, k) for k in ("loss", "grad_norm") if len(baselines) >= 2},
+        "scaling_efficiency": scaling_eff,
+        "runs": stats,
+        "candidate": cand.name,
+        "baselines": [b.name for b in baselines],
+        "scaling_run": scaling.name if scaling else None,
+        "warmup_steps": warmup,
+    }
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or not b:
+        return None
+    return float(a) / float(b)

@@ -1,0 +1,333 @@
+"""``tessera compare``: the candidate recipe against the naive data-parallel baseline, under thresholds
+registered before the first run starts.
+
+Order: validate both recipes -> write ``preregistration.json`` + its sha256 -> run the baseline with K
+seeds, the candidate, and (``--scaling``) the candidate on one rank, one after the other, each a normal
+run directory under the comparison directory whose manifest quotes the pre-registration hash -> check
+the pre-registration is unchanged -> :func:`tessera.evidence.compare.judge` -> report, verdict, W&B.
+Exit code 0 for PASS, 1 for FAIL (or a run that failed), 2 for bad input.
+"""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+from typing import Any
+
+from tessera.errors import RecipeError, TesseraError
+from tessera.evidence.compare import (
+    RunData,
+    judge,
+    preregister,
+    read_preregistration,
+    thresholds_of,
+)
+from tessera.launch.runs import start_run, validate
+from tessera.rundir import RunDir
+
+#: layout fields a naive DDP baseline resets (everything but the data-parallel split)
+_DDP_BASELINE = {
+    "parallel.auto": "false",
+    "parallel.engine": "ddp",
+    "parallel.zero": "0",
+    "parallel.zero_impl": "auto",
+    "parallel.dp": "auto",
+    "parallel.tp": "1",
+    "parallel.pp": "1",
+    "parallel.vpp": "1",
+    "parallel.ep": "1",
+    "parallel.sequence_parallel": "auto",
+    "parallel.offload_optimizer": "false",
+    "parallel.offload_params": "false",
+    "parallel.deepspeed_config": "null",
+    "parallel.grad_accum": "null",
+}
+
+
+def ddp_baseline_overrides(layout: Any) -> list[str]:
+    """The same model, data, global batch and ranks under engine ``ddp``: full replicas, dp = world
+    size; the micro-batch is the candidate's where it divides the batch, else the largest that does."""
+    world, g = layout.world_size, layout.global_batch
+    mb = layout.micro_batch
+    while g % (mb * world):
+        mb -= 1
+    if mb < 1:
+        raise RecipeError(
+            f"a global batch of {g} cannot be split over {world} data-parallel ranks",
+            field="parallel.global_batch",
+            value=g,
+            fix=f"use a global batch divisible by {world} (the baseline is data-parallel over every rank)",
+        )
+    return [f"{k}={v}" for k, v in _DDP_BASELINE.items()] + [
+        f"parallel.global_batch={g}",
+        f"parallel.micro_batch={mb}",
+    ]
+
+
+def _same_work(cand: Any, base: Any, cand_layout: Any, base_layout: Any) -> None:
+    """A baseline recipe must train the same data, batch, steps and devices, or the ratios mean nothing."""
+    pairs = [
+        ("data", cand.data.model_dump(), base.data.model_dump()),
+        ("train.steps", cand.train.steps, base.train.steps),
+        ("run.world_size", cand_layout.world_size, base_layout.world_size),
+        ("parallel.global_batch", cand_layout.global_batch, base_layout.global_batch),
+        ("run.device", cand.run.device, base.run.device),
+    ]
+    for name, a, b in pairs:
+        if a != b:
+            raise RecipeError(
+                f"the baseline differs from the candidate in {name}: a comparison needs the same work",
+                field=name,
+                value=b if not isinstance(b, dict) else "(another data section)",
+                fix=f"make the baseline's {name} equal the candidate's ({a if not isinstance(a, dict) else 'its data section'})",
+            )
+
+
+def _check_thresholds(recipe: Any, seeds: int) -> dict[str, Any]:
+    acc = recipe.acceptance.model_dump()
+    th = thresholds_of(acc)
+    if not th:
+        raise RecipeError(
+            "the recipe's acceptance section sets no threshold: nothing the runs measure could refute the claim",
+            field="acceptance",
+            value=None,
+            fix="set at least one of throughput_ratio_min, peak_memory_ratio_max, time_to_first_step_ratio_max, "
+            "loss_tolerance, grad_norm_tolerance, eval_loss_ratio_max",
+        )
+    for name in ("loss_tolerance", "grad_norm_tolerance"):
+        if (th.get(name) or {}).get("noise_floor_multiple") is not None and seeds < 2:
+            raise RecipeError(
+                "a noise floor needs at least two baseline seeds",
+                field="--seeds",
+                value=seeds,
+                fix=f"pass --seeds 2 or more, or give acceptance.{name} as rel / abs",
+            )
+    if "eval_loss_ratio_max" in th and recipe.data.eval.fraction <= 0:
+        raise RecipeError(
+            "acceptance.eval_loss_ratio_max needs a held-out split",
+            field="data.eval.fraction",
+            value=recipe.data.eval.fraction,
+            fix="set data.eval.fraction (e.g. 0.05), or drop eval_loss_ratio_max",
+        )
+    return acc
+
+
+def _stamp() -> str:
+    return datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def _price(recipe: Any, device: str) -> float | None:
+    from tessera.plan.search import hardware_for
+
+    return hardware_for(recipe, device=device).price_per_device_hour
+
+
+def run_comparison(
+    recipe_path: str,
+    overrides: list[str],
+    *,
+    baseline: str = "ddp",
+    seeds: int = 2,
+    out: str | None = None,
+    scaling: bool = False,
+) -> int:
+    from tessera.config.loader import recipe_hash
+    from tessera.evidence.manifest import git_state
+
+    if seeds < 1:
+        raise RecipeError("--seeds must be at least 1", field="--seeds", value=seeds, fix="pass --seeds 2")
+    resolved, layout, device = validate(recipe_path, overrides)
+    recipe = resolved.recipe
+    acceptance = _check_thresholds(recipe, seeds)
+    if baseline == "ddp":
+        base_path, base_over = recipe_path, [*overrides, *ddp_baseline_overrides(layout)]
+    else:
+        if not Path(baseline).is_file():
+            raise RecipeError(
+                "--baseline is neither 'ddp' nor a recipe file",
+                field="--baseline",
+                value=baseline,
+                fix="pass --baseline ddp or the path of a baseline recipe",
+            )
+        base_path, base_over = baseline, list(overrides)
+    b_resolved, b_layout, _ = validate(base_path, base_over)
+    _same_work(recipe, b_resolved.recipe, layout, b_layout)
+    out_dir = Path(out or f"runs/compare-{recipe.run.name or Path(recipe_path).stem}-{_stamp()}").resolve()
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise TesseraError(
+            "the comparison directory is not empty",
+            field="--out",
+            value=str(out_dir),
+            fix="give a new directory (the runs of a comparison are never reused)",
+        )
+    seed0 = recipe.train.seed
+    plan = [("baseline", base_path, base_over, seed0 + i, f"baseline-seed{seed0 + i}") for i in range(seeds)]
+    plan.append(("candidate", recipe_path, list(overrides), seed0, f"candidate-seed{seed0}"))
+    if scaling:
+        one = ["run.world_size=1", "parallel.dp=auto", "parallel.tp=1", "parallel.pp=1", "parallel.vpp=1"]
+        one += ["parallel.ep=1", "parallel.grad_accum=null", f"parallel.global_batch={layout.global_batch}"]
+        validate(recipe_path, [*overrides, *one])
+        plan.append(("scaling", recipe_path, [*overrides, *one], seed0, "scaling-1rank"))
+    git, _ = git_state()
+    sha = preregister(
+        out_dir,
+        {
+            "created": datetime.datetime.now().isoformat(timespec="seconds"),
+            "registered_before_runs": True,
+            "acceptance": acceptance,
+            "candidate": {"recipe": recipe_path, "overrides": overrides, "recipe_hash": recipe_hash(recipe)},
+            "baseline": {
+                "kind": "ddp" if baseline == "ddp" else "recipe",
+                "recipe": base_path,
+                "overrides": base_over,
+                "recipe_hash": recipe_hash(b_resolved.recipe),
+            },
+            "seeds": [seed0 + i for i in range(seeds)],
+            "scaling": scaling,
+            "runs": [{"role": r, "seed": s, "dir": name} for r, _, _, s, name in plan],
+            "git_commit": git["commit"],
+        },
+    )
+    print(f"pre-registered: {out_dir / 'preregistration.json'} (sha256 {sha})")
+    for i, (role, path, over, seed, name) in enumerate(plan, 1):
+        print(f"[compare] run {i}/{len(plan)}: {role} seed {seed} -> {out_dir / name}", flush=True)
+        rc, _ = start_run(
+            path,
+            [*over, f"train.seed={seed}", f"run.out_dir={out_dir / name}", f"run.name={name}"],
+            launch_record={"preregistration_sha256": sha, "comparison": str(out_dir)},
+        )
+        if rc != 0:
+            print(f"tessera: compare: the {role} run {name} failed (exit code {rc}); no verdict")
+            return rc
+    return _judge_and_report(out_dir, recipe, device, [(r, out_dir / n) for r, _, _, _, n in plan])
+
+
+def compare_existing(runs: list[str], *, acceptance_file: str | None, out: str | None) -> int:
+    """``--runs CANDIDATE BASELINE [BASELINE ...]``: judge finished runs; the thresholds come from the
+    candidate's recipe or ``acceptance_file``, registered now (the report says: after the runs)."""
+    import yaml
+
+    from tessera.config.schema import AcceptanceSection
+    from tessera.train.worker import load_run_recipe, resolve_device
+
+    if len(runs) < 2:
+        raise TesseraError(
+            "--runs needs the candidate and at least one baseline run",
+            field="--runs",
+            value=" ".join(runs),
+            fix="pass --runs CANDIDATE_DIR BASELINE_DIR [BASELINE_DIR ...]",
+        )
+    paths = [Path(r).resolve() for r in runs]
+    for p in paths:
+        if not (p / RunDir.RECIPE).is_file():
+            raise TesseraError(
+                "not a run directory", field="--runs", value=str(p), fix="give directories of `tessera run`s"
+            )
+    recipe = load_run_recipe(RunDir(paths[0]))
+    if acceptance_file:
+        try:
+            raw = yaml.safe_load(Path(acceptance_file).read_text())
+        except (OSError, yaml.YAMLError) as e:
+            raise TesseraError(
+                f"cannot read the acceptance file ({e})",
+                field="--acceptance",
+                value=acceptance_file,
+                fix="give a YAML file of acceptance thresholds",
+            ) from None
+        raw = raw.get("acceptance", raw) if isinstance(raw, dict) else raw
+        from tessera.config.loader import validate_recipe
+
+        recipe = validate_recipe({**recipe.to_dict(), "acceptance": raw})
+    assert isinstance(recipe.acceptance, AcceptanceSection)
+    acceptance = _check_thresholds(recipe, len(paths) - 1)
+    out_dir = Path(out or f"runs/compare-{paths[0].name}-{_stamp()}").resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    preregister(
+        out_dir,
+        {
+            "created": datetime.datetime.now().isoformat(timespec="seconds"),
+            "registered_before_runs": False,
+            "acceptance": acceptance,
+            "candidate": {"run": str(paths[0])},
+            "baseline": {"kind": "runs", "runs": [str(p) for p in paths[1:]]},
+            "seeds": None,
+        },
+    )
+    roles = [("candidate", paths[0]), *(("baseline", p) for p in paths[1:])]
+    return _judge_and_report(out_dir, recipe, resolve_device(recipe.run.device), roles, check_runs=False)
+
+
+def _judge_and_report(
+    out_dir: Path, recipe: Any, device: str, roles: list[tuple[str, Path]], *, check_runs: bool = True
+) -> int:
+    from tessera.evidence.report import write_report
+
+    prereg, sha = read_preregistration(out_dir)  # unchanged since before the runs
+    runs = [RunData.read(p, role) for role, p in roles]
+    if check_runs:
+        for r in runs:
+            if r.manifest.get("preregistration_sha256") != sha:
+                raise TesseraError(
+                    f"run {r.name} was not made under this pre-registration",
+                    field="preregistration_sha256",
+                    value=r.manifest.get("preregistration_sha256"),
+                    fix="run the comparison again into a new --out directory",
+                )
+    cand = next(r for r in runs if r.role == "candidate")
+    baselines = [r for r in runs if r.role == "baseline"]
+    scaling = next((r for r in runs if r.role == "scaling"), None)
+    result = judge(
+        prereg["acceptance"], cand, baselines, scaling=scaling, price_per_device_hour=_price(recipe, device)
+    )
+    files = write_report(out_dir, prereg, sha, result, runs)
+    wandb_dir = _mirror_to_wandb(recipe, out_dir, prereg, sha, result, files, runs)
+    _print_verdict(result, out_dir, files, runs, wandb_dir)
+    return 0 if result["verdict"] == "PASS" else 1
+
+
+def _mirror_to_wandb(recipe, out_dir, prereg, sha, result, files, runs) -> str | None:
+    from tessera.track.wandb_tracker import log_comparison
+
+    return log_comparison(
+        recipe.tracking.wandb,
+        out_dir=out_dir,
+        config={"preregistration": prereg, "preregistration_sha256": sha},
+        summary={
+            "verdict": result["verdict"],
+            "thresholds": prereg["acceptance"],
+            **{f"measured/{c['threshold_name']}": c["measured"] for c in result["checks"]},
+            "scaling_efficiency": result["scaling_efficiency"],
+        },
+        files=files,
+        manifests={r.name: r.path / RunDir.MANIFEST for r in runs},
+    )
+
+
+def _print_verdict(result, out_dir: Path, files: list[Path], runs: list[RunData], wandb_dir) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    table = Table(title=f"verdict: {result['verdict']}")
+    for col in ("threshold", "measured", "threshold value", "holds", "first step outside"):
+        table.add_column(col)
+    for c in result["checks"]:
+        table.add_row(
+            c["threshold_name"],
+            "n/a" if c["measured"] is None else f"{c['measured']:.4g}",
+            f"{c['op']} {c['threshold']:.4g}",
+            "[green]yes[/]" if c["passed"] else "[bold red]no[/]",
+            str(c.get("first_step_outside") or "-"),
+        )
+    con.print(table)
+    if result.get("scaling_efficiency") is not None:
+        con.print(f"scaling efficiency against one rank: {result['scaling_efficiency']:.1%}")
+    print(f"VERDICT: {result['verdict']}")
+    print(f"report:       {out_dir / 'report.md'}")
+    print(f"verdict:      {out_dir / 'verdict.json'}")
+    print(f"plots:        {', '.join(str(f) for f in files if f.suffix == '.png')}")
+    for r in runs:
+        s = r.summary
+        print(f"{r.role:<10}    {r.path}  (checkpoint {s.get('last_checkpoint')}, W&B {s.get('wandb_dir')})")
+    if wandb_dir:
+        print(f"W&B compare:  {wandb_dir}  (upload with: wandb sync {wandb_dir})")

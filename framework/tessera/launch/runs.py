@@ -1,0 +1,200 @@
+"""Starting runs from the command line's side: validate a recipe before launch, prepare its run
+directory, start the ranks through the launcher and wait (``tessera run``, ``tessera convert --to ENGINE``
+and each run of ``tessera compare`` go through here)."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from tessera.errors import RecipeError, TesseraError
+from tessera.rundir import ExitCode, RunDir
+
+
+def _console():
+    from rich.console import Console
+
+    return Console()
+
+
+def validate(path: str, overrides: list[str]):
+    """Everything about the recipe that can be checked before launch, cheaply (the data files are checked
+    where they are read: by ``load_corpus`` on a dry run, by ``prepare_run_dir`` otherwise); returns
+    (resolved, layout, device)."""
+    from tessera.config.loader import load_recipe
+    from tessera.plan.layout import layout_from_recipe
+    from tessera.train.worker import resolve_device
+
+    resolved = load_recipe(path, overrides)
+    device = resolve_device(resolved.recipe.run.device)
+    if resolved.recipe.parallel.auto:  # the planner's layout, written into the recipe the ranks read
+        from tessera.plan.search import apply_plan, hardware_for, plan_recipe
+
+        r = resolved.recipe
+        plan = plan_recipe(r, world_size=r.run.world_size, hardware=hardware_for(r, device=device))
+        resolved.recipe = apply_plan(r, plan)
+        resolved.plan = plan.to_json()
+    recipe = resolved.recipe
+    layout = layout_from_recipe(recipe)
+    if recipe.train.precision == "fp16" and device == "cpu":
+        raise RecipeError(
+            "fp16 does not exist on the CPU",
+            field="train.precision",
+            value="fp16",
+            fix="use train.precision: bf16 or fp32 on CPU",
+        )
+    from tessera.engines.registry import capabilities
+    from tessera.engines.zero import build_ds_config
+
+    if recipe.parallel.deepspeed_config and "deepspeed" not in capabilities(layout.engine).zero_impls:
+        raise RecipeError(
+            f"engine '{layout.engine}' does not run DeepSpeed, so a DeepSpeed JSON would be ignored",
+            field="parallel.deepspeed_config",
+            value=recipe.parallel.deepspeed_config,
+            fix="remove parallel.deepspeed_config, or use parallel.engine: deepspeed",
+        )
+    build_ds_config(recipe, layout, device=device)  # user JSON conflicts are errors before launch
+    from tessera.models.hf import check_vocab, load_hf_config
+
+    cfg = load_hf_config(recipe.model)
+    if recipe.data.tokenizer == "bpe":
+        check_vocab(cfg, recipe.data.vocab_size)
+    return resolved, layout, device
+
+
+def run_dir_of(recipe, recipe_path: str) -> Path:
+    name = recipe.run.name or Path(recipe_path).stem
+    return Path(recipe.run.out_dir) if recipe.run.out_dir else Path("runs") / name
+
+
+def launch_ranks(cmd: list[str], env: dict[str, str], rd: RunDir, world: int, *, what: str) -> int:
+    """Start the ranks through the launcher and wait. A failed rank is named with its last log lines; the
+    exit code is the rank's own verdict (bad input, divergence) where it gave one, else the launcher's."""
+    from tessera.launch.launcher import run_and_monitor
+
+    rc, failure = run_and_monitor(cmd, env, rd.path, world)
+    if failure is not None:
+        _console().print(
+            f"[bold red]rank {failure.rank} {failure.how}[/]; last log lines ({rd.rank_file(failure.rank, 'log')}):"
+        )
+        for line in failure.log_tail:
+            print(f"  | {line}")
+        print(f"tessera: {what} failed: rank {failure.rank} {failure.how} (exit code {rc})", file=sys.stderr)
+        if failure.code in (ExitCode.USER_ERROR, ExitCode.DIVERGED):
+            return int(failure.code)
+        return rc or ExitCode.FAILED
+    if rc != 0:
+        print(f"tessera: launcher exited with code {rc}; logs in {rd.logs}", file=sys.stderr)
+    return rc
+
+
+def check_resumable(ckpts, layout, run_dir: Path, *, same_layout: bool) -> None:
+    """Before launch: the checkpoint ``--resume`` would read exists and every file matches its checksum
+    (the ranks verify again before loading); a layout change is announced (the ranks reshard it), or
+    refused with ``same_layout``."""
+    from tessera.train.worker import check_resume_layout
+
+    latest = ckpts.latest()
+    if latest is None:
+        raise TesseraError(
+            "--resume found no complete checkpoint",
+            field="run.out_dir",
+            value=str(run_dir),
+            fix="run without --resume to start fresh",
+        )
+    meta = ckpts.verify(latest, any_world=not same_layout)
+    diff = check_resume_layout(meta, layout, latest, same_layout=same_layout)
+    if diff:
+        print(
+            f"tessera: {latest.name} was written with "
+            + ", ".join(f"{k}={a}" for k, a, _ in diff)
+            + "; resharding it to "
+            + ", ".join(f"{k}={b}" for k, _, b in diff)
+            + " before the first step (--same-layout refuses instead)",
+            file=sys.stderr,
+        )
+
+
+def plan_record(resolved, layout, device: str) -> dict[str, Any]:
+    """plan.json: the planner's full answer for ``parallel: auto``; otherwise the estimates of the
+    recipe's own layout (what the run should cost, against which comm.jsonl is read)."""
+    if resolved.plan is not None:
+        return {"source": "planner", **resolved.plan}
+    from tessera.plan.search import estimate_layout, hardware_for
+
+    hw = hardware_for(resolved.recipe, device=device)
+    return {"source": "recipe", "chosen": estimate_layout(resolved.recipe, layout, hardware=hw).to_json()}
+
+
+def start_run(
+    recipe_path: str,
+    overrides: list[str],
+    *,
+    resume: bool = False,
+    same_layout: bool = False,
+    strict: bool = False,
+    dry_run: bool = False,
+    launch_record: dict[str, Any] | None = None,
+) -> tuple[int, RunDir]:
+    """``tessera run``: validate, prepare the run directory (recipe, data, plan, launch record), start
+    the ranks and wait. ``launch_record``: extra keys of launch.json (``tessera compare`` records its
+    pre-registration hash there, which the manifest copies). Returns the exit code and the run dir."""
+    from tessera.checkpoint.manager import CheckpointManager
+    from tessera.launch.launcher import build_command
+    from tessera.train.worker import prepare_run_dir
+
+    resolved, layout, device = validate(recipe_path, overrides)
+    recipe = resolved.recipe
+    run_dir = run_dir_of(recipe, recipe_path).resolve()
+    rd = RunDir(run_dir)
+    for note in resolved.notes:
+        print(f"tessera: note: {note}", file=sys.stderr)
+    flags = (("--same-layout",) if same_layout else ()) + (("--strict",) if strict else ())
+    cmd, env = build_command(recipe, run_dir, resume=resume, device=device, worker_args=flags)
+    con = _console()
+    env_txt = " ".join(f"{k}={v}" for k, v in env.items())
+    printable = (env_txt + " " if env_txt else "") + shlex.join(cmd)
+    if dry_run:
+        from tessera.data import load_corpus
+
+        load_corpus(recipe.data, root=Path.cwd())  # missing files / empty globs fail here
+        con.print(f"[bold]layout[/]  {layout.describe()}")
+        con.print(f"[bold]device[/]  {device}")
+        con.print(f"[bold]run dir[/] {run_dir}")
+        con.print("[bold]command[/]")
+        print(printable)
+        return 0, rd
+    if run_dir.exists() and not run_dir.is_dir():
+        raise TesseraError(
+            "the run directory is an existing file",
+            field="run.out_dir",
+            value=str(run_dir),
+            fix="point run.out_dir at a directory (new or an earlier run of this recipe)",
+        )
+    ckpts = CheckpointManager(
+        rd.checkpoints, keep=recipe.checkpoint.keep, rank=0, world_size=layout.world_size
+    )
+    if resume:
+        check_resumable(ckpts, layout, run_dir, same_layout=same_layout)
+    elif same_layout or strict:
+        flag = "--same-layout" if same_layout else "--strict"
+        raise TesseraError(f"{flag} only applies to --resume", field=flag, value=True, fix="add --resume")
+    if not resume and ckpts.complete():
+        raise TesseraError(
+            "this run directory already holds checkpoints; a fresh run would mix with them",
+            field="run.out_dir",
+            value=str(run_dir),
+            fix="pass --resume to continue it, or set run.out_dir (or run.name) to a new directory",
+        )
+    with con.status("preparing data (tokenizer + packing, cached by content hash)"):
+        data = prepare_run_dir(recipe, rd, root=Path.cwd())
+    rd.write_json(RunDir.PLAN, plan_record(resolved, layout, device))
+    con.print(f"data: {len(data)} samples x {recipe.data.seq_len} tokens, vocab {data.vocab_size}")
+    rd.write_json(
+        RunDir.LAUNCH,
+        {"command": printable, "argv": sys.argv, "resume": resume, **(launch_record or {})},
+    )
+    con.print(f"[bold]launch[/] {printable}")
+    return launch_ranks(cmd, env, rd, recipe.run.world_size, what="run"), rd
