@@ -481,3 +481,32 @@ def relayout(src: Path, dst: Path, overrides: list[str], *, at_step: int | None 
         (rd.checkpoints / LATEST).write_text(keep + "\n")
     rewrite_recipe(dst, overrides)
     return dst
+
+
+def read_wandb_records(run_dir: Path) -> list:
+    """Every record of an offline W&B run (``run-*.wandb``: a LevelDB-style log of 32 KiB blocks, each
+    record split in FULL / FIRST / MIDDLE / LAST chunks behind a 7-byte header, after the 7-byte file
+    header ``:W&B``, magic, version), parsed as ``wandb_internal_pb2.Record``."""
+    from wandb.proto import wandb_internal_pb2
+
+    [path] = list(Path(run_dir).glob("run-*.wandb"))
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", path
+    block, pos, out, parts = 32768, 7, [], []
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:  # a block's tail too short for a header is padding
+            pos += left
+            continue
+        length = int.from_bytes(data[pos + 4 : pos + 6], "little")
+        kind = data[pos + 6]
+        if kind == 0 and length == 0:
+            break
+        parts.append(data[pos + 7 : pos + 7 + length])
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST: a whole record
+            rec = wandb_internal_pb2.Record()
+            rec.ParseFromString(b"".join(parts))
+            out.append(rec)
+            parts = []
+    return out

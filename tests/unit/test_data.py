@@ -260,3 +260,50 @@ def test_sampler_errors() -> None:
     assert derr.value.fix
     with pytest.raises(LayoutError):
         StepSampler(20, global_batch=6, micro_batch=2, grad_accum=1, dp_rank=0, dp_size=2, seed=1)
+
+
+# --- the held-out eval split ----------------------------------------------------------------------------
+
+
+def test_eval_split_holds_out_whole_documents(tmp_path: Path) -> None:
+    """data.eval: the last documents, laid out like the training rows, in no training row; its hash pins
+    it; without a split the training rows are what they always were."""
+    docs = [_words(30 + i, salt=i) for i in range(10)]
+    _write_jsonl(tmp_path / "d.jsonl", [{"text": d} for d in docs])
+    base = {"source": "files", "files": ["d.jsonl"], "vocab_size": 300, "seq_len": 8, "packing": False}
+    plain = prepare_data(DataSection(**base), root=tmp_path)
+    split = prepare_data(DataSection(**base, eval={"fraction": 0.2}), root=tmp_path)
+    assert plain.eval_input_ids is None and "eval" not in plain.fingerprint
+    assert split.eval_input_ids is not None and split.eval_labels is not None
+    # unpacked: one row per document, so the rows are exactly the first 8 and the last 2 documents
+    assert torch.equal(split.input_ids, plain.input_ids[:8]) and torch.equal(
+        split.eval_input_ids, plain.input_ids[8:]
+    )
+    assert split.fingerprint["eval"]["num_docs"] == 2 and split.fingerprint["eval"]["num_samples"] == 2
+    assert split.fingerprint["data_hash"] != plain.fingerprint["data_hash"]  # another cache entry
+    from tessera.data.dataset import eval_split_hash
+
+    assert split.fingerprint["eval"]["sha256"] == eval_split_hash(plain.input_ids[8:], plain.labels[8:])
+    with pytest.raises(DataError) as e:
+        prepare_data(DataSection(**base, eval={"fraction": 0.99}), root=tmp_path)
+    assert e.value.field == "data.eval.fraction"
+
+
+def test_eval_batches_are_layout_free() -> None:
+    """Every layout of the same global batch evaluates the same rows; too few rows is a clear error."""
+    seen = []
+    for dp, ga in ((1, 4), (2, 2), (4, 1)):
+        rows = set()
+        for r in range(dp):
+            s = StepSampler(
+                100, global_batch=8, micro_batch=8 // (dp * ga), grad_accum=ga, dp_rank=r, dp_size=dp
+            )
+            for batch in s.eval_batches(30, max_samples=20):
+                rows |= {i for mb in batch for i in mb}
+        seen.append(rows)
+    assert seen[0] == seen[1] == seen[2] == set(range(16))  # min(30, 20) rows -> 2 whole batches of 8
+    with pytest.raises(DataError) as e:
+        StepSampler(100, global_batch=8, micro_batch=8, grad_accum=1, dp_rank=0, dp_size=1).eval_batches(
+            5, max_samples=256
+        )
+    assert e.value.field == "data.eval.fraction"

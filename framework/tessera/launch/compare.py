@@ -308,6 +308,7 @@ def _print_verdict(result, out_dir: Path, files: list[Path], runs: list[RunData]
     from rich.table import Table
 
     con = Console()
+    con.width = max(con.width, 120)  # threshold names whole
     table = Table(title=f"verdict: {result['verdict']}")
     for col in ("threshold", "measured", "threshold value", "holds", "first step outside"):
         table.add_column(col)

@@ -1,0 +1,213 @@
+"""`tessera compare` end to end: the default recipe (ZeRO-2) against the naive DDP baseline with two
+seeds and the one-rank scaling run, through the real CLI and launcher, with secrets planted in the
+environment; then the same runs judged again (`--runs`) under thresholds set just beyond what was
+measured, and a candidate with a planted defect (a 1 % higher learning rate)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import yaml
+
+from helpers import REPO, free_port, read_metrics, read_wandb_records
+from tessera.rundir import RunDir
+
+pytestmark = pytest.mark.slow
+
+TESSERA = [sys.executable, "-m", "tessera.cli"]
+RECIPE = "recipes/tiny-llama-cpu.yaml"
+STEPS = 30
+SECRETS = {
+    "WANDB_API_KEY": "planted-wandb-key-5c1f0e9d2b7a",
+    "HF_TOKEN": "hf_plantedtoken0123456789abcdef",
+    "MY_DB_PASSWORD": "planted-db-password-93ab",
+}
+# the default recipe's thresholds, loosened where 30 steps on a shared 2-core machine are noisy; each
+# can still refute the claim (the measured values are far inside them only for an honest candidate)
+COMMON = [f"train.steps={STEPS}", "train.eval_every=10", "acceptance.throughput_ratio_min=0.2",
+          "acceptance.peak_memory_ratio_max=2.0", "acceptance.time_to_first_step_ratio_max=5.0"]  # fmt: skip
+
+
+def tessera(*args: str, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*TESSERA, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+@pytest.fixture(scope="module")
+def comparison(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compare") / "cmp"
+    env = {**os.environ, **SECRETS}
+    p = tessera("compare", RECIPE, *COMMON, f"run.master_port={free_port()}", "--scaling", "--out", str(out), env=env)  # fmt: skip
+    return out, p
+
+
+def _key(item) -> str:
+    """A W&B record item's key (the core writes plain keys as a one-element nested key)."""
+    return item.key or "/".join(item.nested_key)
+
+
+def _verdict(out) -> dict:
+    return json.loads((out / "verdict.json").read_text())
+
+
+def test_honest_thresholds_pass(comparison):
+    out, p = comparison
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    v = _verdict(out)
+    assert v["verdict"] == "PASS" and "VERDICT: PASS" in p.stdout
+    names = [c["threshold_name"] for c in v["checks"]]
+    assert names == ["throughput_ratio_min", "peak_memory_ratio_max", "time_to_first_step_ratio_max",
+                     "loss_tolerance", "grad_norm_tolerance", "eval_loss_ratio_max"]  # fmt: skip
+    assert all(c["passed"] and not c["refutes_claim"] for c in v["checks"])
+    assert v["first_divergent_step"] == {"loss": None, "grad_norm": None}
+    # the pre-registration was written before the runs, its hash is quoted by the report and every run
+    prereg = (out / "preregistration.json").read_bytes()
+    import hashlib
+
+    sha = hashlib.sha256(prereg).hexdigest()
+    assert (out / "preregistration.sha256").read_text().split()[0] == sha == v["preregistration_sha256"]
+    assert sha in (out / "report.md").read_text()
+    runs = ["baseline-seed1234", "baseline-seed1235", "candidate-seed1234", "scaling-1rank"]
+    for name in runs:
+        m = RunDir(out / name).read_manifest()
+        assert m["preregistration_sha256"] == sha
+        assert m["initial_weights"]["from"] == "seed" and m["data"]["eval"]["sha256"]
+        assert os.path.getmtime(out / name / "manifest.json") > os.path.getmtime(out / "preregistration.json")
+    # the same initial weights and eval split for the same seed, whatever the engine and ranks
+    same = [
+        RunDir(out / n).read_manifest() for n in ("baseline-seed1234", "candidate-seed1234", "scaling-1rank")
+    ]
+    assert len({m["initial_weights"]["sha256"] for m in same}) == 1
+    assert len({m["data"]["eval"]["sha256"] for m in same}) == 1
+    # the printed paths: report, plots, checkpoints and W&B runs
+    for f in ("report.md", "verdict.json", "loss.png", "grad_norm.png", "step_time.png", "memory.png",
+              "comm_fraction.png", "where.png"):  # fmt: skip
+        assert (out / f).stat().st_size > 500 and str(out / f) in p.stdout
+    assert "checkpoints/step_000030" in p.stdout and "W&B compare:" in p.stdout
+
+
+def test_eval_loss_is_held_out_and_layout_free(comparison):
+    out, _ = comparison
+    cand, base = read_metrics(out / "candidate-seed1234"), read_metrics(out / "baseline-seed1234")
+    steps = [r["step"] for r in cand if "eval_loss" in r]
+    assert steps == [10, 20, 30] == [r["step"] for r in base if "eval_loss" in r]
+    for a, b in zip((r for r in cand if "eval_loss" in r), (r for r in base if "eval_loss" in r)):
+        assert abs(a["eval_loss"] - b["eval_loss"]) <= 1e-5 * b["eval_loss"]
+    assert cand[-1]["eval_loss"] < cand[9]["eval_loss"]  # it learns what it never trained on
+    assert "final eval loss" in (out / "report.md").read_text()
+
+
+def test_report_percentiles_are_numpys(comparison):
+    out, _ = comparison
+    v = _verdict(out)
+    report = (out / "report.md").read_text()
+    warm = v["warmup_steps"]
+    for name, stats in v["runs"].items():
+        times = [r["step_time_s"] for r in read_metrics(out / name) if r["step"] > warm]
+        for q in (50, 95, 99):
+            assert stats["step_time_s"][f"p{q}"] == float(np.percentile(times, q))
+        assert stats["step_time_s"]["max"] == max(times)
+        row = " / ".join(f"{stats['step_time_s'][k] * 1e3:.1f}" for k in ("p50", "p95", "p99", "max"))
+        assert f"| {name} |" in report and row in report
+        assert abs(sum(stats["where_the_time_went"].values()) - 1.0) < 1e-9
+    # scaling efficiency: tokens/s at 2 ranks over 2 x tokens/s at one, from the same statistics
+    eff = v["runs"]["candidate-seed1234"]["tokens_per_s"] / (2 * v["runs"]["scaling-1rank"]["tokens_per_s"])
+    assert v["scaling_efficiency"] == pytest.approx(eff, rel=1e-12) and 0.05 < eff < 1.5
+
+
+def test_planted_secrets_appear_nowhere(comparison):
+    out, _ = comparison
+    files = [f for f in out.rglob("*") if f.is_file()]
+    assert any(".wandb" in f.name for f in files) and len(files) > 50
+    for f in files:
+        blob = f.read_bytes()
+        for name, value in SECRETS.items():
+            assert value.encode() not in blob, f"{name}'s value is in {f}"
+    env = RunDir(out / "candidate-seed1234").read_manifest()["environment"]
+    assert {k: env[k] for k in SECRETS} == dict.fromkeys(SECRETS, "<redacted>")
+
+
+def test_wandb_offline_runs_read_back(comparison):
+    out, _ = comparison
+    [cmp_run] = list((out / "wandb").glob("offline-run-*"))
+    recs = read_wandb_records(cmp_run)
+    summary = {
+        _key(u): json.loads(u.value_json) for r in recs if r.HasField("summary") for u in r.summary.update
+    }
+    v = _verdict(out)
+    assert summary["verdict"] == "PASS" and summary["thresholds"] == v["thresholds"]
+    assert summary["measured/loss_tolerance"] == pytest.approx(v["checks"][3]["measured"])
+    [run_rec] = [r.run for r in recs if r.HasField("run")]
+    config = {_key(u): json.loads(u.value_json) for u in run_rec.config.update}
+    assert config["preregistration_sha256"] == v["preregistration_sha256"]
+    [art] = [r.artifact for r in recs if r.HasField("artifact")]
+    paths = {c.path for c in art.manifest.contents}
+    assert {"report.md", "verdict.json", "loss.png", "manifests/candidate-seed1234.json"} <= paths
+    # a training run: the manifest as config, eval loss logged, the manifest as an artifact
+    [run_dir] = list((out / "candidate-seed1234" / "wandb").glob("offline-run-*"))
+    recs = read_wandb_records(run_dir)
+    [run_rec] = [r.run for r in recs if r.HasField("run")]
+    config = {_key(u): json.loads(u.value_json) for u in run_rec.config.update}
+    assert config["recipe_hash"] == RunDir(out / "candidate-seed1234").read_manifest()["recipe_hash"]
+    history = [json.loads(i.value_json) for r in recs if r.HasField("history") for i in r.history.item if _key(i) == "eval_loss"]  # fmt: skip
+    assert len(history) == 3
+    assert any(r.HasField("artifact") and r.artifact.type == "manifest" for r in recs)
+
+
+def test_threshold_just_beyond_the_measured_value_fails(comparison, tmp_path):
+    """Judging the same runs again (`--runs`) under thresholds read back from verdict.json: one set
+    just beyond its measured value fails, naming it and the value; the others still hold."""
+    out, _ = comparison
+    v = _verdict(out)
+    measured = {c["threshold_name"]: c for c in v["checks"]}
+    acc = dict(v["thresholds"])
+    acc["throughput_ratio_min"] = measured["throughput_ratio_min"]["measured"] * 1.0001
+    # the loss band shrunk so that the largest measured share lands just above 1
+    k = acc["loss_tolerance"]["noise_floor_multiple"] * measured["loss_tolerance"]["measured"] * 0.999
+    acc["loss_tolerance"] = {"noise_floor_multiple": k}
+    f = tmp_path / "acc.yaml"
+    f.write_text(yaml.safe_dump({"acceptance": acc}))
+    runs = [str(out / n) for n in ("candidate-seed1234", "baseline-seed1234", "baseline-seed1235")]
+    p = tessera("compare", "--runs", *runs, "--acceptance", str(f), "--out", str(tmp_path / "again"))
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
+    again = _verdict(tmp_path / "again")
+    failed = {c["threshold_name"]: c for c in again["checks"] if not c["passed"]}
+    assert set(failed) == {"throughput_ratio_min", "loss_tolerance"}
+    assert failed["throughput_ratio_min"]["measured"] == measured["throughput_ratio_min"]["measured"]
+    first = failed["loss_tolerance"]["first_step_outside"]
+    assert first is not None and first <= measured["loss_tolerance"]["worst_step"]
+    assert (
+        failed["loss_tolerance"]["measured"] == pytest.approx(1 / 0.999)
+        and again["first_divergent_step"]["loss"] == first
+    )
+    assert "VERDICT: FAIL" in p.stdout and "throughput_ratio_min" in p.stdout
+    assert (
+        json.loads((tmp_path / "again" / "preregistration.json").read_text())["registered_before_runs"]
+        is False
+    )
+
+
+def test_planted_defect_fails_the_loss_tolerance(comparison, tmp_path):
+    """The candidate with a learning rate 1 % above the baseline's, judged against the same baseline
+    runs: the loss leaves its band, at a reported step; without the defect it passed (above)."""
+    out, _ = comparison
+    lr = yaml.safe_load((out / "candidate-seed1234" / "recipe.resolved.yaml").read_text())["optim"]["lr"]
+    bad = tmp_path / "lr_plus_1pct"
+    p = tessera("run", RECIPE, *COMMON, f"optim.lr={lr * 1.01}", f"run.out_dir={bad}",
+                f"run.master_port={free_port()}", "tracking.wandb.mode=disabled")  # fmt: skip
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    runs = [str(bad), str(out / "baseline-seed1234"), str(out / "baseline-seed1235")]
+    p = tessera("compare", "--runs", *runs, "--out", str(tmp_path / "judged"))
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
+    v = _verdict(tmp_path / "judged")
+    loss = next(c for c in v["checks"] if c["threshold_name"] == "loss_tolerance")
+    assert not loss["passed"] and loss["refutes_claim"] and loss["measured"] > 1
+    first = v["first_divergent_step"]["loss"]
+    assert isinstance(first, int) and 2 <= first <= STEPS  # step 1's loss precedes any update
+    assert f"first step outside: {first}" in (tmp_path / "judged" / "report.md").read_text()
