@@ -29,7 +29,7 @@ test: setup lint
 	$(BIN)/pytest -q tests
 
 demo: setup
-	$(BIN)/tessera run recipes/tiny-llama-cpu.yaml run.out_dir=runs/demo-$$(date +%Y%m%d-%H%M%S)
+	$(BIN)/tessera compare recipes/tiny-llama-cpu.yaml --out runs/demo-$$(date +%Y%m%d-%H%M%S)
 
 bench: setup
 	$(BIN)/python tools/bench/bench_zero_vs_raw.py

@@ -123,11 +123,15 @@ def test_zero_stages_match_single_rank(zero_runs, zero):
     assert [r["tokens"] for r in zero_runs[f"z{zero}"]] == [r["tokens"] for r in zero_runs["ref"]]
 
 
-def test_grad_norm_and_lr_agree(zero_runs):
+def test_grad_norm_lr_and_eval_loss_agree(zero_runs):
     ref = zero_runs["ref"]
     for name in ("z0", "z1", "z2", "z3", "ddp"):
         assert_close_rel([r["grad_norm"] for r in zero_runs[name]], [r["grad_norm"] for r in ref], 1e-4)
         assert [r["lr"] for r in zero_runs[name]] == [r["lr"] for r in ref]
+        # the held-out split, evaluated after the last step only (eval_every 50 > the steps run)
+        evals = [r["step"] for r in zero_runs[name] if r.get("eval_loss") is not None]
+        assert evals == [len(ref)]
+        assert abs(zero_runs[name][-1]["eval_loss"] - ref[-1]["eval_loss"]) <= 1e-5 * ref[-1]["eval_loss"]
 
 
 # ---- engine ddp: the naive baseline ---------------------------------------------------------------------

@@ -88,6 +88,8 @@ class ProgressCallback(Callback):
 
     def on_step_end(self, ctx: RunContext, rec: dict[str, Any], ops: list[dict[str, Any]]) -> None:
         self.progress.update(rec["step"], rec)
+        if rec.get("eval_loss") is not None:
+            self.progress.note(f"eval loss {rec['eval_loss']:.4f} at step {rec['step']} (held-out split)")
 
     def on_checkpoint(self, ctx: RunContext, step: int, path: Path) -> None:
         self.progress.note(f"checkpoint step {step}")

@@ -47,13 +47,19 @@ def plot_run(
     steps = [r["step"] for r in records]
     losses = [r["loss"] for r in records]
     loss_png, time_png, memory_png = RunDir.PLOTS
-    figure(
-        loss_png,
-        f"loss — {run_dir.name}",
-        "step",
-        "loss (nats per token)",
-        lambda ax: (ax.plot(steps, losses, marker="."), ax.grid(alpha=0.3)),
-    )
+    evals = [(r["step"], r["eval_loss"]) for r in records if r.get("eval_loss") is not None]
+
+    def loss_curve(ax) -> None:
+        from matplotlib.ticker import MaxNLocator
+
+        ax.plot(steps, losses, marker=".", label="training loss (the step's batch)")
+        if evals:
+            ax.plot(*zip(*evals), "s", color="C3", label="eval loss (held-out split)")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+
+    figure(loss_png, f"loss — {run_dir.name}", "step", "loss (nats per token)", loss_curve)
     times = [r["step_time_s"] for r in records[1:]] or [records[0]["step_time_s"]]  # step 1 includes warmup
     plan = RunDir(run_dir).read_json_if_present(RunDir.PLAN) or {}
     predicted = (plan.get("chosen") or {}).get("step_time_s")
