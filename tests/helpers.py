@@ -20,7 +20,7 @@ TEST_OVERRIDES = ["tracking.wandb.mode=disabled", "checkpoint.every=0", "run.dev
 @dataclass(frozen=True)
 class RunSpec:
     """One run for the rank processes: its directory, --resume, the exit code it must end with, and an
-    optional fault to inject (``TESSERA_FAULT``)."""
+    optional fault to inject (``TESSERA_FAULTS``)."""
 
     run_dir: str
     resume: bool = False

@@ -34,6 +34,12 @@ def _console():
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    if args.verbose:
+        import os
+
+        from tessera.launch.launcher import VERBOSE_ENV
+
+        os.environ[VERBOSE_ENV] = "1"
     rc, rd = start_run(
         args.recipe,
         args.overrides,
@@ -41,6 +47,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         same_layout=args.same_layout,
         strict=args.strict,
         dry_run=args.dry_run,
+        resume_from=args.resume_from,
     )
     if rc != 0 or args.dry_run:
         return rc
@@ -373,7 +380,16 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --resume: refuse when code, config, data or environment changed since the checkpoint",
     )
+    r.add_argument(
+        "--resume-from",
+        default=None,
+        metavar="STEP_DIR",
+        help="resume from this checkpoint of the run (a checkpoints/step_* dir or its name), not the latest",
+    )
     r.add_argument("--dry-run", action="store_true", help="print the command and the layout; start nothing")
+    r.add_argument(
+        "--verbose", action="store_true", help="launcher INFO lines and library warnings on the console too"
+    )
     r.set_defaults(fn=cmd_run)
     cp = sub.add_parser(
         "compare", help="the recipe against the naive data-parallel baseline, under pre-registered thresholds"

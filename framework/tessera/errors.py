@@ -9,6 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
+PREVIEW = 120  # characters of a value an error message echoes
+
+
+def preview(value: Any, limit: int = PREVIEW) -> str:
+    """``repr(value)``, cut to ``limit`` characters (an echoed value never floods the console)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 15] + f"... ({len(text):,} chars)"
+
 
 class TesseraError(Exception):
     """An error in what the user handed in, with the field, the value and the fix."""
@@ -20,10 +28,13 @@ class TesseraError(Exception):
         self.message = message
         super().__init__(self.render())
 
+    #: the message already says "field = value" (a list of problems): render adds no second prefix
+    framed = False
+
     def render(self) -> str:
         head = self.message
-        if self.field is not None:
-            head = f"{self.field} = {self.value!r}: {self.message}"
+        if self.field is not None and not self.framed:
+            head = f"{self.field} = {preview(self.value)}: {self.message}"
         if self.fix:
             head += f"\n  fix: {self.fix}"
         return head
@@ -48,3 +59,13 @@ class CheckpointError(TesseraError):
 class TrainingDiverged(RuntimeError):
     """Loss, gradient norm or model state became NaN / Inf; the last good checkpoint is kept. Not a user
     error: a stop rule (exit code :attr:`tessera.rundir.ExitCode.DIVERGED`)."""
+
+
+class RunStopped(RuntimeError):
+    """A stop rule or a preemption ended the run in step on every rank (not a fault: never restarted).
+    ``code`` is the run's exit code (:class:`tessera.rundir.ExitCode`), the message its one-line
+    diagnosis."""
+
+    def __init__(self, message: str, *, code: int) -> None:
+        super().__init__(message)
+        self.code = code

@@ -21,7 +21,9 @@ Nothing else in Tessera (nor its tests and tools) spells these names.
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from enum import IntEnum
 from pathlib import Path
 from typing import Any
@@ -36,13 +38,28 @@ class ExitCode(IntEnum):
     FAILED = 1  # a crash: a bug or an environment failure (the log has the traceback)
     USER_ERROR = 2  # bad input: recipe, override, layout, data, checkpoint; the message names the fix
     DIVERGED = 3  # a stop rule saw NaN / Inf; the last good checkpoint is kept
-    INTERRUPTED = 130  # Ctrl-C (128 + SIGINT)
+    LOSS_SPIKE = 4  # stop rule: the loss's z-score over a trailing window stayed above the limit
+    THROUGHPUT_FLOOR = 5  # stop rule: tokens/s below stop.min_tokens_per_s over its window
+    TIME_LIMIT = 6  # stop rule: stop.max_time_s reached; a final checkpoint was saved
+    PREEMPTED = 7  # SIGTERM / SIGINT to tessera run: the current step was checkpointed; --resume continues
+    HUNG = 8  # the hang watchdog stopped the job (a rank made no progress for stop.hang_timeout_s)
+    RANK_LOST = 9  # a rank died without exiting (killed by a signal, the OOM killer)
+    INTERRUPTED = 130  # Ctrl-C twice (128 + SIGINT): stopped at once
     TERMINATED = 143  # stopped by SIGTERM (128 + 15): the launcher stopping the survivors of a failure
 
 
 #: exit codes after which every rank left the run in step with the others (collectively decided), so a
 #: process may start another run on the same process group (the test harness does)
-ORDERLY_EXITS = (ExitCode.OK, ExitCode.DIVERGED)
+ORDERLY_EXITS = (
+    ExitCode.OK,
+    ExitCode.DIVERGED,
+    ExitCode.LOSS_SPIKE,
+    ExitCode.THROUGHPUT_FLOOR,
+    ExitCode.TIME_LIMIT,
+    ExitCode.PREEMPTED,
+)
+#: a run that ended this way is not restarted (bad input, or a decision rather than a fault)
+NOT_RESTARTED = (ExitCode.USER_ERROR, *ORDERLY_EXITS[1:], ExitCode.INTERRUPTED)
 
 
 class RunDir:
@@ -61,6 +78,9 @@ class RunDir:
     LOGS = "logs"
     WANDB = "wandb"  # W&B writes its runs below it (wandb.init(dir=run dir))
     WANDB_ID = "wandb_id"
+    LOCK = "run.lock"  # held (flock) by the `tessera run` using the directory; names its pid
+    FAULTS_FIRED = "faults.fired"  # one marker per injected fault that fired (each fires once per run dir)
+    PREEMPT = "preempt.request"  # written by tessera run on SIGTERM / SIGINT; every rank checks per step
     PLOTS = ("loss.png", "step_time.png", "memory.png")
 
     def __init__(self, path: str | Path) -> None:
@@ -123,7 +143,8 @@ class RunDir:
 
     def rank_file(self, rank: int, kind: str) -> Path:
         """``logs/rank_NNNNN.<kind>``: ``log`` (its output), ``pid`` (written at start), ``exit`` (its code,
-        written at the end: a rank killed by a signal leaves none)."""
+        written at the end: a rank killed by a signal leaves none), ``heartbeat`` (where it is now, see
+        :mod:`tessera.train.heartbeat`)."""
         return self.logs / f"rank_{rank:05d}.{kind}"
 
     # ---- readers and writers -----------------------------------------------------------------------
@@ -160,6 +181,45 @@ class RunDir:
     def read_manifest(self) -> dict[str, Any]:
         return self.read_json(self.MANIFEST)
 
+    # ---- one run at a time ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[str | None]:
+        """Hold the directory for one ``tessera run`` (an exclusive ``flock`` on ``run.lock``, released
+        by the kernel if the holder dies). Yields a warning when it took over the lock file of a dead
+        holder; a live holder is an error naming its pid."""
+        import fcntl
+        import os
+
+        from tessera.errors import TesseraError
+
+        self.path.mkdir(parents=True, exist_ok=True)
+        f = open(self.path / self.LOCK, "a+")
+        try:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.seek(0)
+                holder = f.read().strip() or "unknown"
+                raise TesseraError(
+                    f"the run directory is in use by another tessera process (pid {holder})",
+                    field="run.out_dir",
+                    value=str(self.path),
+                    fix="wait for that run to end (or stop it), or set run.out_dir to another directory",
+                ) from None
+            f.seek(0)
+            stale = f.read().strip()
+            f.seek(0)
+            f.truncate()
+            f.write(f"{os.getpid()}\n")
+            f.flush()
+            yield (
+                f"took over the lock of pid {stale}, which is gone (a run that was killed)" if stale else None
+            )
+            f.seek(0)
+            f.truncate()  # a clean release leaves nothing to take over
+        finally:
+            f.close()
+
     # ---- rank status -------------------------------------------------------------------------------
     def mark_rank_started(self, rank: int, pid: int) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -177,7 +237,7 @@ class RunDir:
 
     def clear_rank_status(self) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
-        for kind in ("pid", "exit"):
+        for kind in ("pid", "exit", "heartbeat"):
             for stale in self.logs.glob(f"rank_*.{kind}"):
                 stale.unlink()
 

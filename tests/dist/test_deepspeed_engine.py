@@ -26,7 +26,7 @@ from helpers import (
     train_runs,
 )
 
-from tessera.checkpoint.manager import LATEST, checkpoint_files, read_meta, step_dir_name
+from tessera.checkpoint.manager import LATEST, CheckpointManager, checkpoint_files, read_meta, step_dir_name
 from tessera.models.families import FAMILIES, FAMILY_NAMES
 from tessera.rundir import ExitCode, RunDir
 
@@ -57,6 +57,15 @@ def zero_runs(tmp_path_factory):
     two[base / "nanstate_z2"] = (
         R, ["train.steps=3", "checkpoint.every=1", "parallel.zero=2"], False, ExitCode.DIVERGED, "nan_param@2"
     )  # fmt: skip
+    # the stop rules of issue 11, each on an injected cause, and all of them armed on a clean run
+    z2 = [f"train.steps={STEPS}", "parallel.zero=2"]
+    two[base / "rules_clean"] = (R, [*z2, *RULES_ON], False)
+    spike = ["stop.loss_spike.zscore=3", "stop.loss_spike.window=5", "stop.loss_spike.patience=1"]
+    two[base / "rule_spike"] = (R, [*z2, *spike], False, ExitCode.LOSS_SPIKE, "spike:step=8:factor=30")
+    floor = ["stop.min_tokens_per_s.value=1e12", "stop.min_tokens_per_s.window=2"]
+    two[base / "rule_floor"] = (R, [*z2, *floor], False, ExitCode.THROUGHPUT_FLOOR)
+    two[base / "rule_time"] = (R, [*z2, "stop.max_time_s=0.001"], False, ExitCode.TIME_LIMIT)
+    two[base / "preempt_z2"] = (R, z2, False, ExitCode.PREEMPTED, "sigterm:step=4")
     for name, ov in OFFLOAD.items():
         two[base / name] = (R, [f"train.steps={STEPS}", *ov], False)
     two[base / "bf16"] = (R, ["train.steps=8", "parallel.zero=2", "train.precision=bf16"], False)
@@ -72,6 +81,7 @@ def zero_runs(tmp_path_factory):
     shutil.copytree(base / "resume_z2", evil)
     plant_pickle(evil)
     resumed = {base / f"resume_{name}": (R, [], True) for name in RESUMED}
+    resumed[base / "preempt_z2"] = (R, [], True)  # continue the preempted run to the end
     resumed[evil] = (R, [], True, ExitCode.USER_ERROR)
     got.update(train_runs(resumed, world=2))
     runs.update({d.name: rec for d, rec in got.items()})
@@ -79,6 +89,10 @@ def zero_runs(tmp_path_factory):
 
 
 RESUMED = {"z2": ["parallel.zero=2"], "z3": ["parallel.zero=3"], "ddp": DDP}
+RULES_ON = [
+    "stop.loss_spike.zscore=6", "stop.loss_spike.window=10", "stop.loss_spike.patience=2",
+    "stop.min_tokens_per_s.value=10", "stop.min_tokens_per_s.window=3", "stop.max_time_s=3600",
+]  # fmt: skip
 OFFLOAD = {
     "zero2-offload-opt": ["parallel.zero=2", "parallel.offload_optimizer=true"],
     "zero3-offload-opt-params": [
@@ -363,3 +377,50 @@ def test_manifest_diff_of_two_zero_stages(zero_runs, capsys):
     ckpt = RunDir(base / "resume_z2").checkpoints / step_dir_name(20)
     assert main(["manifest", "diff", str(base / "resume_z2"), str(ckpt / "manifest.json"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {}
+
+
+# ---- stop rules and preemption (issue 11) -------------------------------------------------------------
+
+
+def _stopped(run_dir) -> dict:
+    return RunDir(run_dir).read_summary()["stopped"]
+
+
+def test_stop_rules_do_not_fire_on_the_clean_run_nor_change_it(zero_runs):
+    """Every rule armed: the run completes, bit-identical to the run without them."""
+    assert [r["loss"] for r in zero_runs["rules_clean"]] == [r["loss"] for r in zero_runs["z2"]]
+    assert all("stopped" not in r for r in zero_runs["rules_clean"])
+    assert RunDir(zero_runs["_base"] / "rules_clean").read_summary()["stopped"] is None
+
+
+@pytest.mark.parametrize(
+    ("name", "rule", "code", "step", "words"),
+    [
+        ("rule_spike", "loss_spike", ExitCode.LOSS_SPIKE, 9, "standard deviations above the mean"),
+        ("rule_floor", "throughput_floor", ExitCode.THROUGHPUT_FLOOR, 4, "under stop.min_tokens_per_s"),
+        ("rule_time", "time_limit", ExitCode.TIME_LIMIT, 1, "stop.max_time_s=0.001 s reached at step 1"),
+    ],
+)
+def test_each_stop_rule_fires_on_its_cause(zero_runs, name, rule, code, step, words):
+    """The rule's own exit code, a one-line diagnosis in the summary, the manifest, metrics and the
+    record of the step; the last good checkpoint kept (the time limit saves its step first)."""
+    base = zero_runs["_base"] / name
+    last = zero_runs[name][-1]
+    assert last["step"] == step and last["stopped"]["rule"] == rule and last["stopped"]["exit_code"] == code
+    stopped = _stopped(base)
+    assert stopped["exit_code"] == code and words in stopped["diagnosis"] and "\n" not in stopped["diagnosis"]
+    assert RunDir(base).read_manifest()["stopped"] == stopped
+    latest = CheckpointManager(RunDir(base).checkpoints, keep=2, rank=0, world_size=2).latest()
+    assert (latest is not None and latest.name == step_dir_name(1)) if rule == "time_limit" else latest is None
+
+
+def test_preemption_checkpoints_the_step_and_resumes_bit_exactly(zero_runs):
+    """A preemption request at step 4 (what SIGTERM to tessera run writes): every rank stops after step
+    4 with a checkpoint of it and exit code PREEMPTED; --resume finishes identical to the uninterrupted run."""
+    base = zero_runs["_base"] / "preempt_z2"
+    meta = RunDir(base).read_manifest()
+    assert [r["step"] for r in zero_runs["preempt_z2"]] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in zero_runs["preempt_z2"]] == [r["loss"] for r in zero_runs["z2"]]
+    assert [r["grad_norm"] for r in zero_runs["preempt_z2"]] == [r["grad_norm"] for r in zero_runs["z2"]]
+    assert [x["from"] for x in meta["restarts"]] == [step_dir_name(4)]
+    assert (RunDir(base).checkpoints / step_dir_name(4)).is_dir()

@@ -226,6 +226,24 @@ class CheckpointManager:
         # a resharded copy of a step is newer than the step it was made from
         return sorted(found, key=lambda p: (int(STEP_RE.match(p.name).group(1)), (p / META).stat().st_mtime))  # type: ignore[union-attr]
 
+    def pick(self, chosen: str | Path | None) -> Path | None:
+        """The checkpoint to resume from: ``chosen`` (``--resume-from``: a step directory of this run, by
+        path or name) or else :meth:`latest`."""
+        if chosen is None:
+            return self.latest()
+        p = Path(chosen)
+        if not p.exists() and not p.is_absolute():
+            p = self.root / p
+        if p.resolve().parent != self.root.resolve() or not STEP_RE.match(p.name) or not (p / META).is_file():
+            have = ", ".join(c.name for c in self.complete()) or "none"
+            raise CheckpointError(
+                "--resume-from must name a complete checkpoint of this run",
+                field="--resume-from",
+                value=str(chosen),
+                fix=f"one of this run's checkpoints ({have}); another run's: tessera convert it first",
+            )
+        return p
+
     def latest(self) -> Path | None:
         """The checkpoint ``latest`` names; without a ``latest`` file (a crash between the rename and its
         write), the newest complete one. A ``latest`` that is unreadable or names nothing complete is an

@@ -15,10 +15,11 @@ another counted op (``all_gather_object`` calling ``all_gather``) count once, as
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,6 +94,26 @@ class CommCounter:
     _local: threading.local = field(default_factory=threading.local)
     #: seconds of every op counted since the process installed the counter (never reset)
     total_seconds: float = 0.0
+    #: the op this rank is blocked in now (op, group, bytes, since), for the heartbeat; None outside ops
+    current: tuple[str, str, int, float] | None = None
+    #: ops finished since the counter was installed (the heartbeat's sign of progress)
+    completed: int = 0
+
+    @contextlib.contextmanager
+    def inside(self, op: str, group: Any, payload: Any) -> Iterator[None]:
+        """Mark the outermost op in progress (nested ops, e.g. all_gather_object's, keep the outer one)."""
+        if self.current is not None:
+            yield
+            return
+        try:
+            self.current = (op, self.namer(group), _nbytes(payload), time.time())
+        except Exception:  # naming must never break a collective
+            self.current = (op, "?", 0, time.time())
+        try:
+            yield
+        finally:
+            self.current = None
+            self.completed += 1
 
     def record(self, op: str, group: Any, payload: Any, seconds: float) -> None:
         agg = self._step[(op, self.namer(group), _dtype(payload))]
@@ -134,13 +155,14 @@ _COUNTER: CommCounter | None = None
 class _TimedWork:
     """Wraps an async op's Work so that ``wait()`` adds the time the caller was blocked."""
 
-    def __init__(self, work: Any, done: Callable[[float], None]) -> None:
-        self._work, self._done = work, done
+    def __init__(self, work: Any, done: Callable[[float], None], mark: Callable[[], Any]) -> None:
+        self._work, self._done, self._mark = work, done, mark
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
         try:
-            return self._work.wait(*args, **kwargs)
+            with self._mark():  # the heartbeat shows the op a rank is blocked on
+                return self._work.wait(*args, **kwargs)
         finally:
             self._done(time.perf_counter() - t0)
 
@@ -164,14 +186,16 @@ def _wrap(name: str, fn: Callable[..., Any], counter: CommCounter) -> Callable[.
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         local = counter._local
-        if not counter.enabled or getattr(local, "depth", 0):
-            return fn(*args, **kwargs)
         group = _arg(args, kwargs, "group", group_pos)
         payload = _arg(args, kwargs, key, pos) if pos >= 0 else None
+        if not counter.enabled or getattr(local, "depth", 0):
+            with counter.inside(op, group, payload):  # the heartbeat still says where the rank waits
+                return fn(*args, **kwargs)
         local.depth = 1
         t0 = time.perf_counter()
         try:
-            out = fn(*args, **kwargs)
+            with counter.inside(op, group, payload):
+                out = fn(*args, **kwargs)
         finally:
             local.depth = 0
         dt = time.perf_counter() - t0
@@ -181,7 +205,11 @@ def _wrap(name: str, fn: Callable[..., Any], counter: CommCounter) -> Callable[.
             and hasattr(out, "wait")
             and (kwargs.get("async_op") or name in ("isend", "irecv"))
         ):
-            return _TimedWork(out, lambda s: counter.add_seconds(op, group, payload, s))
+            return _TimedWork(
+                out,
+                lambda s: counter.add_seconds(op, group, payload, s),
+                lambda: counter.inside(op, group, payload),
+            )
         return out
 
     wrapper.__wrapped__ = fn  # type: ignore[attr-defined]

@@ -19,7 +19,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from tessera.config.schema import Recipe
-from tessera.errors import RecipeError
+from tessera.errors import RecipeError, preview
 
 DEFAULT = "default"
 _FLOAT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
@@ -74,9 +74,77 @@ def _resolve_include(name: str, including: Path) -> Path:
     )
 
 
+#: nodes a recipe may expand to, aliases counted at their full size (a recipe is a few hundred)
+MAX_NODES = 20_000
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """PyYAML's safe loader that refuses a key given twice in one mapping (YAML would keep the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise RecipeError(
+                    f"the key {key!r} appears twice in one mapping (lines {seen[key]} and {line}); "
+                    "YAML would silently keep only the last",
+                    field=str(key),
+                    value=f"line {line}",
+                    fix=f"merge the two {key!r} blocks into one",
+                )
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _expanded_size(node: yaml.Node, memo: dict[int, int]) -> int:
+    """Nodes after alias expansion (an alias counts as everything it points at), memoised, so that
+    nested anchors ("billion laughs") are measured without being expanded."""
+    if id(node) in memo:
+        return memo[id(node)]
+    memo[id(node)] = 1  # a recursive alias counts once
+    if isinstance(node, yaml.MappingNode):
+        size = 1 + sum(_expanded_size(k, memo) + _expanded_size(v, memo) for k, v in node.value)
+    elif isinstance(node, yaml.SequenceNode):
+        size = 1 + sum(_expanded_size(v, memo) for v in node.value)
+    else:
+        size = 1
+    memo[id(node)] = size
+    return size
+
+
+def safe_yaml(text: str, *, where: str) -> Any:
+    """A recipe's YAML: duplicate keys refused, alias expansion bounded by :data:`MAX_NODES`."""
+    loader = _RecipeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        size = _expanded_size(node, {})
+        if size > MAX_NODES:
+            raise RecipeError(
+                f"the YAML expands to {size:,} nodes through its anchors and aliases (at most {MAX_NODES:,})",
+                field="recipe",
+                value=where,
+                fix="write the values out instead of nesting aliases of aliases",
+            )
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        text = path.read_text()
+        if not text.strip():
+            raise RecipeError(
+                "the recipe file is empty",
+                field="recipe",
+                value=str(path),
+                fix="write at least a model section (see recipes/tiny-llama-cpu.yaml)",
+            )
+        data = safe_yaml(text, where=str(path)) or {}
     except FileNotFoundError:
         raise RecipeError(
             "recipe file not found",
@@ -318,18 +386,21 @@ def _friendly(e: ValidationError, data: dict[str, Any]) -> RecipeError:
                 if close
                 else "remove it; see `tessera config show` for the fields"
             )
-            msg = f"{dotted} = {value!r}: unknown field\n  fix: {fix}"
+            msg = f"{dotted} = {preview(value)}: unknown field\n  fix: {fix}"
         elif err["type"] == "missing":
-            msg = f"{dotted}: required field is missing\n  fix: add it to the recipe ({field_description(dotted) or ''})"
+            desc = field_description(dotted)
+            msg = f"{dotted}: required field is missing\n  fix: add {dotted} to the recipe" + (
+                f" ({desc})" if desc else ""
+            )
         else:
             value = _get(data, loc) if value is None else value
             desc = field_description(dotted)
             reason = err["msg"].removeprefix("Value error, ")
             fix = f"{dotted} is the {desc}" if desc else "see the recipe schema"
-            msg = f"{dotted} = {value!r}: {reason}\n  fix: {fix}"
+            msg = f"{dotted} = {preview(value)}: {reason}\n  fix: {fix}"
         if first_field is None:
             first_field, first_value = dotted, value
         lines.append(msg)
     err = RecipeError("\n".join(lines))
-    err.field, err.value = first_field, first_value
+    err.field, err.value, err.framed = first_field, first_value, True
     return err

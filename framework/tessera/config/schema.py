@@ -215,6 +215,32 @@ class AcceptanceSection(_Section):
     warmup_steps: int = Field(5, ge=0, description="first steps left out of every timing statistic")
 
 
+class LossSpikeRule(_Section):
+    zscore: float = Field(6.0, gt=0, description="z-score of the loss against the trailing window")
+    window: int = Field(50, ge=5, description="trailing steps the mean and deviation come from")
+    patience: int = Field(3, ge=1, description="consecutive steps above the limit before stopping")
+
+
+class ThroughputRule(_Section):
+    value: float = Field(..., gt=0, description="tokens/s (the slowest rank's) below which the run stops")
+    window: int = Field(20, ge=1, description="steps the mean is taken over (after the first window)")
+
+
+class StopSection(_Section):
+    hang_timeout_s: float | None = Field(
+        300.0, gt=0, description="stop (and restart) when a rank makes no progress this long; null = never"
+    )
+    straggler_ratio: float = Field(
+        1.5, gt=1, description="warn when a rank's compute time exceeds the median's by this factor"
+    )
+    straggler_window: int = Field(20, ge=1, description="steps the straggler check averages over")
+    loss_spike: LossSpikeRule | None = Field(None, description="stop on a loss spike; null = off")
+    min_tokens_per_s: ThroughputRule | None = Field(None, description="throughput floor; null = off")
+    max_time_s: float | None = Field(
+        None, gt=0, description="wall-time limit: a final checkpoint, then stop; null = none"
+    )
+
+
 class CheckpointSection(_Section):
     every: int = Field(0, ge=0, description="save every N steps (0 = only at the end)")
     keep: int = Field(2, ge=1, description="keep the last N checkpoints")
@@ -240,16 +266,34 @@ class RunSection(_Section):
     out_dir: str | None = Field(None, description="run directory; default runs/<name>")
     hostfile: str | None = Field(None, description="DeepSpeed hostfile for multi-node runs")
     master_addr: str = Field("127.0.0.1", description="rendezvous address")
-    master_port: int = Field(29500, ge=1024, le=65535, description="rendezvous port")
+    master_port: int | Literal["auto"] = Field(
+        "auto",
+        description="rendezvous port; auto = a free port on this machine (a hostfile run: 29500)",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda if available else cpu")
     hardware: str | None = Field(
         None,
         description="hardware profile for the planner: a name in configs/hardware/ or a path; default "
         "h100-sxm-80g on cuda, cpu-2core on cpu",
     )
+    restarts: int = Field(
+        0,
+        ge=0,
+        description="restart from the last good checkpoint after a rank failure or hang, at most N times",
+    )
+    preempt_grace_s: float = Field(
+        120.0, gt=0, description="SIGTERM / SIGINT: seconds the ranks get to checkpoint the current step"
+    )
     bind_cores_to_rank: bool = Field(
         True, description="deepspeed --bind_cores_to_rank on CPU (needs numactl)"
     )
+
+    @field_validator("master_port")
+    @classmethod
+    def _port(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and not 1024 <= v <= 65535:
+            raise ValueError("master_port must be auto or a port in 1024-65535")
+        return v
 
     @field_validator("world_size")
     @classmethod
@@ -268,6 +312,7 @@ class Recipe(_Section):
     optim: OptimSection = Field(default_factory=OptimSection)
     train: TrainSection = Field(default_factory=TrainSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    stop: StopSection = Field(default_factory=StopSection, description="stop rules and the hang watchdog")
     tracking: TrackingSection = Field(default_factory=TrackingSection)
     acceptance: AcceptanceSection = Field(
         default_factory=AcceptanceSection, description="tessera compare's pre-registered thresholds"

@@ -207,7 +207,7 @@ def capture_manifest(
 # host, the launch (ports, paths), what the run did after it started, and what is derived from recorded
 # inputs (the plan follows from config + hardware)
 _VOLATILE = {
-    "launcher_command", "hardware.hostname", "checkpoint_step", "resumed_from", "resharded", "plan", "restarts",
+    "launcher_command", "hardware.hostname", "checkpoint_step", "resumed_from", "resharded", "plan", "restarts", "stopped",
     "fault_injection", "environment.MASTER_ADDR", "environment.MASTER_PORT", "environment.WORLD_SIZE",
 }  # fmt: skip
 #: top-level manifest key -> the group a difference is reported under

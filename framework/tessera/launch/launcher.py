@@ -67,12 +67,61 @@ def parse_hostfile(path: str) -> list[tuple[str, int]]:
     return hosts
 
 
+DEFAULT_PORT = 29500
+VERBOSE_ENV = "TESSERA_VERBOSE"  # set by --verbose: launcher INFO lines and library warnings on the console
+
+
+def _bindable(addr: str, port: int) -> bool:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((addr, port))
+        except OSError:
+            return False
+    return True
+
+
+def rendezvous_port(recipe: Recipe) -> int:
+    """``run.master_port``: ``auto`` picks a free port on this machine (a hostfile run, whose rendezvous
+    host may be another machine, gets 29500); an explicit port that is taken here is refused before
+    anything starts."""
+    r = recipe.run
+    local = not r.hostfile and r.master_addr in ("127.0.0.1", "localhost", "0.0.0.0")
+    if r.master_port == "auto":
+        if not local:
+            return DEFAULT_PORT
+        import socket
+
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((r.master_addr, 0))
+            return int(s.getsockname()[1])
+    port = int(r.master_port)
+    if local and not _bindable(r.master_addr, port):
+        raise RecipeError(
+            f"port {port} on {r.master_addr} is in use (another run, or another program)",
+            field="run.master_port",
+            value=port,
+            fix="set run.master_port: auto (the default) or another free port",
+        )
+    return port
+
+
 def build_command(
-    recipe: Recipe, run_dir: Path, *, resume: bool, device: str, worker_args: tuple[str, ...] = ()
+    recipe: Recipe,
+    run_dir: Path,
+    *,
+    resume: bool,
+    device: str,
+    worker_args: tuple[str, ...] = (),
+    port: int | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """The exact launcher command and the environment additions for this run (``worker_args``: more
-    flags for the worker, e.g. ``--same-layout`` or ``--convert-from SRC``)."""
+    flags for the worker, e.g. ``--same-layout`` or ``--convert-from SRC``; ``port``: the rendezvous
+    port, by default :func:`rendezvous_port`)."""
     r = recipe.run
+    port = rendezvous_port(recipe) if port is None else port
     env: dict[str, str] = {}
     worker = ["tessera.train.worker", "--run-dir", str(run_dir)] + (["--resume"] if resume else [])
     worker += list(worker_args)
@@ -90,7 +139,7 @@ def build_command(
             _venv_bin("torchrun"),
             f"--nproc_per_node={r.world_size}",
             f"--master_addr={r.master_addr}",
-            f"--master_port={r.master_port}",
+            f"--master_port={port}",
             "-m",
             *worker,
         ]
@@ -127,7 +176,9 @@ def build_command(
                 fix="set run.bind_cores_to_rank: false or use fewer ranks",
             )
         cmd.append("--bind_cores_to_rank")
-    cmd += ["--master_addr", r.master_addr, "--master_port", str(r.master_port), "--module", *worker]
+    # the launcher's INFO lines (world info, spawned commands) belong in the log, not on the console
+    cmd += ["--log_level", "info" if os.environ.get(VERBOSE_ENV) else "error"]
+    cmd += ["--master_addr", r.master_addr, "--master_port", str(port), "--module", *worker]
     return cmd, env
 
 
@@ -177,6 +228,7 @@ def _scan(rd: RunDir, world: int, pids: dict[int, int], dead_seen: dict[int, flo
             rank,
             "died without exiting (killed by a signal, e.g. SIGKILL or the OOM killer)",
             rd.log_tail(rank),
+            code=ExitCode.RANK_LOST,
         )
     if exited:
         _, _, rank, code = min(exited)
@@ -202,23 +254,81 @@ def _stop_group(proc: subprocess.Popen, pids: dict[int, int]) -> None:
             continue
 
 
+class _Signals:
+    """SIGTERM / SIGINT to ``tessera run`` while ranks run: the first asks for a preemption (the ranks
+    checkpoint the current step and exit PREEMPTED), a second one stops everything at once."""
+
+    def __init__(self, rd: RunDir) -> None:
+        import threading
+
+        self.rd = rd
+        self.times: list[float] = []
+        self.old: dict[int, object] = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self.old[sig] = signal.signal(sig, self._on)
+
+    def _on(self, signum: int, frame: object) -> None:
+        self.times.append(time.monotonic())
+        if len(self.times) == 1:
+            (self.rd / RunDir.PREEMPT).write_text(f"{signal.Signals(signum).name}\n")
+            print(
+                f"tessera: {signal.Signals(signum).name}: checkpointing the current step, then stopping "
+                "(again to stop at once)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def restore(self) -> None:
+        for sig, handler in self.old.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        (self.rd / RunDir.PREEMPT).unlink(missing_ok=True)
+
+
 def run_and_monitor(
-    cmd: list[str], env_add: dict[str, str], run_dir: Path, world: int
+    cmd: list[str],
+    env_add: dict[str, str],
+    run_dir: Path,
+    world: int,
+    *,
+    grace_s: float = 120.0,
+    watchdog: object | None = None,
 ) -> tuple[int, RankFailure | None]:
-    """Run the launcher; returns (exit code, the failed rank if one failed)."""
+    """Run the launcher; returns (exit code, the failed rank if one failed). ``grace_s``: how long a
+    preemption may take before the ranks are stopped; ``watchdog``: a hang watchdog whose ``check()``
+    returns a :class:`RankFailure` (code HUNG) when a rank stopped making progress."""
+    from tessera.train.guard import SUPERVISOR_ENV, supervisor_token
+
     rd = RunDir(run_dir)
     rd.clear_rank_status()
-    env = {**os.environ, **env_add}
+    (rd / RunDir.PREEMPT).unlink(missing_ok=True)
+    env = {**os.environ, **env_add, SUPERVISOR_ENV: supervisor_token()}
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     pids: dict[int, int] = {}
     dead_seen: dict[int, float] = {}
     failure: RankFailure | None = None
     failed_at = 0.0
+    signals = _Signals(rd)
     try:
         while True:
             rc = proc.poll()
+            if len(signals.times) >= 2:
+                _stop_group(proc, pids)
+                return ExitCode.INTERRUPTED, None
+            if signals.times and time.monotonic() - signals.times[0] > grace_s:
+                print(
+                    f"tessera: the ranks did not checkpoint within {grace_s:g} s; stopping them",
+                    file=sys.stderr,
+                )
+                _stop_group(proc, pids)
+                return ExitCode.TERMINATED, None
             if failure is None:
                 failure = _scan(rd, world, pids, dead_seen)
+                if failure is None and watchdog is not None and rc is None:
+                    failure = watchdog.check()  # type: ignore[attr-defined]
+                    if failure is not None:  # a hang: nothing will exit by itself
+                        _stop_group(proc, pids)
+                        break
                 if failure is not None:
                     failed_at = time.monotonic()
             if rc is not None:
@@ -227,9 +337,11 @@ def run_and_monitor(
                 _stop_group(proc, pids)
                 break
             time.sleep(POLL_S)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # not the main thread: no handlers were installed
         _stop_group(proc, pids)
         return ExitCode.INTERRUPTED, None
+    finally:
+        signals.restore()
     # the launcher is gone; make sure no rank outlives it
     for pid in pids.values():
         if _alive(pid):
@@ -238,6 +350,8 @@ def run_and_monitor(
             except OSError:
                 pass
     rc = proc.returncode if proc.returncode is not None else ExitCode.FAILED
+    if failure is not None and failure.code == ExitCode.HUNG:
+        return ExitCode.HUNG, failure
     if rc != 0:  # re-scan with everything settled: a vanished rank beats the first exit we saw
         time.sleep(0.6)
         failure = _scan(rd, world, pids, dead_seen) or failure

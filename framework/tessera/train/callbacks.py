@@ -74,8 +74,13 @@ class WandbCallback(Callback):
         self.tracker.finish()
 
     def on_failure(self, ctx: RunContext, exc: BaseException) -> None:
-        if hasattr(self, "tracker"):
-            self.tracker.finish(exit_code=1)
+        if not hasattr(self, "tracker"):
+            return
+        from tessera.errors import RunStopped
+
+        if isinstance(exc, RunStopped):
+            self.tracker.summary({"stopped": str(exc), "exit_code": exc.code})
+        self.tracker.finish(exit_code=getattr(exc, "code", 1))
 
 
 class ProgressCallback(Callback):
@@ -107,16 +112,19 @@ class CheckpointPolicy(Callback):
 
     def on_step_end(self, ctx: RunContext, rec: dict[str, Any], ops: list[dict[str, Any]]) -> None:
         step, c = rec["step"], ctx.recipe.checkpoint
-        if (c.every and step % c.every == 0) or (step == ctx.total and c.at_end):
+        if (c.every and step % c.every == 0) or (step == ctx.total and c.at_end) or ctx.pending_save:
             assert ctx.loop is not None
             ctx.loop.save_checkpoint(step)
 
 
 def default_callbacks(ctx: RunContext, *, fault: Callback | None = None) -> list[Callback]:
-    """The ordered list: fault injection (tests only), the comm log, the NaN / Inf stop (before anything
-    records or saves the step), metrics, W&B and progress on rank 0, then the checkpoint policy."""
-    from tessera.train.stop import NonFiniteStop
+    """The ordered list: fault injection (tests only), the comm log, the stop rules (NaN / Inf before
+    anything records or saves the step; then preemption, time limit, throughput floor, loss spike, which
+    mark the record), metrics, W&B and progress on rank 0, then the checkpoint policy (which also saves
+    the step a preemption or the time limit stopped at); the loop raises the stop last."""
+    from tessera.train.stop import NonFiniteStop, StopRules
 
     rank0: list[Callback] = [MetricsCallback(), WandbCallback()] if ctx.is_rank0 else []
     head: list[Callback] = [fault] if fault is not None else []
-    return [*head, CommLogCallback(), NonFiniteStop(), *rank0, ProgressCallback(), CheckpointPolicy()]
+    rules: list[Callback] = [NonFiniteStop(), StopRules()]
+    return [*head, CommLogCallback(), *rules, *rank0, ProgressCallback(), CheckpointPolicy()]

@@ -1,14 +1,31 @@
-"""Fault injection for tests of the stop rules and recovery: ``TESSERA_FAULT=<kind>@<step>``.
+"""Fault injection, to test recovery and to rehearse your own: ``TESSERA_FAULTS``.
 
-Kinds: ``nan_grad`` (every rank's first parameter gets a NaN gradient in that step's backward) and
-``nan_param`` (after that step, every rank's first parameter is set to NaN, so the model state is
-non-finite at the checkpoint while the step's loss and norm were finite). Active only when the variable is
-set; the manifest then records it, so a faulted run is never mistaken for a real one.
+A comma-separated list of faults, each ``kind[:key=value...]``:
+
+    kill:rank=1:step=7          rank 1 SIGKILLs itself at the start of step 7 (a lost rank)
+    hang:rank=1:step=5          rank 1 stops inside step 5 and never returns (the hang watchdog's case)
+    slow:rank=1:factor=3        rank 1's forward passes take 3x as long (a straggler)
+    crash_in_save:rank=0:step=4 rank 0 dies after writing its shards of step 4's checkpoint, before the
+                                checkpoint is complete (``latest`` must keep pointing at the previous one)
+    nan:step=6                  every rank's first parameter gets a NaN gradient in step 6
+    nan_param:step=6            after step 6 every rank's first parameter is NaN (a non-finite save)
+    spike:step=6:factor=30      after step 6 every rank's first parameter is scaled by 30 (a loss spike)
+    sigterm:step=8              at the end of step 8, SIGTERM to the ``tessera run`` that started the
+                                ranks (a preemption; without one, the preemption request is written)
+
+``rank`` defaults to every rank. The older ``TESSERA_FAULT=nan_grad@N`` / ``nan_param@N`` still works.
+Read once when a rank starts; each fault fires once per run directory (it is marked in
+``faults.fired/`` before it acts, so a restarted run does not meet it again). Unset, nothing here runs;
+set, the manifest records it, so a faulted run is never mistaken for a real one.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,44 +33,174 @@ import torch
 from tessera.errors import RecipeError
 from tessera.train.loop import Callback, RunContext
 
-ENV = "TESSERA_FAULT"
-KINDS = ("nan_grad", "nan_param")
+ENV = "TESSERA_FAULTS"
+LEGACY_ENV = "TESSERA_FAULT"
+KINDS = ("kill", "hang", "slow", "crash_in_save", "nan", "nan_param", "spike", "sigterm")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    rank: int | None = None
+    step: int | None = None
+    factor: float = 1.0
+
+    @property
+    def spec(self) -> str:
+        parts = [self.kind] + [f"rank={self.rank}"] * (self.rank is not None)
+        parts += [f"step={self.step}"] * (self.step is not None)
+        parts += [f"factor={self.factor:g}"] * (self.kind in ("slow", "spike"))
+        return ":".join(parts)
+
+    def here(self, rank: int, step: int | None = None) -> bool:
+        return (self.rank is None or self.rank == rank) and (step is None or self.step == step)
+
+
+def _bad(spec: str, why: str) -> RecipeError:
+    return RecipeError(
+        f"cannot read the fault {spec!r}: {why}",
+        field=ENV,
+        value=spec,
+        fix="write kind[:rank=R][:step=S][:factor=F], kind one of " + ", ".join(KINDS),
+    )
+
+
+def parse_faults(text: str) -> list[Fault]:
+    out = []
+    for spec in (s.strip() for s in text.split(",") if s.strip()):
+        if "@" in spec:  # the older form: nan_grad@3, nan_param@3
+            kind, _, step = spec.partition("@")
+            kind = {"nan_grad": "nan"}.get(kind, kind)
+            if kind not in ("nan", "nan_param") or not step.isdigit():
+                raise _bad(spec, "the kind@step form knows nan_grad and nan_param")
+            out.append(Fault(kind, step=int(step)))
+            continue
+        kind, *kv = spec.split(":")
+        if kind not in KINDS:
+            raise _bad(spec, f"unknown kind {kind!r}")
+        args: dict[str, Any] = {}
+        for item in kv:
+            key, _, val = item.partition("=")
+            try:
+                if key in ("rank", "step"):
+                    args[key] = int(val)
+                elif key == "factor":
+                    args[key] = float(val)
+                else:
+                    raise _bad(spec, f"unknown key {key!r}")
+            except ValueError:
+                raise _bad(spec, f"{key} must be a number, not {val!r}") from None
+        needs_step = kind not in ("slow",)
+        if needs_step and "step" not in args:
+            raise _bad(spec, "it needs a step")
+        if kind == "slow" and args.get("factor", 0) <= 1:
+            raise _bad(spec, "slow needs factor > 1")
+        if kind == "spike":
+            args.setdefault("factor", 30.0)
+        out.append(Fault(kind, **args))
+    return out
 
 
 def fault_from_env() -> FaultInjection | None:
-    spec = os.environ.get(ENV)
-    if not spec:
-        return None
-    kind, _, step = spec.partition("@")
-    if kind not in KINDS or not step.isdigit():
-        raise RecipeError(
-            "unknown fault",
-            field=ENV,
-            value=spec,
-            fix=f"use <kind>@<step> with kind one of {', '.join(KINDS)}",
-        )
-    return FaultInjection(kind, int(step))
+    text = ",".join(v for v in (os.environ.get(ENV), os.environ.get(LEGACY_ENV)) if v)
+    faults = parse_faults(text) if text else []
+    return FaultInjection(faults) if faults else None
 
 
 class FaultInjection(Callback):
-    def __init__(self, kind: str, step: int) -> None:
-        self.kind, self.step = kind, step
+    def __init__(self, faults: list[Fault]) -> None:
+        self.faults = faults
 
     def describe(self) -> str:
-        return f"{self.kind}@{self.step}"
+        return ",".join(f.spec for f in self.faults)
 
+    # ---- once per run directory ---------------------------------------------------------------------
+    def _marker(self, ctx: RunContext, f: Fault) -> Path:
+        return ctx.run_dir / ctx.run_dir.FAULTS_FIRED / f.spec.replace(":", "_").replace("=", "-")
+
+    def _due(self, ctx: RunContext, f: Fault, kind: str, step: int | None = None) -> bool:
+        return f.kind == kind and f.here(ctx.rank, step) and not self._marker(ctx, f).exists()
+
+    def _fire(self, ctx: RunContext, f: Fault) -> None:
+        m = self._marker(ctx, f)
+        m.parent.mkdir(parents=True, exist_ok=True)
+        m.write_text(f"rank {ctx.rank} at step {ctx.step}\n")
+        print(f"[tessera] fault injection: {f.spec} fires on rank {ctx.rank}", flush=True)
+
+    # ---- the faults ---------------------------------------------------------------------------------
     def _param(self, ctx: RunContext) -> torch.nn.Parameter:
         return next(p for m in ctx.engine.modules() for p in m.parameters() if p.requires_grad)
 
     def on_run_start(self, ctx: RunContext) -> None:
-        if self.kind == "nan_grad":
+        for f in self.faults:
+            if f.kind == "nan" and f.here(ctx.rank) and not self._marker(ctx, f).exists():
 
-            def poison(grad: torch.Tensor) -> torch.Tensor:
-                return torch.full_like(grad, float("nan")) if ctx.step == self.step else grad
+                def poison(grad: torch.Tensor, f: Fault = f) -> torch.Tensor:
+                    return torch.full_like(grad, float("nan")) if ctx.step == f.step else grad
 
-            self._param(ctx).register_hook(poison)
+                self._param(ctx).register_hook(poison)
+            if f.kind == "slow" and f.here(ctx.rank):
+                self._slow_down(ctx, f)
+            if f.kind == "crash_in_save" and f.here(ctx.rank):
+                self._crash_in_save(ctx, f)
+
+    def on_step_start(self, ctx: RunContext, step: int) -> None:
+        for f in self.faults:
+            if self._due(ctx, f, "nan", step):
+                self._fire(ctx, f)  # the hook set at run start poisons this step
+            if self._due(ctx, f, "kill", step):
+                self._fire(ctx, f)
+                os.kill(os.getpid(), signal.SIGKILL)
+            if self._due(ctx, f, "hang", step):
+                self._fire(ctx, f)
+                ctx.beat(phase="step")
+                while True:  # inside the step, outside any collective; the peers wait for it
+                    time.sleep(3600)
 
     def on_step_end(self, ctx: RunContext, rec: dict[str, Any], ops: list[dict[str, Any]]) -> None:
-        if self.kind == "nan_param" and rec["step"] == self.step:
-            with torch.no_grad():
-                self._param(ctx).fill_(float("nan"))
+        step = rec["step"]
+        for f in self.faults:
+            if self._due(ctx, f, "nan_param", step):
+                self._fire(ctx, f)
+                with torch.no_grad():
+                    self._param(ctx).fill_(float("nan"))
+            if self._due(ctx, f, "spike", step):
+                self._fire(ctx, f)
+                with torch.no_grad():
+                    self._param(ctx).mul_(f.factor)
+            if f.kind == "sigterm" and ctx.rank == 0 and self._due(ctx, f, "sigterm", step):
+                self._fire(ctx, f)
+                self._preempt(ctx)
+
+    def _preempt(self, ctx: RunContext) -> None:
+        from tessera.train.guard import SUPERVISOR_ENV
+
+        pid = os.environ.get(SUPERVISOR_ENV, "").partition(":")[0]
+        if pid.isdigit():
+            os.kill(int(pid), signal.SIGTERM)  # tessera run writes the request, as for a real one
+        else:
+            (ctx.run_dir / ctx.run_dir.PREEMPT).write_text("fault injection\n")
+
+    def _slow_down(self, ctx: RunContext, f: Fault) -> None:
+        started: list[float] = []
+
+        def pre(module: Any, args: Any) -> None:
+            started.append(time.perf_counter())
+
+        def post(module: Any, args: Any, out: Any) -> None:
+            time.sleep((f.factor - 1.0) * (time.perf_counter() - started.pop()))
+
+        for m in ctx.engine.modules():
+            m.register_forward_pre_hook(pre)
+            m.register_forward_hook(post)
+
+    def _crash_in_save(self, ctx: RunContext, f: Fault) -> None:
+        engine, real = ctx.engine, ctx.engine.save
+
+        def save(path: Path) -> None:
+            real(path)  # this rank's shards are written; the checkpoint is not complete yet
+            if self._due(ctx, f, "crash_in_save", ctx.step):
+                self._fire(ctx, f)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        engine.save = save

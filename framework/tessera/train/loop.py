@@ -46,6 +46,17 @@ class RunContext:
     peak_flops: float | None = None
     #: when this rank's process started (epoch seconds): time to first step
     process_start: float | None = None
+    #: a stop rule / preemption decided at this step (raised after every callback heard the step), and
+    #: whether the checkpoint policy must save this step first
+    stop: Any = None
+    pending_save: bool = False
+    #: this rank's heartbeat (step and phase for the hang watchdog); None in code that runs no loop
+    heartbeat: Any = None
+
+    def beat(self, **kw: Any) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.set(**kw)
+
     step: int = 0  # the step in progress (1-based), 0 before the first
     last_saved: int | None = None
     records: list[dict[str, Any]] = field(default_factory=list)
@@ -95,13 +106,18 @@ class TrainingLoop:
         try:
             for step in range(ctx.start_step + 1, ctx.total + 1):
                 ctx.step = step
+                ctx.beat(step=step, phase="data")
                 self._each("on_step_start", step)
                 rec, ops = self._step(step)
                 if self._eval_due(step):
+                    ctx.beat(phase="eval")
                     rec["eval_loss"] = self.evaluate()
                     self._each("on_eval", step, ctx.counter.pop_step())
                 ctx.records.append(rec)
+                ctx.beat(phase="step end")
                 self._each("on_step_end", rec, ops)
+                if ctx.stop is not None:
+                    raise ctx.stop
         except BaseException as exc:
             for cb in self.callbacks:  # every callback hears of it, even if one of them fails
                 try:
@@ -118,6 +134,7 @@ class TrainingLoop:
         t_data = time.perf_counter()
         micro = [{"input_ids": data.input_ids[i], "labels": data.labels[i]} for i in ctx.sampler.next_step()]
         data_s = time.perf_counter() - t_data
+        ctx.beat(phase="step")
         cuda = ctx.device == "cuda"
         if cuda:
             torch.cuda.synchronize()
@@ -178,10 +195,47 @@ class TrainingLoop:
     def save_checkpoint(self, step: int) -> Path:
         """Save now (all ranks), then tell every callback."""
         ctx = self.ctx
+        ctx.beat(phase="checkpoint")
         manifest = {**ctx.manifest, "checkpoint_step": step}
-        path = ctx.ckpt.save(
-            step, ctx.engine, describe=ctx.describe, sampler=ctx.sampler.state_dict(), manifest=manifest
-        )
+        try:
+            path = ctx.ckpt.save(
+                step, ctx.engine, describe=ctx.describe, sampler=ctx.sampler.state_dict(), manifest=manifest
+            )
+        except Exception as e:
+            if not out_of_space(e, ctx.ckpt.root):
+                raise
+            from tessera.errors import CheckpointError
+
+            raise CheckpointError(
+                f"no space left on the device (ENOSPC): rank {ctx.rank} could not write the checkpoint of "
+                f"step {step}; the previous checkpoint is complete and `latest` still names it",
+                field="checkpoint",
+                value=str(ctx.ckpt.root),
+                fix="free space or move run.out_dir to a larger disk, then --resume",
+            ) from None
         ctx.last_saved = step
+        ctx.beat(phase="step end")
         self._each("on_checkpoint", step, path)
         return path
+
+
+def out_of_space(exc: BaseException, where: Path) -> bool:
+    """Whether a failed write ran out of disk: ENOSPC anywhere in the exception's chain, or a write error
+    of a library that hides the errno (torch's "file write failed") with the disk (nearly) full."""
+    import errno
+    import os
+
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
+            return True
+        if "No space left on device" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    if "write" not in str(exc).lower():
+        return False
+    try:
+        st = os.statvfs(where)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < 1 << 20

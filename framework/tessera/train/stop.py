@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from tessera.errors import TrainingDiverged
+from tessera.errors import RunStopped, TrainingDiverged
 from tessera.train.loop import Callback, RunContext
 
 
@@ -20,3 +20,122 @@ class NonFiniteStop(Callback):
             ctx.records.pop()  # the diverged step is not a result
             what = ", ".join(f"{k} {rec[k]}" for k in bad)
             raise TrainingDiverged(f"step {rec['step']}: {what}")
+
+
+class StopRules(Callback):
+    """Preemption and the ``stop`` section's rules, decided together at every step end.
+
+    Each rank computes its flags (a preemption request file exists; the loss's z-score against the
+    trailing window stayed above the limit for ``patience`` steps; its own tokens/s averaged under the
+    floor; the wall time passed ``max_time_s``), then one all-reduce (MAX, a few bytes, left out of the
+    communication accounting: it is Tessera's bookkeeping) makes every rank act on the same step. A
+    preemption and the time limit save a checkpoint of the step first; a spike or a throughput floor keep
+    the last one. The run then ends with the rule's own exit code and a one-line diagnosis."""
+
+    RULES = ("preempt", "time_limit", "throughput_floor", "loss_spike")
+    # (the same all-reduce carries each rank's compute time: stragglers are named in the record)
+
+    def on_run_start(self, ctx: RunContext) -> None:
+        import time
+
+        self.t0 = time.monotonic()
+        self.losses: list[float] = []
+        self.rates: list[float] = []
+        self.spiking = 0
+        self.compute: list[list[float]] = []
+        self.warned = -(10**9)
+        self.preempt_file = ctx.run_dir / ctx.run_dir.PREEMPT
+
+    def _flags(self, ctx: RunContext, rec: dict[str, Any]) -> tuple[list[int], dict[str, str]]:
+        import statistics
+        import time
+
+        s = ctx.recipe.stop
+        why: dict[str, str] = {}
+        if self.preempt_file.exists():
+            why["preempt"] = f"preempted at step {rec['step']} (SIGTERM / SIGINT to tessera run)"
+        if s.max_time_s is not None and time.monotonic() - self.t0 >= s.max_time_s:
+            why["time_limit"] = f"stop.max_time_s={s.max_time_s:g} s reached at step {rec['step']}"
+        if s.min_tokens_per_s is not None:
+            self.rates.append(rec["tokens_per_s"])
+            w = s.min_tokens_per_s.window
+            if len(self.rates) >= 2 * w:  # the first window is warm-up
+                mean = statistics.fmean(self.rates[-w:])
+                if mean < s.min_tokens_per_s.value:
+                    why["throughput_floor"] = (
+                        f"rank {ctx.rank}: {mean:,.0f} tokens/s over the last {w} steps, under "
+                        f"stop.min_tokens_per_s={s.min_tokens_per_s.value:,.0f} (step {rec['step']})"
+                    )
+        if s.loss_spike is not None:
+            rule, loss = s.loss_spike, rec["loss"]
+            past = self.losses[-rule.window :]
+            if len(past) >= rule.window:
+                mean, sd = statistics.fmean(past), statistics.pstdev(past)
+                z = (loss - mean) / sd if sd > 0 else 0.0
+                self.spiking = self.spiking + 1 if z > rule.zscore else 0
+                if self.spiking >= rule.patience:
+                    why["loss_spike"] = (
+                        f"loss {loss:.4f} at step {rec['step']} is {z:.1f} standard deviations above the "
+                        f"mean of the last {rule.window} steps ({mean:.4f}) for {self.spiking} steps "
+                        f"(stop.loss_spike.zscore={rule.zscore:g})"
+                    )
+            self.losses.append(loss)
+        return [int(r in why) for r in self.RULES], why
+
+    def _stragglers(self, ctx: RunContext, rec: dict[str, Any], compute: list[float]) -> None:
+        """Per-rank compute time (step time minus collectives) into the record; a rank whose mean over
+        ``stop.straggler_window`` steps exceeds the ranks' median by ``stop.straggler_ratio`` is named."""
+        import statistics
+
+        rec["compute_time_s_per_rank"] = compute
+        if len(compute) < 2:
+            return
+        self.compute.append(compute)
+        w = ctx.recipe.stop.straggler_window
+        if len(self.compute) < w:
+            return
+        means = [statistics.fmean(c[r] for c in self.compute[-w:]) for r in range(len(compute))]
+        median = statistics.median(means)
+        worst = max(range(len(means)), key=means.__getitem__)
+        ratio = means[worst] / median if median > 0 else 1.0
+        if ratio > ctx.recipe.stop.straggler_ratio:
+            rec["straggler"] = {"rank": worst, "ratio": ratio}
+            if ctx.is_rank0 and rec["step"] - self.warned >= w:  # once per window, not every step
+                self.warned = rec["step"]
+                print(
+                    f"[tessera] warning: rank {worst} is a straggler: {means[worst] * 1e3:.1f} ms of compute "
+                    f"per step over the last {w} steps, {ratio:.2f}x the median rank's {median * 1e3:.1f} ms",
+                    flush=True,
+                )
+
+    def on_step_end(self, ctx: RunContext, rec: dict[str, Any], ops: list[dict[str, Any]]) -> None:
+        import torch
+        import torch.distributed as dist
+
+        flags, why = self._flags(ctx, rec)
+        # one all-reduce (SUM) carries every rank's flags and its compute time in its own slot
+        v = torch.zeros(len(flags) + ctx.world, dtype=torch.float64)
+        v[: len(flags)] = torch.tensor(flags, dtype=torch.float64)
+        v[len(flags) + ctx.rank] = rec["compute_time_s"]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            with ctx.counter.paused():
+                dist.all_reduce(v)
+        flags = [int(x > 0) for x in v[: len(flags)].tolist()]
+        self._stragglers(ctx, rec, v[len(flags) :].tolist())
+        fired = [r for r, f in zip(self.RULES, flags) if f]
+        if not fired:
+            return
+        rule = fired[0]
+        from tessera.rundir import ExitCode
+
+        code = {
+            "preempt": ExitCode.PREEMPTED,
+            "time_limit": ExitCode.TIME_LIMIT,
+            "throughput_floor": ExitCode.THROUGHPUT_FLOOR,
+            "loss_spike": ExitCode.LOSS_SPIKE,
+        }[rule]
+        if rule in ("preempt", "time_limit"):
+            ctx.pending_save = True  # the checkpoint policy (last callback) saves, then the loop stops
+        diagnosis = why.get(rule, f"{rule.replace('_', ' ')} (decided on another rank) at step {rec['step']}")
+        rec["stopped"] = {"rule": rule, "exit_code": int(code), "diagnosis": diagnosis}  # metrics, W&B
+        ctx.stop = RunStopped(diagnosis, code=int(code))

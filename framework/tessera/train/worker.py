@@ -31,7 +31,7 @@ from tessera.checkpoint.convert import is_hf_dir
 from tessera.checkpoint.reshard import layout_tag
 from tessera.config.loader import recipe_hash, validate_recipe
 from tessera.config.schema import Recipe
-from tessera.errors import CheckpointError, TesseraError, TrainingDiverged
+from tessera.errors import CheckpointError, RunStopped, TesseraError, TrainingDiverged
 from tessera.plan.layout import ParallelLayout
 from tessera.rundir import ORDERLY_EXITS, ExitCode, RunDir
 from tessera.train.loop import RunContext, TrainingLoop
@@ -48,6 +48,7 @@ class Start:
     resume: bool = False
     same_layout: bool = False
     strict: bool = False
+    resume_from: Path | None = None  # --resume-from: this checkpoint instead of the latest
     convert_from: Path | None = None
     verify: bool = True
 
@@ -128,11 +129,11 @@ def _load_data(run_dir: RunDir, recipe: Recipe):
 
 
 def _resume_point(
-    ckpt: Any, layout: ParallelLayout, run_dir: RunDir, *, same_layout: bool
+    ckpt: Any, layout: ParallelLayout, run_dir: RunDir, *, same_layout: bool, chosen: Path | None = None
 ) -> tuple[Path, dict[str, Any], bool]:
     """The checkpoint to resume from, verified file by file before any engine exists, its meta, and
     whether its layout differs from this run's (it is resharded first)."""
-    latest = ckpt.latest()
+    latest = ckpt.pick(chosen)
     if latest is None:
         raise TesseraError(
             "--resume found no complete checkpoint",
@@ -214,13 +215,14 @@ def _history(manifest: dict[str, Any], run_dir: RunDir, source: Any, resume_from
         manifest["initial_weights"] = source.initial_weights()
     restarts = list((before or {}).get("restarts", []))
     if resume_from is not None:
-        restarts.append(
-            {"from": resume_from.name, "at": datetime.datetime.now().isoformat(timespec="seconds")}
-        )
+        # an automatic restart says why (launch.json's "restart", from the supervisor); a manual resume not
+        why = (run_dir.read_json_if_present(RunDir.LAUNCH) or {}).get("restart") or {}
+        at = datetime.datetime.now().isoformat(timespec="seconds")
+        restarts.append({"from": resume_from.name, "at": at, **why})
     manifest["restarts"] = restarts
 
 
-def setup(run_dir: RunDir, start: Start) -> tuple[RunContext, Any]:
+def setup(run_dir: RunDir, start: Start, heartbeat: Any = None) -> tuple[RunContext, Any]:
     """Everything up to the first step; returns the context and the fault injection (None unless set).
     A resume whose checkpoint has another layout reshards it first (unless ``start.same_layout``);
     ``start.convert_from`` (a checkpoint or an HF directory) is resharded into this run's first
@@ -245,7 +247,9 @@ def setup(run_dir: RunDir, start: Start) -> tuple[RunContext, Any]:
     ckpt = CheckpointManager(run_dir.checkpoints, keep=recipe.checkpoint.keep, rank=rank, world_size=world)
     resume_from, reshard = None, False
     if start.resume:
-        *point, reshard = _resume_point(ckpt, layout, run_dir, same_layout=start.same_layout)
+        *point, reshard = _resume_point(
+            ckpt, layout, run_dir, same_layout=start.same_layout, chosen=start.resume_from
+        )
         resume_from = (point[0], point[1])
     src = start.convert_from
     hf_source = src is not None and is_hf_dir(src)
@@ -286,6 +290,7 @@ def setup(run_dir: RunDir, start: Start) -> tuple[RunContext, Any]:
             "data_fingerprint": {k: v for k, v in data.fingerprint.items() if k != "files"},
         },
         resumed=start.resume,
+        heartbeat=heartbeat,
     )
     if hf_source:
         import_reshard(ctx, None, src, tag=None, verify=start.verify)  # type: ignore[arg-type]
@@ -352,8 +357,9 @@ def _restore(ctx: RunContext, path: Path, meta: dict[str, Any], *, strict: bool 
 # ---- tear down -----------------------------------------------------------------------------------------
 
 
-def finish(ctx: RunContext) -> None:
-    """Peaks and model states of every rank; rank 0 writes summary.json and the plots."""
+def finish(ctx: RunContext, *, stopped: RunStopped | None = None) -> None:
+    """Peaks and model states of every rank; rank 0 writes summary.json and the plots (and, for a run a
+    stop rule or a preemption ended, the diagnosis into the summary and the manifest)."""
     from tessera.comm.groups import all_gather_int, all_gather_object
     from tessera.train.metrics import peak_memory_bytes, plot_run
 
@@ -377,8 +383,13 @@ def finish(ctx: RunContext) -> None:
             "peak_memory_bytes_per_rank": peaks,
             "model_state_bytes_per_rank": held,
             "plots": [str(p) for p in pngs],
+            "stopped": None if stopped is None else {"diagnosis": str(stopped), "exit_code": stopped.code},
+            "restarts": ctx.manifest.get("restarts", []),
         },
     )
+    if stopped is not None:
+        ctx.manifest["stopped"] = {"diagnosis": str(stopped), "exit_code": stopped.code}
+        ctx.run_dir.write_json(RunDir.MANIFEST, ctx.manifest)
 
 
 def _wandb_dir(ctx: RunContext) -> str | None:
@@ -388,12 +399,12 @@ def _wandb_dir(ctx: RunContext) -> str | None:
     return next((cb.tracker.dir for cb in ctx.loop.callbacks if isinstance(cb, WandbCallback)), None)
 
 
-def train(run_dir: str | Path, start: Start = Start()) -> list[dict[str, Any]]:
+def train(run_dir: str | Path, start: Start = Start(), heartbeat: Any = None) -> list[dict[str, Any]]:
     """Train this rank; returns its per-step records. ``start.convert_from``: only reshard that checkpoint
     (or HF directory) into this run directory's first checkpoint (``tessera convert --to ENGINE``)."""
     from tessera.train.callbacks import default_callbacks
 
-    ctx, fault = setup(RunDir(run_dir), start)
+    ctx, fault = setup(RunDir(run_dir), start, heartbeat)
     if start.convert_from is not None:
         ctx.engine.close()
         if ctx.is_rank0:
@@ -402,6 +413,9 @@ def train(run_dir: str | Path, start: Start = Start()) -> list[dict[str, Any]]:
     loop = TrainingLoop(ctx, default_callbacks(ctx, fault=fault))
     try:
         records = loop.run()
+    except RunStopped as stop:  # every rank stopped at the same step: finish in step, then exit its code
+        finish(ctx, stopped=stop)
+        raise
     except BaseException:
         ctx.engine.close()
         raise
@@ -422,10 +436,15 @@ def run_rank(run_dir: str | Path, start: Start = Start(), *, keep_process_group:
     rd = RunDir(run_dir)
     rank, _, _ = _rank_env()
     rd.mark_rank_started(rank, os.getpid())
+    from tessera.train.guard import guard_rank
+
+    guard_rank(lambda: rd.mark_rank_exited(rank, int(ExitCode.TERMINATED)))
     log = open(rd.rank_file(rank, "log"), "a", buffering=1)
     if rank != 0:  # rank 0 keeps the console (progress bar); the others log to their file only
         os.dup2(log.fileno(), sys.stdout.fileno())
         os.dup2(log.fileno(), sys.stderr.fileno())
+    elif not os.environ.get("TESSERA_VERBOSE"):
+        _quiet_console(log)
     code = ExitCode.OK
 
     def _on_term(signum, frame):  # the launcher stops the survivors when a peer failed
@@ -437,8 +456,12 @@ def run_rank(run_dir: str | Path, start: Start = Start(), *, keep_process_group:
             sys.stderr.write(msg)
 
     signal.signal(signal.SIGTERM, _on_term)
+    from tessera.comm.accounting import install
+    from tessera.train.heartbeat import Heartbeat
+
+    heartbeat = Heartbeat(rd.rank_file(rank, "heartbeat"), rank, install())
     try:
-        train(rd.path, start)
+        train(rd.path, start, heartbeat)
     except SystemExit as e:
         code = int(e.code) if isinstance(e.code, int) else ExitCode.FAILED
     except TesseraError as e:
@@ -447,6 +470,10 @@ def run_rank(run_dir: str | Path, start: Start = Start(), *, keep_process_group:
     except TrainingDiverged as e:
         code = ExitCode.DIVERGED
         report(f"[rank {rank}] training diverged: {e}; the last good checkpoint is kept\n")
+    except RunStopped as e:
+        code = ExitCode(e.code)
+        if rank == 0:
+            report(f"[tessera] stopped: {e} (exit code {int(code)} {code.name})\n")
     except Exception:
         code = ExitCode.FAILED
         report(f"[rank {rank}] failed:\n{traceback.format_exc()}")
@@ -456,9 +483,25 @@ def run_rank(run_dir: str | Path, start: Start = Start(), *, keep_process_group:
                 dist.destroy_process_group()
             except Exception:  # a peer already gone; the exit code says what happened
                 pass
+        heartbeat.close()
         rd.mark_rank_exited(rank, int(code))
         log.close()
     return int(code)
+
+
+def _quiet_console(log: Any) -> None:
+    """Rank 0's console carries Tessera's lines; library warnings (deprecations, config advice) go to its
+    log file instead (``--verbose`` keeps them on the console)."""
+    import logging
+    import warnings
+
+    def to_log(message, category, filename, lineno, file=None, line=None) -> None:
+        log.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    warnings.showwarning = to_log
+    for name in ("transformers", "deepspeed", "DeepSpeed", "megatron", "torch.distributed"):
+        lg = logging.getLogger(name)
+        lg.setLevel(logging.ERROR)
 
 
 def exit_process(code: int) -> None:
@@ -478,12 +521,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--convert-from", default=None, help="reshard this checkpoint / HF dir, no training")
     ap.add_argument("--no-verify", action="store_true", help="do not verify a resharded checkpoint")
     ap.add_argument("--strict", action="store_true", help="refuse to resume when the manifest changed")
+    ap.add_argument("--resume-from", default=None, help="resume from this checkpoint, not the latest")
     ap.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     args = ap.parse_args(argv)
     start = Start(
         resume=args.resume,
         same_layout=args.same_layout,
         strict=args.strict,
+        resume_from=Path(args.resume_from) if args.resume_from else None,
         convert_from=Path(args.convert_from) if args.convert_from else None,
         verify=not args.no_verify,
     )

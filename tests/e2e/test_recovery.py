@@ -1,0 +1,211 @@
+"""Supervision and recovery through the real CLI and launcher: injected faults (a rank killed, a crash in
+the middle of a checkpoint save, a hung rank) survived by automatic restarts with final weights
+bit-identical to an uninterrupted run, for DeepSpeed ZeRO-2 and megatron TP2; preemption; no orphan
+ranks after SIGKILL of `tessera run`; two runs at once on default ports; one run per directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from helpers import REPO, read_metrics
+from tessera.checkpoint.manager import CheckpointManager, step_dir_name
+from tessera.checkpoint.reader import read_hf_moment, read_hf_state
+from tessera.rundir import ExitCode, RunDir
+
+pytestmark = pytest.mark.slow
+
+TESSERA = [sys.executable, "-m", "tessera.cli"]
+STEPS = 10
+COMMON = [f"train.steps={STEPS}", "checkpoint.every=2", "checkpoint.keep=5", "tracking.wandb.mode=disabled"]
+RECIPES = {"zero2": "recipes/tiny-llama-cpu.yaml", "tp2": "recipes/tiny-llama-cpu-mcore-tp2.yaml"}
+# a rank killed at the start of step 4; rank 0 dying inside step 6's save; rank 1 hanging in step 8
+FAULTS = "kill:rank=1:step=4,crash_in_save:rank=0:step=6,hang:rank=1:step=8"
+HANG_TIMEOUT = 8
+
+
+def tessera(*args: str, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*TESSERA, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def final_state(run_dir: Path) -> dict[str, torch.Tensor]:
+    """Weights and both Adam moments of the run's last checkpoint, by HF name."""
+    ckpt = CheckpointManager(RunDir(run_dir).checkpoints, keep=5, rank=0, world_size=2).latest()
+    assert ckpt is not None and ckpt.name == step_dir_name(STEPS)
+    state, meta = read_hf_state(ckpt)
+    out = {f"w/{k}": v for k, v in state.items()}
+    for kind in ("exp_avg", "exp_avg_sq"):
+        out.update({f"{kind}/{k}": v for k, v in (read_hf_moment(ckpt, meta, kind) or {}).items()})
+    return out
+
+
+def assert_bit_identical(a: Path, b: Path) -> None:
+    sa, sb = final_state(a), final_state(b)
+    assert sa.keys() == sb.keys() and any(k.startswith("exp_avg/") for k in sa)
+    different = [k for k in sa if not torch.equal(sa[k], sb[k])]
+    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
+    ma, mb = read_metrics(a), read_metrics(b)
+    assert [r["step"] for r in ma] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in ma] == [r["loss"] for r in mb]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted runs the recovered ones must equal."""
+    base = tmp_path_factory.mktemp("ref")
+    for name, recipe in RECIPES.items():
+        p = tessera("run", recipe, *COMMON, f"run.out_dir={base / name}")
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return base
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_killed_crashed_and_hung_ranks_are_restarted_to_the_same_weights(reference, tmp_path, name):
+    out = tmp_path / name
+    env = {**os.environ, "TESSERA_FAULTS": FAULTS}
+    p = tessera("run", RECIPES[name], *COMMON, f"run.out_dir={out}", "run.restarts=3",
+                f"stop.hang_timeout_s={HANG_TIMEOUT}", env=env)  # fmt: skip
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    assert_bit_identical(out, reference / name)
+    summary = RunDir(out).read_summary()
+    restarts = summary["restarts"]
+    assert [r["reason"] for r in restarts] == ["RANK_LOST", "RANK_LOST", "HUNG"]
+    assert [r["failed_rank"] for r in restarts] == [1, 0, 1]
+    # killed in step 4 (step 2 saved), crashed saving step 6 (step 4 is the last complete), hung in 8
+    assert [r["checkpoint"] for r in restarts] == [step_dir_name(2), step_dir_name(4), step_dir_name(6)]
+    assert [r["failed_at_step"] for r in restarts] == [3, 6, 7]
+    assert all(r["time_lost_s"] is not None and r["time_lost_s"] >= 0 for r in restarts)
+    hang = restarts[2]["detail"]
+    assert "rank 1 has been in step (no collective) at step 8" in hang
+    assert "rank 0 is waiting in" in hang and "on group" in hang  # the op and the group it waits in
+    manifest = RunDir(out).read_manifest()["restarts"]
+    assert [(r["attempt"], r["reason"], r["from"]) for r in manifest] == [
+        (1, "RANK_LOST", step_dir_name(2)), (2, "RANK_LOST", step_dir_name(4)), (3, "HUNG", step_dir_name(6))
+    ]  # fmt: skip
+    assert "restart 3/3" in p.stdout and "HUNG (rank 1)" in p.stdout
+    # the hang was diagnosed (and the job restarted) within the timeout + 30 s
+    hung_at = (RunDir(out) / RunDir.FAULTS_FIRED / "hang_rank-1_step-8").stat().st_mtime
+    launch = RunDir(out).launch
+    assert json.loads(launch.read_text())["restart"]["reason"] == "HUNG"
+    assert launch.stat().st_mtime - hung_at < HANG_TIMEOUT + 30
+
+
+def test_sigterm_preempts_with_a_checkpoint_and_resumes_bit_exactly(reference, tmp_path):
+    out = tmp_path / "pre"
+    env = {**os.environ, "TESSERA_FAULTS": "sigterm:step=5"}
+    p = tessera("run", RECIPES["zero2"], *COMMON, f"run.out_dir={out}", env=env)
+    assert p.returncode == ExitCode.PREEMPTED, p.stdout[-3000:] + p.stderr[-3000:]
+    latest = CheckpointManager(RunDir(out).checkpoints, keep=5, rank=0, world_size=2).latest()
+    assert latest is not None and latest.name in (step_dir_name(5), step_dir_name(6))
+    assert "PREEMPTED" in p.stderr and "--resume" in p.stderr
+    p = tessera("run", RECIPES["zero2"], *COMMON, f"run.out_dir={out}", "--resume")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert_bit_identical(out, reference / "zero2")
+
+
+def _tree(pid: int) -> list[int]:
+    try:
+        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _alive(pids: list[int]) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def test_sigkill_of_tessera_run_leaves_no_rank_behind(tmp_path):
+    out = tmp_path / "orphans"
+    proc = subprocess.Popen(
+        [*TESSERA, "run", RECIPES["zero2"], "train.steps=400", "tracking.wandb.mode=disabled", f"run.out_dir={out}"],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.time() + 120
+    while time.time() < deadline and not (RunDir(out).metrics.is_file() and read_metrics(out)):
+        time.sleep(0.5)
+    assert read_metrics(out), "the run never reached its first step"
+    family = _tree(proc.pid)
+    ranks = [RunDir(out).rank_pid(r) for r in range(2)]
+    assert all(r in family for r in ranks) and len(family) >= 3  # launcher(s) + 2 ranks
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    time.sleep(10)
+    assert _alive(family) == [], f"alive 10 s after SIGKILL of tessera run: {_alive(family)}"
+    # the directory's lock died with its holder: the next run takes it over, with a warning
+    p = tessera("run", RECIPES["zero2"], "train.steps=3", "tracking.wandb.mode=disabled", f"run.out_dir={out}",
+                "--resume")  # fmt: skip
+    assert f"took over the lock of pid {proc.pid}" in p.stderr
+
+
+def test_two_runs_at_once_on_default_ports_and_one_run_per_directory(tmp_path):
+    cmds = [
+        [*TESSERA, "run", RECIPES["zero2"], "train.steps=4", "tracking.wandb.mode=disabled", f"run.out_dir={tmp_path / n}"]
+        for n in ("a", "b")
+    ]  # fmt: skip
+    procs = [
+        subprocess.Popen(c, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in cmds
+    ]
+    # while "a" runs, a second run on its directory is refused naming the holder
+    deadline = time.time() + 60
+    while time.time() < deadline and not (tmp_path / "a" / RunDir.LOCK).is_file():
+        time.sleep(0.2)
+    second = tessera("run", RECIPES["zero2"], "train.steps=4", f"run.out_dir={tmp_path / 'a'}")
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[1][-2000:] for o in outs)
+    assert second.returncode == ExitCode.USER_ERROR and f"pid {procs[0].pid}" in second.stderr
+    ports = {json.loads(RunDir(tmp_path / n).launch.read_text())["command"].split("--master_port ")[1].split()[0] for n in "ab"}  # fmt: skip
+    assert len(ports) == 2
+
+
+def test_a_taken_port_is_refused_before_launch(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        p = tessera("run", RECIPES["zero2"], f"run.master_port={port}", f"run.out_dir={tmp_path / 'x'}")
+    assert p.returncode == ExitCode.USER_ERROR and "run.master_port" in p.stderr and str(port) in p.stderr
+    assert "Traceback" not in p.stderr and not RunDir(tmp_path / "x").logs.exists()
+
+
+def test_a_full_disk_during_a_save_is_one_clear_error(reference, tmp_path):
+    """The checkpoint directory on a tmpfs with room for about one checkpoint: the second save runs out
+    of space; the run exits 2 with one line naming ENOSPC, the path and the rank; step 2 stays complete
+    and `latest`."""
+    one = sum(f.stat().st_size for f in (RunDir(reference / "zero2").checkpoints / step_dir_name(2)).rglob("*") if f.is_file())  # fmt: skip
+    out = tmp_path / "full"
+    ckpts = RunDir(out).checkpoints
+    ckpts.mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(one * 1.6)}", "tmpfs", str(ckpts)], capture_output=True)  # fmt: skip
+    if mounted.returncode != 0:
+        pytest.skip(f"mounting a tmpfs needs root: {mounted.stderr.decode().strip()}")
+    try:
+        p = tessera("run", RECIPES["zero2"], *COMMON, f"run.out_dir={out}")
+        assert p.returncode == ExitCode.USER_ERROR, p.stdout[-3000:] + p.stderr[-3000:]
+        err = [ln for ln in p.stderr.splitlines() if "ENOSPC" in ln]
+        assert err and str(ckpts) in p.stderr and "rank" in err[0]
+        assert "Traceback" not in p.stdout + p.stderr and "basic_ios" not in p.stdout + p.stderr
+        latest = CheckpointManager(ckpts, keep=5, rank=0, world_size=2).latest()
+        assert latest is not None and latest.name == step_dir_name(2)
+        CheckpointManager(ckpts, keep=5, rank=0, world_size=2).verify(latest)  # every file intact
+    finally:
+        subprocess.run(["umount", str(ckpts)], capture_output=True)
