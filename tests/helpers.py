@@ -53,6 +53,7 @@ def _rank_main(rank: int, world: int, port: int, runs: list[RunSpec]) -> None:
             os.environ[ENV] = spec.fault
         code = run_rank(spec.run_dir, Start(resume=spec.resume), keep_process_group=i < len(runs) - 1)
         if code != spec.expect:
+            code = code or 98  # a run that should have stopped but completed is a failure too
             break
         code = 0
     exit_process(code)
@@ -406,7 +407,7 @@ def assert_damage_is_refused(run_dir: Path, tmp_path: Path) -> None:
         timeout=300,
     )
     assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
-    assert str(ckpt / victim) in p.stderr and "sha256" in p.stderr and "Traceback" not in p.stderr
+    assert str(ckpt / victim) in p.stderr and "sha256" in p.stderr and "Traceback" not in p.stderr, p.stderr[-3000:]
     assert rd.rank_pid(0) is None  # refused before launch
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-PREVIEW = 120  # characters of a value an error message echoes
+PREVIEW = 400  # characters of a value an error message echoes (a path fits; a 4 MB mapping does not)
 
 
 def preview(value: Any, limit: int = PREVIEW) -> str:

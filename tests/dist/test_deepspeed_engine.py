@@ -66,6 +66,8 @@ def zero_runs(tmp_path_factory):
     two[base / "rule_floor"] = (R, [*z2, *floor], False, ExitCode.THROUGHPUT_FLOOR)
     two[base / "rule_time"] = (R, [*z2, "stop.max_time_s=0.001"], False, ExitCode.TIME_LIMIT)
     two[base / "preempt_z2"] = (R, z2, False, ExitCode.PREEMPTED, "sigterm:step=4")
+    slow = ["train.steps=8", "stop.straggler_window=3", "stop.straggler_ratio=1.2"]
+    two[base / "straggler_z2"] = (R, slow, False, 0, "slow:rank=1:factor=6")
     for name, ov in OFFLOAD.items():
         two[base / name] = (R, [f"train.steps={STEPS}", *ov], False)
     two[base / "bf16"] = (R, ["train.steps=8", "parallel.zero=2", "train.precision=bf16"], False)
@@ -424,3 +426,15 @@ def test_preemption_checkpoints_the_step_and_resumes_bit_exactly(zero_runs):
     assert [r["grad_norm"] for r in zero_runs["preempt_z2"]] == [r["grad_norm"] for r in zero_runs["z2"]]
     assert [x["from"] for x in meta["restarts"]] == [step_dir_name(4)]
     assert (RunDir(base).checkpoints / step_dir_name(4)).is_dir()
+
+
+def test_a_slow_rank_is_named_a_straggler(zero_runs):
+    """Rank 1's forward passes made 6x slower: its compute time (step time minus collectives) is in every
+    line, and once a window of 3 steps exists it is named in the line (metrics, W&B) and warned about."""
+    recs = zero_runs["straggler_z2"]
+    for r in recs:
+        c0, c1 = r["compute_time_s_per_rank"]
+        assert c1 > 1.5 * c0
+    named = [r["straggler"] for r in recs if "straggler" in r]
+    assert [r["step"] for r in recs if "straggler" in r] == list(range(3, 9))
+    assert all(n["rank"] == 1 and n["ratio"] > 1.2 for n in named)  # stop.straggler_ratio

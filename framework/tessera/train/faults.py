@@ -9,7 +9,8 @@ A comma-separated list of faults, each ``kind[:key=value...]``:
                                 checkpoint is complete (``latest`` must keep pointing at the previous one)
     nan:step=6                  every rank's first parameter gets a NaN gradient in step 6
     nan_param:step=6            after step 6 every rank's first parameter is NaN (a non-finite save)
-    spike:step=6:factor=30      after step 6 every rank's first parameter is scaled by 30 (a loss spike)
+    spike:step=6:factor=30      after step 6 every rank's last parameter (the output head) is scaled by
+                                30: the next loss jumps (a loss spike)
     sigterm:step=8              at the end of step 8, SIGTERM to the ``tessera run`` that started the
                                 ranks (a preemption; without one, the preemption request is written)
 
@@ -166,8 +167,9 @@ class FaultInjection(Callback):
                     self._param(ctx).fill_(float("nan"))
             if self._due(ctx, f, "spike", step):
                 self._fire(ctx, f)
+                last = [p for m in ctx.engine.modules() for p in m.parameters() if p.requires_grad][-1]
                 with torch.no_grad():
-                    self._param(ctx).mul_(f.factor)
+                    last.mul_(f.factor)  # the output head (last parameter): the logits scale with it
             if f.kind == "sigterm" and ctx.rank == 0 and self._due(ctx, f, "sigterm", step):
                 self._fire(ctx, f)
                 self._preempt(ctx)

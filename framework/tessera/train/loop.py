@@ -52,6 +52,8 @@ class RunContext:
     pending_save: bool = False
     #: this rank's heartbeat (step and phase for the hang watchdog); None in code that runs no loop
     heartbeat: Any = None
+    #: why this process exists, when the supervisor restarted the run (into the first metrics line)
+    restart: dict[str, Any] | None = None
 
     def beat(self, **kw: Any) -> None:
         if self.heartbeat is not None:
@@ -171,6 +173,8 @@ class TrainingLoop:
             rec["mfu"] = ctx.model_flops_per_step / (dt * ctx.peak_flops * ctx.world)
         if not ctx.records and ctx.process_start is not None:  # this process's first step
             rec["time_to_first_step_s"] = rec["wall_time"] - ctx.process_start
+            if ctx.restart:
+                rec["restart"] = ctx.restart
         return rec, ops
 
     def _eval_due(self, step: int) -> bool:

@@ -136,6 +136,8 @@ class StopRules(Callback):
         }[rule]
         if rule in ("preempt", "time_limit"):
             ctx.pending_save = True  # the checkpoint policy (last callback) saves, then the loop stops
+        if rule == "preempt" and ctx.is_rank0:  # acted on (every rank agreed): a resume must not see it
+            self.preempt_file.unlink(missing_ok=True)
         diagnosis = why.get(rule, f"{rule.replace('_', ' ')} (decided on another rank) at step {rec['step']}")
         rec["stopped"] = {"rule": rule, "exit_code": int(code), "diagnosis": diagnosis}  # metrics, W&B
         ctx.stop = RunStopped(diagnosis, code=int(code))

@@ -205,9 +205,12 @@ def _manifest(
     return manifest
 
 
-def _history(manifest: dict[str, Any], run_dir: RunDir, source: Any, resume_from: Path | None) -> None:
+def _history(
+    manifest: dict[str, Any], run_dir: RunDir, source: Any, resume_from: Path | None
+) -> dict[str, Any] | None:
     """The run's initial weights and its restarts: a fresh run records what it built; a resume keeps
-    the first launch's record (its weights came from the checkpoint) and adds one restart."""
+    the first launch's record (its weights came from the checkpoint) and adds one restart. Returns the
+    supervisor's record when this launch is an automatic restart."""
     before = run_dir.read_json_if_present(RunDir.MANIFEST) if resume_from is not None else None
     if before and before.get("initial_weights"):
         manifest["initial_weights"] = before["initial_weights"]
@@ -220,6 +223,7 @@ def _history(manifest: dict[str, Any], run_dir: RunDir, source: Any, resume_from
         at = datetime.datetime.now().isoformat(timespec="seconds")
         restarts.append({"from": resume_from.name, "at": at, **why})
     manifest["restarts"] = restarts
+    return restarts[-1] if resume_from is not None and "attempt" in restarts[-1] else None
 
 
 def setup(run_dir: RunDir, start: Start, heartbeat: Any = None) -> tuple[RunContext, Any]:
@@ -292,6 +296,8 @@ def setup(run_dir: RunDir, start: Start, heartbeat: Any = None) -> tuple[RunCont
         resumed=start.resume,
         heartbeat=heartbeat,
     )
+    # the run's history before a resume compares manifests (else initial_weights would read as changed)
+    ctx.restart = _history(manifest, run_dir, source, resume_from[0] if resume_from and src is None else None)
     if hf_source:
         import_reshard(ctx, None, src, tag=None, verify=start.verify)  # type: ignore[arg-type]
     elif reshard:
@@ -301,7 +307,6 @@ def setup(run_dir: RunDir, start: Start, heartbeat: Any = None) -> tuple[RunCont
     if resume_from is not None and src is None:
         _restore(ctx, *resume_from, strict=start.strict)
     manifest["resumed_from"] = str(resume_from[0]) if resume_from else None
-    _history(manifest, run_dir, source, resume_from[0] if resume_from and src is None else None)
     _evidence_inputs(ctx, data, device)
     if rank == 0:
         run_dir.write_json(RunDir.MANIFEST, manifest)
