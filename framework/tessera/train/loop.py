@@ -224,8 +224,9 @@ class TrainingLoop:
 
 
 def out_of_space(exc: BaseException, where: Path) -> bool:
-    """Whether a failed write ran out of disk: ENOSPC anywhere in the exception's chain, or a write error
-    of a library that hides the errno (torch's "file write failed") with the disk (nearly) full."""
+    """Whether a failed save ran out of disk: ENOSPC anywhere in the exception's chain, or any error while
+    the checkpoint's file system is (nearly) full (torch's writer hides the errno behind "basic_ios::clear"
+    or "unexpected pos")."""
     import errno
     import os
 
@@ -236,10 +237,9 @@ def out_of_space(exc: BaseException, where: Path) -> bool:
         if "No space left on device" in str(seen):
             return True
         seen = seen.__cause__ or seen.__context__
-    if "write" not in str(exc).lower():
-        return False
     try:
         st = os.statvfs(where)
     except OSError:
         return False
-    return st.f_bavail * st.f_frsize < 1 << 20
+    free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+    return free < max(1 << 20, total // 100)
