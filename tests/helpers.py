@@ -407,7 +407,9 @@ def assert_damage_is_refused(run_dir: Path, tmp_path: Path) -> None:
         timeout=300,
     )
     assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
-    assert str(ckpt / victim) in p.stderr and "sha256" in p.stderr and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert str(ckpt / victim) in p.stderr and "sha256" in p.stderr and "Traceback" not in p.stderr, p.stderr[
+        -3000:
+    ]
     assert rd.rank_pid(0) is None  # refused before launch
 
 

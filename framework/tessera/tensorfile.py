@@ -58,7 +58,7 @@ def load_tensors_and_meta(path: Path) -> tuple[dict[str, torch.Tensor], dict[str
     return tensors, meta
 
 
-_FIX = "resume from an earlier step_* directory, or restore this file from a copy"
+_FIX = "resume from an earlier checkpoint (tessera run R.yaml --resume-from checkpoints/step_N), or restore this file from a copy"
 
 
 class LazyTensors(Mapping[str, torch.Tensor]):

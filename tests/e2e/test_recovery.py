@@ -101,17 +101,18 @@ def test_killed_crashed_and_hung_ranks_are_restarted_to_the_same_weights(referen
     assert launch.stat().st_mtime - hung_at < HANG_TIMEOUT + 30
 
 
-def test_sigterm_preempts_with_a_checkpoint_and_resumes_bit_exactly(reference, tmp_path):
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_sigterm_preempts_with_a_checkpoint_and_resumes_bit_exactly(reference, tmp_path, name):
     out = tmp_path / "pre"
     env = {**os.environ, "TESSERA_FAULTS": "sigterm:step=5"}
-    p = tessera("run", RECIPES["zero2"], *COMMON, f"run.out_dir={out}", env=env)
+    p = tessera("run", RECIPES[name], *COMMON, f"run.out_dir={out}", env=env)
     assert p.returncode == ExitCode.PREEMPTED, p.stdout[-3000:] + p.stderr[-3000:]
     latest = CheckpointManager(RunDir(out).checkpoints, keep=5, rank=0, world_size=2).latest()
     assert latest is not None and latest.name in (step_dir_name(5), step_dir_name(6))
     assert "PREEMPTED" in p.stderr and "--resume" in p.stderr
-    p = tessera("run", RECIPES["zero2"], *COMMON, f"run.out_dir={out}", "--resume")
+    p = tessera("run", RECIPES[name], *COMMON, f"run.out_dir={out}", "--resume")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert_bit_identical(out, reference / "zero2")
+    assert_bit_identical(out, reference / name)
 
 
 def _tree(pid: int) -> list[int]:
@@ -209,3 +210,59 @@ def test_a_full_disk_during_a_save_is_one_clear_error(reference, tmp_path):
         CheckpointManager(ckpts, keep=5, rank=0, world_size=2).verify(latest)  # every file intact
     finally:
         subprocess.run(["umount", str(ckpts)], capture_output=True)
+
+
+def test_hung_without_restarts_exits_hung_with_the_diagnosis_in_the_summary(tmp_path):
+    out = tmp_path / "hung"
+    env = {**os.environ, "TESSERA_FAULTS": "hang:rank=0:step=3"}
+    t0 = time.monotonic()
+    p = tessera("run", RECIPES["zero2"], *COMMON, f"run.out_dir={out}", "stop.hang_timeout_s=5", env=env)
+    assert p.returncode == ExitCode.HUNG, p.stdout[-3000:] + p.stderr[-3000:]
+    failed = RunDir(out).read_summary()["failed"]
+    assert failed["reason"] == "HUNG" and failed["rank"] == 0 and "rank 1 is waiting in" in failed["detail"]
+    assert time.monotonic() - t0 < 5 + 30 + 60  # the timeout + 30 s, plus start-up and two steps
+
+
+def test_a_second_sigint_stops_at_once(tmp_path):
+    out = tmp_path / "int"
+    proc = subprocess.Popen(
+        [*TESSERA, "run", RECIPES["zero2"], "train.steps=400", "tracking.wandb.mode=disabled", f"run.out_dir={out}",
+         "checkpoint.every=2"],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.time() + 120
+    while time.time() < deadline and not (RunDir(out).metrics.is_file() and len(read_metrics(out)) >= 3):
+        time.sleep(0.3)
+    family = _tree(proc.pid)
+    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == ExitCode.INTERRUPTED, err[-2000:]
+    time.sleep(2)
+    assert _alive(family) == []
+    latest = CheckpointManager(RunDir(out).checkpoints, keep=5, rank=0, world_size=2).latest()
+    assert latest is not None
+    CheckpointManager(RunDir(out).checkpoints, keep=5, rank=0, world_size=2).verify(latest)
+
+
+def test_bad_places_and_bad_recipes_are_one_line_errors(tmp_path):
+    (tmp_path / "file").write_text("")
+    for out in ("/proc/tessera-run", str(tmp_path / "file" / "run")):
+        p = tessera("run", RECIPES["zero2"], f"run.out_dir={out}")
+        assert p.returncode == ExitCode.USER_ERROR and "run.out_dir" in p.stderr and out in p.stderr
+        assert "Traceback" not in p.stderr
+    p = tessera("run", RECIPES["zero2"], f"run.out_dir={tmp_path / 'r'}", "--resume-from", "step_000007")
+    assert p.returncode == ExitCode.USER_ERROR and "--resume-from" in p.stderr and "Traceback" not in p.stderr
+    laughs = tmp_path / "laughs.yaml"
+    rows = ['a: &a ["x","x","x","x","x","x","x","x","x"]'] + [
+        f"{c}: &{c} [{','.join([f'*{p}'] * 9)}]" for p, c in zip("abcde", "bcdef")
+    ]
+    laughs.write_text("\n".join(rows) + "\n")
+    dup = tmp_path / "dup.yaml"
+    dup.write_text("model:\n  path: x\ntrain:\n  steps: 3\ntrain:\n  seed: 1\n")
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("\n")
+    for f, words in ((laughs, "anchors and aliases"), (dup, "lines 3 and 5"), (empty, "is empty")):
+        p = tessera("run", str(f))
+        assert p.returncode == ExitCode.USER_ERROR and words in p.stderr, p.stderr
+        assert len(p.stderr) < 1000 and "Traceback" not in p.stderr

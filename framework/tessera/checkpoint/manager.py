@@ -45,7 +45,7 @@ STEP_RE = re.compile(r"^step_(\d{6,})(?:-[a-z0-9][a-z0-9-]*)?$")
 META = "meta.json"
 LATEST = "latest"
 MANIFEST = RunDir.MANIFEST  # the run's manifest, copied into every checkpoint
-_FIX = "resume from an earlier step_* directory, or restore the checkpoint from a copy"
+_FIX = "resume from an earlier checkpoint (tessera run R.yaml --resume-from checkpoints/step_N), or restore this one from a copy"
 
 
 def step_dir_name(step: int, tag: str | None = None) -> str:

@@ -312,6 +312,15 @@ def _supervise(
         again = _without_resume_from(flags)  # a restart continues from the latest, not a chosen step
         cmd, env = build_command(recipe, rd.path, resume=resume, device=device, worker_args=again)
         code, failure = once(cmd, env)
+    if failure is not None and code not in NOT_RESTARTED:  # the ranks wrote no summary: say why here
+        summary = rd.read_json_if_present(RunDir.SUMMARY) or {}
+        summary["failed"] = {
+            "exit_code": int(code),
+            "reason": ExitCode(code).name if code in tuple(ExitCode) else f"exit {code}",
+            "rank": failure.rank,
+            "detail": failure.how,
+        }
+        rd.write_json(RunDir.SUMMARY, summary)
     return code
 
 

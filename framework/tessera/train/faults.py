@@ -175,11 +175,11 @@ class FaultInjection(Callback):
                 self._preempt(ctx)
 
     def _preempt(self, ctx: RunContext) -> None:
-        from tessera.train.guard import SUPERVISOR_ENV
+        from tessera.train.guard import supervisor_pid
 
-        pid = os.environ.get(SUPERVISOR_ENV, "").partition(":")[0]
-        if pid.isdigit():
-            os.kill(int(pid), signal.SIGTERM)  # tessera run writes the request, as for a real one
+        pid = supervisor_pid()
+        if pid is not None:
+            os.kill(pid, signal.SIGTERM)  # tessera run writes the request, as for a real one
         else:
             (ctx.run_dir / ctx.run_dir.PREEMPT).write_text("fault injection\n")
 

@@ -2,8 +2,8 @@
 
 Two mechanisms, both on Linux: the kernel's parent-death signal (``PR_SET_PDEATHSIG``: SIGKILL when the
 rank's parent, the launcher's per-node agent, dies) and a watch thread on the supervisor itself, the
-``tessera run`` process named in ``TESSERA_SUPERVISOR`` as ``pid:start-time`` (the start time tells a
-recycled pid apart). Killing ``tessera run`` with any signal, SIGKILL included, therefore ends every rank
+``tessera run`` process named in ``TESSERA_SUPERVISOR`` as ``pid:start-time@host`` (the start time tells a
+recycled pid apart; ranks on other hosts of a multi-node run rely on the parent-death signal alone). Killing ``tessera run`` with any signal, SIGKILL included, therefore ends every rank
 within about a second, and the launcher's processes, whose children are gone, follow.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -33,9 +34,16 @@ def start_ticks(pid: int) -> str | None:
 
 
 def supervisor_token(pid: int | None = None) -> str:
-    """What ``tessera run`` puts in ``TESSERA_SUPERVISOR`` for its ranks."""
+    """What ``tessera run`` puts in ``TESSERA_SUPERVISOR`` for its ranks: ``pid:start-time@host``."""
     pid = os.getpid() if pid is None else pid
-    return f"{pid}:{start_ticks(pid) or ''}"
+    return f"{pid}:{start_ticks(pid) or ''}@{socket.gethostname()}"
+
+
+def supervisor_pid() -> int | None:
+    """The ``tessera run`` process of this rank, when it runs on this host."""
+    token, _, host = os.environ.get(SUPERVISOR_ENV, "").partition("@")
+    pid = token.partition(":")[0]
+    return int(pid) if pid.isdigit() and host == socket.gethostname() else None
 
 
 def _die_with_parent() -> None:
@@ -52,10 +60,12 @@ def guard_rank(on_orphaned) -> None:
     """Arm both mechanisms for this rank; ``on_orphaned()`` runs (then the process exits) when the
     supervisor is gone."""
     _die_with_parent()
-    token = os.environ.get(SUPERVISOR_ENV, "")
+    token, _, host = os.environ.get(SUPERVISOR_ENV, "").partition("@")
     pid_s, _, ticks = token.partition(":")
     if not pid_s.isdigit() or not ticks:
         return  # started without tessera run (the test harness, a manual launcher call)
+    if host != socket.gethostname():
+        return  # another node of a multi-node run: its launcher agent dies with the ssh session instead
     pid = int(pid_s)
 
     def watch() -> None:
