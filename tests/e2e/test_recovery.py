@@ -30,7 +30,7 @@ COMMON = [f"train.steps={STEPS}", "checkpoint.every=2", "checkpoint.keep=5", "tr
 RECIPES = {"zero2": "recipes/tiny-llama-cpu.yaml", "tp2": "recipes/tiny-llama-cpu-mcore-tp2.yaml"}
 # a rank killed at the start of step 4; rank 0 dying inside step 6's save; rank 1 hanging in step 8
 FAULTS = "kill:rank=1:step=4,crash_in_save:rank=0:step=6,hang:rank=1:step=8"
-HANG_TIMEOUT = 8
+HANG_TIMEOUT = 5
 
 
 def tessera(*args: str, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -101,7 +101,7 @@ def test_killed_crashed_and_hung_ranks_are_restarted_to_the_same_weights(referen
     assert launch.stat().st_mtime - hung_at < HANG_TIMEOUT + 30
 
 
-@pytest.mark.parametrize("name", list(RECIPES))
+@pytest.mark.parametrize("name", ["zero2"])  # the stop is the loop's, not the engine's (TP2 resumes: below)
 def test_sigterm_preempts_with_a_checkpoint_and_resumes_bit_exactly(reference, tmp_path, name):
     out = tmp_path / "pre"
     env = {**os.environ, "TESSERA_FAULTS": "sigterm:step=5"}
@@ -148,7 +148,9 @@ def test_sigkill_of_tessera_run_leaves_no_rank_behind(tmp_path):
     assert all(r in family for r in ranks) and len(family) >= 3  # launcher(s) + 2 ranks
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    time.sleep(10)
+    deadline = time.monotonic() + 10
+    while _alive(family) and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert _alive(family) == [], f"alive 10 s after SIGKILL of tessera run: {_alive(family)}"
     # the directory's lock died with its holder: the next run takes it over, with a warning
     p = tessera("run", RECIPES["zero2"], "train.steps=3", "tracking.wandb.mode=disabled", f"run.out_dir={out}",
@@ -216,7 +218,15 @@ def test_hung_without_restarts_exits_hung_with_the_diagnosis_in_the_summary(tmp_
     out = tmp_path / "hung"
     env = {**os.environ, "TESSERA_FAULTS": "hang:rank=0:step=3"}
     t0 = time.monotonic()
-    p = tessera("run", RECIPES["zero2"], *COMMON, f"run.out_dir={out}", "stop.hang_timeout_s=5", env=env)
+    p = tessera(
+        "run",
+        RECIPES["zero2"],
+        *COMMON,
+        "train.steps=4",
+        f"run.out_dir={out}",
+        "stop.hang_timeout_s=5",
+        env=env,
+    )
     assert p.returncode == ExitCode.HUNG, p.stdout[-3000:] + p.stderr[-3000:]
     failed = RunDir(out).read_summary()["failed"]
     assert failed["reason"] == "HUNG" and failed["rank"] == 0 and "rank 1 is waiting in" in failed["detail"]
@@ -235,6 +245,7 @@ def test_a_second_sigint_stops_at_once(tmp_path):
         time.sleep(0.3)
     family = _tree(proc.pid)
     proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)  # two signals sent at once coalesce into one pending signal (a person presses twice)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == ExitCode.INTERRUPTED, err[-2000:]
