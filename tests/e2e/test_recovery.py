@@ -101,7 +101,7 @@ def test_killed_crashed_and_hung_ranks_are_restarted_to_the_same_weights(referen
     assert launch.stat().st_mtime - hung_at < HANG_TIMEOUT + 30
 
 
-@pytest.mark.parametrize("name", ["zero2"])  # the stop is the loop's, not the engine's (TP2 resumes: below)
+@pytest.mark.parametrize("name", ["zero2"])  # the stop is the loop's; TP2 resumes bit-exactly in test_megatron_engine
 def test_sigterm_preempts_with_a_checkpoint_and_resumes_bit_exactly(reference, tmp_path, name):
     out = tmp_path / "pre"
     env = {**os.environ, "TESSERA_FAULTS": "sigterm:step=5"}
