@@ -57,7 +57,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         # plain prints: paths must stay copy-pasteable (rich would wrap them)
         print(f"run dir:          {s['run_dir']}")
         print(f"last checkpoint:  {s['last_checkpoint']}")
-        print(f"W&B offline run:  {s['wandb_dir']}")
+        print(f"W&B offline run:  {s['wandb_dir'] or 'none (tracking.wandb.mode: disabled)'}")
         if s.get("wandb_dir"):
             print(f"                  (upload with: wandb sync {s['wandb_dir']})")
         print(f"plots:            {', '.join(s['plots'])}")

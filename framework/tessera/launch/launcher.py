@@ -10,6 +10,7 @@ with the rank's last log lines. A run never hangs on a dead peer.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -17,6 +18,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tessera.config.schema import Recipe
 from tessera.errors import LayoutError, RecipeError
@@ -176,8 +178,6 @@ def build_command(
                 fix="set run.bind_cores_to_rank: false or use fewer ranks",
             )
         cmd.append("--bind_cores_to_rank")
-    # the launcher's INFO lines (world info, spawned commands) belong in the log, not on the console
-    cmd += ["--log_level", "info" if os.environ.get(VERBOSE_ENV) else "error"]
     cmd += ["--master_addr", r.master_addr, "--master_port", str(port), "--module", *worker]
     return cmd, env
 
@@ -254,6 +254,49 @@ def _stop_group(proc: subprocess.Popen, pids: dict[int, int]) -> None:
             continue
 
 
+LAUNCHER_LOG = "launcher.log"  # in logs/: the launcher's own INFO / WARNING lines
+#: a line of the deepspeed launcher's logger (or a rank's DeepSpeed logger): "[2026-12-03 06:08:41,112] [INFO] [...]"
+_LOG_LINE = re.compile(
+    rb"^(\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\] \[(DEBUG|INFO|WARNING)\]"
+    # DeepSpeed's op builder (JIT-compiled C++ ops: loaded, built, cached)
+    rb"|DeepSpeed \S+ built successfully|Using \S*torch_extensions|Emitting ninja|Building extension"
+    rb"|Loading extension module|ninja: no work to do|Detected CUDA files|Creating extension directory)"
+)
+
+
+class _LauncherLines:
+    """The launcher's stdout (which the ranks inherit): its log lines go to ``logs/launcher.log``, the rest
+    (rank 0's progress and messages) to the console as they come; ``--verbose`` prints everything."""
+
+    def __init__(self, stream: Any, log: Path) -> None:
+        import threading
+
+        self.stream, self.log = stream, log
+        self.verbose = bool(os.environ.get(VERBOSE_ENV))
+        self.thread = threading.Thread(target=self._pump, name="tessera-launcher-lines", daemon=True)
+        self.thread.start()
+
+    def _pump(self) -> None:
+        out = sys.stdout.buffer
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "ab") as log:
+            for line in iter(self.stream.readline, b""):
+                if _LOG_LINE.match(line):
+                    log.write(line)
+                    log.flush()
+                    if not self.verbose:
+                        continue
+                try:
+                    out.write(line)
+                    out.flush()
+                except (OSError, ValueError):  # our own stdout closed: keep draining the pipe
+                    pass
+
+    def finish(self, proc: subprocess.Popen) -> None:
+        """After the launcher ended (or was stopped): let the pump drain what is left."""
+        self.thread.join(timeout=10)
+
+
 class _Signals:
     """SIGTERM / SIGINT to ``tessera run`` while ranks run: the first asks for a preemption (the ranks
     checkpoint the current step and exit PREEMPTED), a second one stops everything at once."""
@@ -303,7 +346,8 @@ def run_and_monitor(
     rd.clear_rank_status()
     (rd / RunDir.PREEMPT).unlink(missing_ok=True)
     env = {**os.environ, **env_add, SUPERVISOR_ENV: supervisor_token()}
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE)
+    sorter = _LauncherLines(proc.stdout, rd.logs / LAUNCHER_LOG)
     pids: dict[int, int] = {}
     dead_seen: dict[int, float] = {}
     failure: RankFailure | None = None
@@ -342,6 +386,7 @@ def run_and_monitor(
         return ExitCode.INTERRUPTED, None
     finally:
         signals.restore()
+        sorter.finish(proc)
     # the launcher is gone; make sure no rank outlives it
     for pid in pids.values():
         if _alive(pid):

@@ -14,7 +14,8 @@ class Progress:
     def __init__(self, *, enabled: bool, total: int, start: int = 0):
         self.enabled = enabled
         self.total = total
-        self.console = Console(file=sys.stdout)
+        # the live bar on stderr: stdout goes through the launcher's line sorter (not a terminal)
+        self.console = Console(file=sys.stderr)
         self._bar: RichProgress | None = None
         if enabled and self.console.is_terminal:
             self._bar = RichProgress(
