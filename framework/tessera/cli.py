@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera.errors import RecipeError, TesseraError
-from tessera.launch.runs import launch_ranks, plan_record, start_run, validate
+from tessera.launch.runs import plan_record, start_run, supervise_ranks, validate
 from tessera.rundir import ExitCode, RunDir
 
 
@@ -253,7 +253,7 @@ def _convert_to_layout(args: argparse.Namespace) -> int:
         worker_args = ("--convert-from", str(src)) + (("--no-verify",) if args.no_verify else ())
         cmd, env = build_command(recipe, tmp, resume=False, device=device, worker_args=worker_args)
         con.print(f"[bold]convert[/] {src} -> {args.to} {layout.describe()} on {layout.world_size} rank(s)")
-        rc = launch_ranks(cmd, env, RunDir(tmp), recipe.run.world_size, what="conversion")
+        rc, _ = supervise_ranks(cmd, env, RunDir(tmp), recipe.run.world_size, what="conversion")
         if rc != 0:
             print(f"tessera: nothing written to {out}", file=sys.stderr)
             return rc

@@ -69,20 +69,6 @@ def run_dir_of(recipe, recipe_path: str) -> Path:
     return Path(recipe.run.out_dir) if recipe.run.out_dir else Path("runs") / name
 
 
-def launch_ranks(
-    cmd: list[str],
-    env: dict[str, str],
-    rd: RunDir,
-    world: int,
-    *,
-    what: str,
-    grace_s: float = 120.0,
-    watchdog: Any = None,
-) -> int:
-    """Start the ranks through the launcher and wait; the exit code (see :func:`supervise_ranks`)."""
-    return supervise_ranks(cmd, env, rd, world, what=what, grace_s=grace_s, watchdog=watchdog)[0]
-
-
 def supervise_ranks(
     cmd: list[str],
     env: dict[str, str],
