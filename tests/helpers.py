@@ -78,15 +78,16 @@ def spawn_ranks(
     ctx = mp.get_context("spawn")
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, runs)) for r in range(world)]
-    with _running(procs, timeout):
+    with _running(procs, timeout, port):
         pass
     return [p.exitcode for p in procs]
 
 
 @contextlib.contextmanager
-def _running(procs: list, timeout: float):
+def _running(procs: list, timeout: float, port: int):
     """Start the rank processes from the repo root (data.cache_dir is relative to it), let the caller
-    talk to them, then wait; whatever is still alive after ``timeout`` is killed."""
+    talk to them, then wait; whatever is still alive after ``timeout`` is killed, and DeepSpeed's
+    shared-memory segments of the rendezvous are released (a killed rank cannot)."""
     cwd = os.getcwd()
     os.chdir(REPO)
     try:
@@ -101,6 +102,9 @@ def _running(procs: list, timeout: float):
             if p.is_alive():
                 p.kill()
                 p.join()
+        from tessera.comm.shm import release_shared_memory
+
+        release_shared_memory("127.0.0.1", port)
 
 
 def train_run(
@@ -159,7 +163,7 @@ def run_on_ranks(fn, world: int, *args, timeout: float = 600) -> list:
     port = free_port()
     procs = [ctx.Process(target=_fn_main, args=(r, world, port, fn, args, queue)) for r in range(world)]
     results: dict[int, object] = {}
-    with _running(procs, timeout):
+    with _running(procs, timeout, port):
         for _ in range(world):
             rank, value, err = queue.get()
             if err:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tessera.comm.shm import release_shared_memory
 from tessera.config.schema import Recipe
 from tessera.errors import LayoutError, RecipeError
 from tessera.rundir import ExitCode, RunDir
@@ -328,6 +329,20 @@ class _Signals:
         (self.rd / RunDir.PREEMPT).unlink(missing_ok=True)
 
 
+def _rendezvous_of(cmd: list[str]) -> tuple[str, str] | None:
+    """(master addr, port) of a launcher command (deepspeed ``--master_port P``, torchrun ``--master_port=P``)."""
+    found: dict[str, str] = {}
+    for i, arg in enumerate(cmd):
+        for key in ("--master_addr", "--master_port"):
+            if arg == key and i + 1 < len(cmd):
+                found[key] = cmd[i + 1]
+            elif arg.startswith(key + "="):
+                found[key] = arg.split("=", 1)[1]
+    if "--master_port" not in found:
+        return None
+    return found.get("--master_addr", "127.0.0.1"), found["--master_port"]
+
+
 def run_and_monitor(
     cmd: list[str],
     env_add: dict[str, str],
@@ -339,7 +354,25 @@ def run_and_monitor(
 ) -> tuple[int, RankFailure | None]:
     """Run the launcher; returns (exit code, the failed rank if one failed). ``grace_s``: how long a
     preemption may take before the ranks are stopped; ``watchdog``: a hang watchdog whose ``check()``
-    returns a :class:`RankFailure` (code HUNG) when a rank stopped making progress."""
+    returns a :class:`RankFailure` (code HUNG) when a rank stopped making progress. Afterwards the run's
+    shared-memory segments are released, however it ended."""
+    try:
+        return _run_and_monitor(cmd, env_add, run_dir, world, grace_s=grace_s, watchdog=watchdog)
+    finally:
+        where = _rendezvous_of(cmd)
+        if where is not None:
+            release_shared_memory(*where)
+
+
+def _run_and_monitor(
+    cmd: list[str],
+    env_add: dict[str, str],
+    run_dir: Path,
+    world: int,
+    *,
+    grace_s: float,
+    watchdog: object | None,
+) -> tuple[int, RankFailure | None]:
     from tessera.train.guard import SUPERVISOR_ENV, supervisor_token
 
     rd = RunDir(run_dir)

@@ -488,6 +488,10 @@ def run_rank(run_dir: str | Path, start: Start = Start(), *, keep_process_group:
                 dist.destroy_process_group()
             except Exception:  # a peer already gone; the exit code says what happened
                 pass
+            from tessera.comm.shm import release_shared_memory
+
+            # DeepSpeed's CPU all-reduce segments of this rendezvous (never unlinked by DeepSpeed)
+            release_shared_memory(os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""))
         heartbeat.close()
         rd.mark_rank_exited(rank, int(code))
         log.close()
