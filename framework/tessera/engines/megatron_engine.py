@@ -36,209 +36,40 @@ from tessera.engines.base import (
     step_result,
 )
 from tessera.engines.held import megatron_grad_bytes, megatron_params_and_optimizer
+from tessera.engines.megatron_build import (
+    CPU_CONFIG,
+    MpuAdapter,
+    build_model_chunks,
+    chained,
+    check_tp_attributes,
+    init_parallel_state,
+    shard_of,
+    sharding_of,
+    transformer_config,
+    verify_deepspeed_groups,
+)
 from tessera.engines.optim import MOMENTS, LRSchedule, materialize_adam_state, set_adam_step
 from tessera.engines.zero import DeepSpeedRunner
 from tessera.errors import CheckpointError
-from tessera.models.megatron import COL, REPL, ROW, VOCAB, Shard, adapter_for, layer_range, padded_vocab
-from tessera.models.weight_map import hf_to_mcore, mcore_to_hf_slices, tp_splits
+from tessera.models.megatron import adapter_for
+from tessera.models.weight_map import hf_to_mcore, mcore_to_hf_slices
 from tessera.plan.layout import ParallelLayout
 from tessera.tensorfile import save_tensors
 
-CPU_CONFIG = dict(  # megatron-core's fused CUDA kernels off: the pure-torch paths run anywhere
-    use_cpu_initialization=True,
-    gradient_accumulation_fusion=False,
-    bias_dropout_fusion=False,
-    bias_activation_fusion=False,
-    masked_softmax_fusion=False,
-    apply_rope_fusion=False,
-    persist_layer_norm=False,
-    batch_p2p_sync=False,
-    batch_p2p_comm=False,
-)
-
-
-class MpuAdapter:
-    """The model-parallel unit DeepSpeed asks for (``deepspeed.initialize(mpu=...)``), from megatron's
-    groups. megatron-core 0.16.1's ``parallel_state`` lacks ``get_model_parallel_*``, so it cannot be
-    passed itself. Deliberately no ``initialize_sequence_parallel``: DeepSpeed would then ignore these
-    groups. Model parallel = tensor parallel here (DeepSpeed ZeRO is only composed with pp = 1)."""
-
-    def __init__(self, ps: Any) -> None:
-        self._ps = ps
-
-    def get_data_parallel_group(self):
-        return self._ps.get_data_parallel_group()
-
-    def get_data_parallel_world_size(self) -> int:
-        return self._ps.get_data_parallel_world_size()
-
-    def get_data_parallel_rank(self) -> int:
-        return self._ps.get_data_parallel_rank()
-
-    def get_model_parallel_group(self):
-        return self._ps.get_tensor_model_parallel_group()
-
-    def get_model_parallel_world_size(self) -> int:
-        return self._ps.get_tensor_model_parallel_world_size()
-
-    def get_model_parallel_rank(self) -> int:
-        return self._ps.get_tensor_model_parallel_rank()
-
-    def get_tensor_model_parallel_rank(self) -> int:
-        return self._ps.get_tensor_model_parallel_rank()
-
-
-def sharding_of(layout: ParallelLayout) -> str:
-    """The checkpoint ``sharding`` this engine writes at ``layout``: megatron's own DDP or distributed
-    optimizer, or DeepSpeed ZeRO over megatron's modules."""
-    if layout.zero_impl == "deepspeed":
-        return f"megatron+deepspeed-zero{layout.zero}"
-    return "megatron-" + ("distributed-optimizer" if layout.zero == 1 else "ddp")
-
-
-def chained(optimizer: Any) -> list[Any]:
-    """The megatron optimizers inside ``optimizer`` (dense and expert ones are chained under EP)."""
-    return getattr(optimizer, "chained_optimizers", [optimizer])
-
-
-def init_parallel_state(layout: ParallelLayout, *, seed: int, device: str) -> Any:
-    """megatron-core's process groups from the layout (rank order tp, then dp, then pp)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
-
-    if device == "cpu":
-        from tessera.engines import cpu_shim
-
-        cpu_shim.apply()
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
-        expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.etp or None,  # None: megatron's default, = tp
-    )
-    rank = dist.get_rank()
-    coords = layout.coords(rank)
-    got = {
-        "tp": ps.get_tensor_model_parallel_rank(),
-        "pp": ps.get_pipeline_model_parallel_rank(),
-        "dp": ps.get_data_parallel_rank(),
-    }
-    if got != {k: coords[k] for k in got}:  # internal: our rank arithmetic must be megatron's
-        raise RuntimeError(f"rank {rank}: megatron-core placed it at {got}, the layout says {coords}")
-    if device == "cpu":
-        from tessera.engines import cpu_shim
-
-        cpu_shim.seed_model_parallel_rng(
-            seed,
-            tp_rank=got["tp"],
-            ep_rank=ps.get_expert_model_parallel_rank(),
-            etp_rank=ps.get_expert_tensor_parallel_rank(),
-        )
-    else:
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    return ps
-
-
-def transformer_config(hf_cfg: Any, layout: ParallelLayout, *, seq_len: int, precision: str, device: str):
-    """The ``TransformerConfig``: the family adapter's model shape plus the layout and the device."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    adapter = adapter_for(hf_cfg.model_type)
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    kw = adapter.transformer(hf_cfg, seq_len)
-    kw.update(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
-        expert_model_parallel_size=layout.ep,
-        sequence_parallel=layout.sequence_parallel,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        bf16=precision == "bf16",
-        attention_softmax_in_fp32=True,
-        # the schedules scale by 1/num_microbatches and DDP averages over dp; the loss function
-        # passes scale = grad_accum * dp / global_tokens, so the product is 1 / global_tokens
-        calculate_per_token_loss=False,
-    )
-    if device == "cpu":
-        kw.update(CPU_CONFIG)
-    return TransformerConfig(**kw)
-
-
-def build_model_chunks(
-    hf_cfg: Any, hf_state: dict[str, torch.Tensor], config: Any, layout: ParallelLayout, ps: Any
-) -> list[torch.nn.Module]:
-    """One ``GPTModel`` per virtual stage of this rank, each loaded with its shard of ``hf_state``."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-
-    adapter = adapter_for(hf_cfg.model_type)
-    shape = adapter.shape(hf_cfg)
-    spec = get_gpt_layer_local_spec(num_experts=shape.num_experts or None, normalization=config.normalization)
-    chunks = []
-    for vp in range(layout.vpp):
-        shard = shard_of(ps, layout, vp)
-        model = GPTModel(
-            config,
-            spec,
-            vocab_size=padded_vocab(shape.vocab_size, layout.tp),
-            max_sequence_length=hf_cfg.max_position_embeddings,
-            pre_process=shard.first_stage,
-            post_process=shard.last_stage,
-            parallel_output=True,
-            vp_stage=vp if layout.vpp > 1 else None,
-            **adapter.gpt(hf_cfg),
-        )
-        placed = [layer.layer_number - 1 for layer in model.decoder.layers]
-        if placed != list(layer_range(shape, shard)):  # internal: megatron's split must be the map's
-            raise RuntimeError(
-                f"{shard}: megatron placed layers {placed}, the weight map expects "
-                f"{list(layer_range(shape, shard))}"
-            )
-        local = hf_to_mcore(hf_state, adapter, hf_cfg, shard)
-        missing, unexpected = model.load_state_dict(local, strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
-        if missing or unexpected:  # internal: the weight map and megatron's modules disagree
-            raise RuntimeError(f"weight map mismatch for {shard}: missing {missing}, unexpected {unexpected}")
-        check_tp_attributes(model, hf_cfg, shard)
-        chunks.append(model)
-    return chunks
-
-
-def shard_of(ps: Any, layout: ParallelLayout, vp_stage: int) -> Shard:
-    return Shard(
-        tp=layout.tp,
-        tp_rank=ps.get_tensor_model_parallel_rank(),
-        pp=layout.pp,
-        pp_rank=ps.get_pipeline_model_parallel_rank(),
-        vpp=layout.vpp,
-        vp_stage=vp_stage,
-        ep=layout.ep,
-        ep_rank=ps.get_expert_model_parallel_rank(),
-        etp=ps.get_expert_tensor_parallel_world_size(),
-        etp_rank=ps.get_expert_tensor_parallel_rank(),
-    )
-
-
-def check_tp_attributes(model: torch.nn.Module, hf_cfg: Any, shard: Shard) -> None:
-    """Guard against a silent failure: a TP-sharded parameter without ``tensor_model_parallel=True`` is
-    counted once per TP rank in the clipping norm (DeepSpeed and megatron both read the attribute), and
-    a replicated one with it is counted once instead of tp times. Each parameter's flag must match
-    the weight map's split."""
-    split = tp_splits(adapter_for(hf_cfg.model_type), hf_cfg, shard)
-    wrong = []
-    for name, p in model.named_parameters():
-        want = split.get(name, REPL) in (COL, ROW, VOCAB)
-        if bool(getattr(p, "tensor_model_parallel", False)) != want:
-            wrong.append(name)
-    if wrong:
-        raise RuntimeError(
-            "tensor_model_parallel attribute disagrees with the weight map (clipping norm would be wrong): "
-            + ", ".join(wrong[:6])
-        )
+# the construction side lives in megatron_build; importers of these names from here keep working
+__all__ = [
+    "CPU_CONFIG",
+    "MegatronEngine",
+    "MpuAdapter",
+    "build_model_chunks",
+    "chained",
+    "check_tp_attributes",
+    "init_parallel_state",
+    "shard_of",
+    "sharding_of",
+    "transformer_config",
+    "verify_deepspeed_groups",
+]
 
 
 def _shifted(mb: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -699,16 +530,3 @@ def _model_space_step_fix(optimizer: Any) -> Iterator[None]:
     finally:
         for opt in patched:
             del opt._set_main_param_and_optimizer_states  # the class's method again
-
-
-def verify_deepspeed_groups(engine: Any, layout: ParallelLayout) -> None:
-    """Guard against the silent failure of ``mpu=None`` (or an mpu DeepSpeed ignored): DeepSpeed then
-    treats all ranks as data-parallel and broadcasts rank 0's TP shard to every rank, and training runs
-    "fine" with wrong numbers. Its data-parallel group must be the layout's."""
-    # ZeRO reduces over the sequence-data-parallel group (= the dp group without sequence parallelism)
-    got_dp, got_seq_dp, got_mp = engine.dp_world_size, engine.seq_dp_world_size, engine.mp_world_size
-    if not got_dp == got_seq_dp == layout.dp or got_mp != layout.tp:
-        raise RuntimeError(
-            f"DeepSpeed sees dp={got_dp} mp={got_mp}, the layout is dp={layout.dp} tp={layout.tp}: "
-            "it was initialised without the model-parallel groups (mpu)"
-        )
