@@ -87,7 +87,7 @@ def test_killed_crashed_and_hung_ranks_are_restarted_to_the_same_weights(referen
     assert [r["failed_at_step"] for r in restarts] == [3, 6, 7]
     assert all(r["time_lost_s"] is not None and r["time_lost_s"] >= 0 for r in restarts)
     hang = restarts[2]["detail"]
-    assert "rank 1 has been in step (no collective) at step 8" in hang
+    assert "rank 1 has been in step (no collective, faults.py:" in hang and "on_step_start) at step 8" in hang
     assert "rank 0 is waiting in" in hang and "on group" in hang  # the op and the group it waits in
     manifest = RunDir(out).read_manifest()["restarts"]
     assert [(r["attempt"], r["reason"], r["from"]) for r in manifest] == [
@@ -101,7 +101,9 @@ def test_killed_crashed_and_hung_ranks_are_restarted_to_the_same_weights(referen
     assert launch.stat().st_mtime - hung_at < HANG_TIMEOUT + 30
 
 
-@pytest.mark.parametrize("name", ["zero2"])  # the stop is the loop's; TP2 resumes bit-exactly in test_megatron_engine
+@pytest.mark.parametrize(
+    "name", ["zero2"]
+)  # the stop is the loop's; TP2 resumes bit-exactly in test_megatron_engine
 def test_sigterm_preempts_with_a_checkpoint_and_resumes_bit_exactly(reference, tmp_path, name):
     out = tmp_path / "pre"
     env = {**os.environ, "TESSERA_FAULTS": "sigterm:step=5"}

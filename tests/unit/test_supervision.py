@@ -34,9 +34,11 @@ def test_fault_specs():
         assert why in str(e.value) and e.value.field == "TESSERA_FAULTS"
 
 
-def _beat(rd: RunDir, rank: int, *, step: int, phase: str, progress: int, op=None, age: float = 0.0) -> None:
+def _beat(rd: RunDir, rank: int, *, step: int, phase: str, progress: int, op=None, age: float = 0.0,
+          armed: bool = True, at: str | None = None) -> None:  # fmt: skip
     rd.logs.mkdir(parents=True, exist_ok=True)
-    hb = {"rank": rank, "pid": 1, "time": time.time() - age, "step": step, "phase": phase, "progress": progress, "op": op}  # fmt: skip
+    hb = {"rank": rank, "pid": 1, "time": time.time() - age, "step": step, "phase": phase, "progress": progress,
+          "op": op, "armed": armed, "at": at}  # fmt: skip
     rd.rank_file(rank, "heartbeat").write_text(json.dumps(hb))
 
 
@@ -44,20 +46,37 @@ def test_hang_diagnosis_names_the_rank_the_op_and_the_group(tmp_path):
     rd = RunDir(tmp_path)
     waiting = {"op": "all_reduce", "group": "dp", "bytes": 558336, "since": time.time()}
     _beat(rd, 0, step=5, phase="step", progress=40, op=waiting)
-    _beat(rd, 1, step=5, phase="step", progress=37)
+    _beat(rd, 1, step=5, phase="step", progress=37, at="faults.py:159 on_step_start")
     _beat(rd, 2, step=5, phase="step", progress=40, op=waiting)
     dog = HangWatchdog(rd, 3, timeout_s=0.3)
     assert dog.check() is None  # first sight: the clock starts
     time.sleep(0.4)
     got = dog.check()
     assert got is not None and got.rank == 1 and got.code == ExitCode.HUNG
-    assert "rank 1 has been in step (no collective) at step 5" in got.how
+    assert "rank 1 has been in step (no collective, faults.py:159 on_step_start) at step 5" in got.how
     assert "ranks 0, 2 are waiting in all_reduce on group dp (558 KB)" in got.how
+
+
+def test_the_rank_that_crossed_the_timeout_first_is_not_blamed_for_waiting(tmp_path):
+    """Heartbeats are seconds apart: the rank waiting in a collective can be seen quiet for longer than
+    the hung one. The culprit is the quiet rank outside any collective, not the first past the timeout."""
+    rd = RunDir(tmp_path)
+    waiting = {"op": "all_reduce", "group": "dp", "bytes": 16, "since": time.time()}
+    _beat(rd, 0, step=8, phase="step", progress=12, op=waiting)
+    _beat(rd, 1, step=8, phase="step", progress=12)
+    dog = HangWatchdog(rd, 2, timeout_s=4.5)
+    assert dog.check() is None  # first sight: the clocks start
+    # rank 0 has been quiet past the timeout, rank 1 (whose last change was seen 1.6 s later) not yet
+    for r, ago in ((0, 4.6), (1, 3.0)):
+        dog.seen[r] = (dog.seen[r][0], dog.seen[r][1] - ago)
+    got = dog.check()
+    assert got is not None and got.rank == 1, got.how if got else None
+    assert "rank 0 is waiting in all_reduce on group dp (16 B)" in got.how
 
 
 def test_progress_and_setup_are_not_hangs(tmp_path):
     rd = RunDir(tmp_path)
-    _beat(rd, 0, step=1, phase="data", progress=3)  # still in its first step: not armed
+    _beat(rd, 0, step=7, phase="data", progress=3, armed=False)  # its process's first step (resumed at 6)
     _beat(rd, 1, step=4, phase="step", progress=10)
     dog = HangWatchdog(rd, 2, timeout_s=0.3)
     assert dog.check() is None
