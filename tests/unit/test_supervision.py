@@ -7,6 +7,7 @@ import json
 import os
 import socket
 import time
+from pathlib import Path
 
 import pytest
 
@@ -120,3 +121,28 @@ def test_rendezvous_port(tmp_path):
         with pytest.raises(RecipeError) as e:
             rendezvous_port(busy)
         assert e.value.field == "run.master_port" and str(taken) in str(e.value)
+
+
+def test_taking_over_a_killed_runs_directory_releases_its_shared_memory(tmp_path):
+    """DeepSpeed's CPU all-reduce segments are named by the rendezvous port; a run killed before its
+    supervisor could unlink them leaves them in /dev/shm. The next run on the directory removes them, by
+    the port in the killed run's launch.json, and nothing of another port."""
+    from tessera.comm.shm import SHM_PREFIX
+    from tessera.launch.runs import release_killed_run
+
+    rd = RunDir(tmp_path)
+    rd.write_json(
+        RunDir.LAUNCH,
+        {"command": "DS_ACCELERATOR=cpu deepspeed --master_addr 127.0.0.1 --master_port 59991 --module x"},
+    )
+    shm = Path("/dev/shm")
+    mine = [shm / f"{SHM_PREFIX}_{os.getuid()}_127.0.0.1_59991_{r}" for r in range(2)]
+    other = shm / f"{SHM_PREFIX}_{os.getuid()}_127.0.0.1_59992_0"
+    try:
+        for f in [*mine, other]:
+            f.write_bytes(b"x")
+        release_killed_run(rd)
+        assert not any(f.exists() for f in mine) and other.exists()
+    finally:
+        for f in [*mine, other]:
+            f.unlink(missing_ok=True)

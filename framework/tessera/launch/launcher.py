@@ -329,7 +329,7 @@ class _Signals:
         (self.rd / RunDir.PREEMPT).unlink(missing_ok=True)
 
 
-def _rendezvous_of(cmd: list[str]) -> tuple[str, str] | None:
+def rendezvous_of(cmd: list[str]) -> tuple[str, str] | None:
     """(master addr, port) of a launcher command (deepspeed ``--master_port P``, torchrun ``--master_port=P``)."""
     found: dict[str, str] = {}
     for i, arg in enumerate(cmd):
@@ -359,7 +359,7 @@ def run_and_monitor(
     try:
         return _run_and_monitor(cmd, env_add, run_dir, world, grace_s=grace_s, watchdog=watchdog)
     finally:
-        where = _rendezvous_of(cmd)
+        where = rendezvous_of(cmd)
         if where is not None:
             release_shared_memory(*where)
 

@@ -206,6 +206,7 @@ def start_run(
     with rd.locked() as stale:
         if stale:
             print(f"tessera: warning: {stale}", file=sys.stderr)
+            release_killed_run(rd)
         ckpts = CheckpointManager(
             rd.checkpoints, keep=recipe.checkpoint.keep, rank=0, world_size=layout.world_size
         )
@@ -229,6 +230,23 @@ def start_run(
         rd.write_json(RunDir.LAUNCH, launch)
         con.print(f"[bold]launch[/] {printable}")
         return _supervise(recipe, rd, ckpts, cmd, env, device=device, flags=flags, launch=launch), rd
+
+
+def release_killed_run(rd: RunDir) -> None:
+    """What a killed ``tessera run`` could not clean up: DeepSpeed's shared-memory all-reduce segments of
+    its rendezvous (~138 MB in /dev/shm for 2 ranks), found by the port in its ``launch.json``."""
+    import shlex
+
+    from tessera.comm.shm import release_shared_memory
+    from tessera.launch.launcher import rendezvous_of
+
+    before = rd.read_json_if_present(RunDir.LAUNCH) or {}
+    try:
+        where = rendezvous_of(shlex.split(str(before.get("command", ""))))
+    except ValueError:  # an unreadable record: nothing to release by name
+        return
+    if where is not None:
+        release_shared_memory(*where)
 
 
 def _supervise(
