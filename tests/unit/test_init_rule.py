@@ -59,3 +59,17 @@ def test_seed_and_name_decide_the_values_and_the_rule_follows_the_family():
     std = big["transformer.wte.weight"].std().item()
     scaled = big["transformer.h.0.mlp.c_proj.weight"].std().item()  # 0.02 / sqrt(2 * n_layer)
     assert abs(std - 0.02) < 0.002 and abs(scaled - 0.02 / (2 * cfg.n_layer) ** 0.5) < 0.0015
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gpt2", "llama"])
+def test_built_models_keep_their_tied_weights_tied(family):
+    """The model is made without HF's init (its values come from the rule), but HF's tying of the LM head
+    to the embedding, part of that init, must still happen: a tied head updated separately trains
+    another model (caught by the megatron-vs-HF family tests as a 1e-4 loss drift from step 2)."""
+    from tessera.config.loader import load_recipe
+    from tessera.engines.base import ModelSource
+
+    recipe = load_recipe(REPO / f"recipes/tiny-{family}-cpu.yaml", ["run.world_size=1"]).recipe
+    model = ModelSource.of(recipe, vocab_size=recipe.data.vocab_size).build_hf()
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert tied == bool(model.config.tie_word_embeddings)

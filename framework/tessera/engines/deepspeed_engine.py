@@ -155,6 +155,7 @@ def partitioned_from(
         model = AutoModelForCausalLM.from_config(
             source.hf_config(), attn_implementation=source.section.attn_implementation
         )
+        model.tie_weights()  # part of HF's init_weights, which no_init_weights skips
     rank = dist.get_rank() if dist.is_initialized() else 0
 
     def copy_partition(t: torch.Tensor, name: str) -> None:

@@ -100,7 +100,9 @@ def empty_model(
     from transformers.initialization import no_init_weights
 
     with no_init_weights(), torch.device(device):
-        return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation, dtype=dtype)
+    model.tie_weights()  # part of HF's init_weights, which no_init_weights skips
+    return model
 
 
 def initial_tensors(section: ModelSection, cfg: Any, *, seed: int) -> Mapping[str, torch.Tensor]:
