@@ -86,6 +86,24 @@ class LazyTensors(Mapping[str, torch.Tensor]):
         with _reading(f), safe_open(str(f), framework="pt") as h:  # truncated after the header was read
             return h.get_tensor(key)
 
+    def part(self, key: str, index: tuple[int | slice, ...]) -> torch.Tensor:
+        """``self[key][index]`` reading only that part of the file (safetensors slices)."""
+        from safetensors import safe_open
+
+        if not index:
+            return self[key]
+        f = self._where[key]
+        with _reading(f), safe_open(str(f), framework="pt") as h:
+            return h.get_slice(key)[index].contiguous()
+
+    def shape_of(self, key: str) -> tuple[int, ...]:
+        """The tensor's shape, from the file's header."""
+        from safetensors import safe_open
+
+        f = self._where[key]
+        with _reading(f), safe_open(str(f), framework="pt") as h:
+            return tuple(h.get_slice(key).get_shape())
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)
 

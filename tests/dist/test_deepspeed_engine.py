@@ -71,6 +71,8 @@ def zero_runs(tmp_path_factory):
     for name, ov in OFFLOAD.items():
         two[base / name] = (R, [f"train.steps={STEPS}", *ov], False)
     two[base / "bf16"] = (R, ["train.steps=8", "parallel.zero=2", "train.precision=bf16"], False)
+    for name, ov in RECOMPUTED.items():  # HF gradient checkpointing (parallel.recompute: full)
+        two[base / f"recompute_{name}"] = (R, [f"train.steps={RECOMPUTE_STEPS}", *ov, "parallel.recompute=full"], False)
     for fam in FAMILY_NAMES:
         two[base / f"family_{fam}"] = (
             REPO / FAMILIES[fam].tiny_recipe, ["train.steps=5", "parallel.zero=2", "optim.warmup_steps=0"], False
@@ -91,6 +93,18 @@ def zero_runs(tmp_path_factory):
 
 
 RESUMED = {"z2": ["parallel.zero=2"], "z3": ["parallel.zero=3"], "ddp": DDP}
+RECOMPUTED = {"z2": ["parallel.zero=2"], "z3": ["parallel.zero=3"], "ddp": DDP}
+RECOMPUTE_STEPS = 8
+
+
+@pytest.mark.parametrize("name", sorted(RECOMPUTED))
+def test_full_recompute_changes_no_loss_and_no_gradient_norm(zero_runs, name):
+    """HF gradient checkpointing under ZeRO-2, ZeRO-3 (parameters gathered again for the recompute) and
+    DDP: the same losses and gradient norms as the run that keeps its activations, within 1e-6."""
+    run, ref = zero_runs[f"recompute_{name}"], zero_runs[name][:RECOMPUTE_STEPS]
+    assert len(run) == RECOMPUTE_STEPS
+    assert_close_rel(losses(run), losses(ref), 1e-6)
+    assert_close_rel([r["grad_norm"] for r in run], [r["grad_norm"] for r in ref], 1e-6)
 RULES_ON = [
     "stop.loss_spike.zscore=6", "stop.loss_spike.window=10", "stop.loss_spike.patience=2",
     "stop.min_tokens_per_s.value=10", "stop.min_tokens_per_s.window=3", "stop.max_time_s=3600",

@@ -74,6 +74,8 @@ def runs(tmp_path_factory):
     two = {k: (rec, COMMON, False) for k, (rec, _) in TWO.items()}
     two.update({k: (rec, [*COMMON, *ov], False) for k, (rec, ov, _) in FAMILY_RUNS.items()})
     two["tp2_bf16"] = (TWO["tp2"][0], [*COMMON, "train.precision=bf16"], False)
+    for name, (base_run, how) in RECOMPUTED.items():  # megatron-core's recompute granularities
+        two[name] = (TWO[base_run][0], [*COMMON, f"parallel.recompute={how}"], False)
     two["deepspeed_dp2_zero2"] = (LLAMA, COMMON, False)  # the foundation's engine, same seed
     # first halves of the resume checks (checkpoint at step 5), on the dist_checkpointing paths
     for k in ("dp2_distopt", "tp2"):
@@ -88,6 +90,23 @@ def runs(tmp_path_factory):
     batch({k: (rec, COMMON, False) for k, rec in FOUR.items()}, 4)
     out["_base"] = base  # type: ignore[assignment]
     return out
+
+
+RECOMPUTED = {
+    "tp2_recompute_selective": ("tp2", "selective"),
+    "tp2_recompute_full": ("tp2", "full"),
+    "pp2_recompute_full": ("pp2_1f1b", "full"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RECOMPUTED))
+def test_recompute_changes_no_loss_and_no_gradient_norm(runs, name):
+    """Selective (attention core) and full (every layer from its input) recompute, under TP (sequence
+    parallel) and PP: the losses and gradient norms of the run that keeps its activations, within 1e-6."""
+    run, ref = runs[name], runs[RECOMPUTED[name][0]]
+    assert len(run) == STEPS
+    assert_close_rel(losses(run), losses(ref), 1e-6)
+    assert_close_rel([r["grad_norm"] for r in run], [r["grad_norm"] for r in ref], 1e-6)
 
 
 def _check(run: list[dict], ref: list[dict]) -> None:

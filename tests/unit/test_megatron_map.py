@@ -287,9 +287,9 @@ def test_what_megatron_cannot_express_is_refused(changes, field):
 
 
 def test_a_pipeline_stage_reads_only_its_own_tensors(tmp_path):
-    """``model.pretrained`` under PP: the weights come from a lazy reader (one tensor per access), and a
-    stage asks it only for the tensors of its layers (plus the embedding / head / final norm its stage
-    owns), never for another stage's."""
+    """``model.pretrained`` under PP and TP: the weights come from a lazy reader, and a chunk asks it only
+    for the parts it holds: a stage never reads another stage's tensors, a TP rank reads only its rows or
+    columns (the elements read are exactly the elements it holds)."""
     from tessera.models.hf import hf_dir_tensors
 
     model = _hf("llama", num_hidden_layers=4)
@@ -300,16 +300,28 @@ def test_a_pipeline_stage_reads_only_its_own_tensors(tmp_path):
     class Recording(dict):
         def __init__(self, inner):
             super().__init__()
-            self.inner, self.read = inner, []
+            self.inner, self.read, self.elements = inner, [], 0
 
         def __getitem__(self, k):
+            return self.part(k, ())
+
+        def part(self, k, index):
             self.read.append(k)
-            return self.inner[k]
+            t = self.inner.part(k, index)
+            self.elements += t.numel()
+            return t
+
+        def shape_of(self, k):
+            return self.inner.shape_of(k)
 
         def __contains__(self, k):
             return k in self.inner
 
     a, cfg = adapter_for("llama"), model.config
+    for tp in (1, 2):
+        rec = Recording(lazy)
+        local = hf_to_mcore(rec, a, cfg, Shard(tp=tp, tp_rank=tp - 1, etp=tp, etp_rank=tp - 1))
+        assert rec.elements == sum(t.numel() for t in local.values())
     for stage, mine in ((0, {0, 1}), (1, {2, 3})):
         rec = Recording(lazy)
         local = hf_to_mcore(rec, a, cfg, Shard(pp=2, pp_rank=stage))

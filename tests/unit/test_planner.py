@@ -585,3 +585,43 @@ def test_hf_tensor_numels_are_the_hf_modules():
         model = AutoModelForCausalLM.from_config(cfg)
         real = sorted(p.numel() for p in model.parameters())  # tied weights appear once
         assert sorted(hf_tensor_numels(model_facts(cfg))) == real, fam
+
+
+def test_auto_takes_recompute_only_when_the_layout_fits_only_with_it():
+    """`parallel: auto`: with device memory between what the best recompute layout and the best layout
+    without recompute need, the chosen plan recomputes, and the recipe the ranks run says so; with
+    room for both, the faster layout without recompute wins."""
+    import dataclasses
+
+    from tessera.config.loader import load_recipe
+    from tessera.plan.search import apply_plan
+
+    cfg, h100 = _cfg("llama-3-8b"), load_hardware("h100-sxm-80g")
+    kw = dict(world_size=8, seq_len=8192, global_batch=64, precision="bf16", micro_batches=(1,))
+    roomy = plan(cfg, hardware=dataclasses.replace(h100, memory_bytes=10**15), **kw)
+    need = {rc: min(c.memory.total for c in roomy.candidates if c.recompute == rc) for rc in ("none", "full")}
+    assert need["full"] < need["none"] and roomy.chosen.recompute == "none"
+    tight = plan(
+        cfg, hardware=dataclasses.replace(h100, memory_bytes=(need["full"] + need["none"]) // 2), **kw
+    )
+    assert tight.chosen is not None and tight.chosen.recompute != "none"
+    assert all(c.recompute != "none" for c in tight.candidates)
+    recipe = load_recipe(REPO / "recipes" / "llama3-8b-pretrain-h100x8-zero3.yaml").recipe
+    applied = apply_plan(recipe, tight)
+    assert applied.parallel.recompute == tight.chosen.recompute and not applied.parallel.auto
+
+
+@pytest.mark.parametrize("engine", ["deepspeed", "ddp"])
+def test_selective_recompute_is_refused_where_the_engine_cannot(engine):
+    from tessera.config.loader import load_recipe
+    from tessera.errors import LayoutError
+    from tessera.plan.layout import layout_from_recipe
+
+    recipe = load_recipe(
+        REPO / "recipes" / "tiny-llama-cpu.yaml",
+        [f"parallel.engine={engine}", "parallel.recompute=selective"],
+    ).recipe
+    with pytest.raises(LayoutError) as e:
+        layout_from_recipe(recipe)
+    assert e.value.field == "parallel.recompute" and e.value.value == "selective"
+    assert "whole layers (full) only" in str(e.value) and "parallel.engine: megatron" in e.value.fix

@@ -308,6 +308,7 @@ def _fit_inherited_to_engine(data: dict[str, Any], sources: dict[str, str]) -> l
         "ep": (lambda v: caps.ep or v == 1, 1),
         "offload_optimizer": (lambda v: caps.offload or not v, False),
         "offload_params": (lambda v: caps.offload or not v, False),
+        "recompute": (lambda v: v in caps.recompute, "none"),
     }
     notes = []
     for key, (ok, default) in fallback.items():

@@ -115,6 +115,12 @@ class ParallelSection(_Section):
         description="engine megatron: sequence parallelism in the TP regions; auto = on when tp > 1 "
         "and megatron shards over dp",
     )
+    recompute: Literal["none", "selective", "full"] = Field(
+        "none",
+        description="activation recompute: none; selective = megatron-core's attention-core recompute "
+        "(engine megatron); full = every layer's activations recomputed in backward from its input "
+        "(megatron-core's full granularity, HF gradient checkpointing for engines deepspeed and ddp)",
+    )
     micro_batch: int = Field(1, ge=1, description="samples per rank per forward/backward")
     global_batch: int | None = Field(
         None, ge=1, description="samples per optimizer step over all ranks; default micro*grad_accum*dp"

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -46,7 +46,12 @@ class StepResult:
 @dataclass(frozen=True)
 class ModelSource:
     """Where an engine's initial weights come from: the recipe's model section (an inline HF config or a
-    local directory, random init from ``seed`` or pretrained), with the tokenizer's vocabulary size."""
+    local directory, random init from ``seed`` or pretrained), with the tokenizer's vocabulary size.
+
+    Every engine and layout starts from the same weights, and no rank builds more of the model than it
+    holds: :meth:`tensors` reads / draws them one tensor, or one part of a tensor, per access (ZeRO-3
+    partitions, TP slices, pipeline stages, experts), and :meth:`build_hf` makes the whole HF model only
+    for the engines that hold it whole (ddp, ZeRO 0-2), directly in its training dtype on its device."""
 
     section: ModelSection
     vocab_size: int
@@ -54,65 +59,65 @@ class ModelSource:
     #: an HF directory (safetensors) whose tensors replace the initial weights: a resharded checkpoint's
     #: staged weights; ``model.pretrained`` reads ``model.path`` the same way
     weights: Path | None = None
-    #: sha256 of the seeded initial weights, set by the first :meth:`build_hf` (see :meth:`initial_weights`)
-    _seeded_digest: list[str] = field(default_factory=list, compare=False, repr=False)
 
     @classmethod
     def of(cls, recipe: Recipe, *, vocab_size: int, weights: Path | None = None) -> ModelSource:
         return cls(section=recipe.model, vocab_size=vocab_size, seed=recipe.train.seed, weights=weights)
 
     def hf_config(self) -> Any:
-        from tessera.models.hf import load_hf_config
+        from tessera.models.hf import check_vocab, load_hf_config
 
-        return load_hf_config(self.section, vocab_size=self.vocab_size)
+        cfg = load_hf_config(self.section, vocab_size=self.vocab_size)
+        check_vocab(cfg, self.vocab_size)
+        return cfg
 
     def weights_dir(self) -> Path | None:
         if self.weights is not None:
             return Path(self.weights)
         return Path(self.section.path) if self.section.pretrained and self.section.path else None
 
-    def hf_tensors(self) -> Mapping[str, torch.Tensor] | None:
-        """The given weights by HF name, read one tensor per access (None: initialise from the seed)."""
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        """The initial weights by HF name, read or drawn lazily: the given directory's (lazy safetensors
+        reads), else the seeded rule's (:class:`~tessera.models.init.SeededWeights`)."""
         from tessera.models.hf import hf_dir_tensors
+        from tessera.models.init import SeededWeights
 
         d = self.weights_dir()
-        return None if d is None else hf_dir_tensors(d)
+        return hf_dir_tensors(d) if d is not None else SeededWeights(self.hf_config(), self.seed)
 
-    def build_hf(self) -> torch.nn.Module:
-        """The full HF model in fp32, initialised from the seed, or holding the given weights (copied in
-        tensor by tensor): every engine and layout starts from it, so runs are comparable step by step."""
-        from tessera.models.hf import build_model, fill_from
+    def build_hf(self, *, dtype: torch.dtype = torch.float32, device: Any = "cpu") -> torch.nn.Module:
+        """The whole HF model in ``dtype`` on ``device``, filled from :meth:`tensors` one tensor at a time."""
+        from tessera.models.hf import empty_model, fill_from
 
-        tensors = self.hf_tensors()
-        section = (
-            self.section.model_copy(update={"pretrained": False}) if tensors is not None else self.section
+        model = empty_model(
+            self.hf_config(), attn_implementation=self.section.attn_implementation, dtype=dtype, device=device
         )
-        model = build_model(section, seed=self.seed, vocab_size=self.vocab_size)
-        if tensors is not None:
-            fill_from(model, tensors, where=str(self.weights_dir()))
-        elif not self._seeded_digest and _is_rank0():
-            from tessera.evidence.manifest import weights_digest
-
-            self._seeded_digest.append(weights_digest(model.state_dict().items()))
+        fill_from(model, self.tensors(), where=str(self.weights_dir() or "model.hf_config"))
         return model
 
-    def initial_weights(self) -> dict[str, Any] | None:
-        """What the manifest records of the initial weights (rank 0): the sha256 of the weight files of
-        a pretrained / given directory, or of the tensors the seed gave (by HF name, so every layout of
-        the same model and seed records the same hash). None where this rank did not build them."""
+    def initial_weights(self) -> dict[str, Any]:
+        """What the manifest records of the initial weights: the sha256 of the weight files of a
+        pretrained / given directory, or of the tensors the seed gives (by HF name, in fp32, streamed one
+        tensor at a time: every engine and layout of the same model and seed records the same hash; above
+        ``DIGEST_MAX_PARAMS`` only the rule and the seed, which decide them)."""
         d = self.weights_dir()
         if d is not None:
             from tessera.evidence.manifest import files_digest
 
             files = sorted(d.glob("*.safetensors")) or sorted(d.glob("*.bin"))
             return {"from": "files", "path": str(d), "sha256": files_digest(files)}
-        if self._seeded_digest:
-            return {"from": "seed", "seed": self.seed, "sha256": self._seeded_digest[0]}
-        return None
+        from tessera.evidence.manifest import weights_digest
+        from tessera.models.init import INIT_RULE
+
+        tensors = self.tensors()
+        record: dict[str, Any] = {"from": "seed", "seed": self.seed, "rule": INIT_RULE}
+        if sum(math.prod(tensors.shape_of(n)) for n in tensors) <= DIGEST_MAX_PARAMS:
+            record["sha256"] = weights_digest(tensors)
+        return record
 
 
-def _is_rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
+#: the largest model whose seeded initial weights the manifest hashes (drawing them again takes time)
+DIGEST_MAX_PARAMS = 2_000_000_000
 
 
 @dataclass(frozen=True)
@@ -204,6 +209,15 @@ class Engine(Protocol):
 
 
 # ---- shared step logic -------------------------------------------------------------------------------
+
+
+def hf_recompute(model: torch.nn.Module, recompute: str) -> None:
+    """``parallel.recompute: full`` on an HF module: gradient checkpointing of every decoder layer (the
+    layer's input is kept; its activations are recomputed in backward). Non-reentrant checkpointing: it
+    works under ZeRO-3's parameter hooks and with inputs that need no grad; RNG state is restored, so
+    dropout draws the same masks in the recompute. (``selective`` is refused by the layout rules.)"""
+    if recompute == "full":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def label_tokens(labels: torch.Tensor) -> int:

@@ -106,6 +106,27 @@ def apply() -> None:
     tracker = _CpuRNGStatesTracker()
     mp_random._CUDA_RNG_STATE_TRACKER = tracker
     mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True  # get_cuda_rng_tracker() now returns ours
+    # activation recompute (tensor_parallel.checkpoint) saves and restores the CPU state, the CUDA state
+    # and the tracker's: there is no CUDA generator, so its state is an empty placeholder
+    mp_random._get_cuda_rng_state = lambda *a, **k: torch.empty(0, dtype=torch.uint8)
+    mp_random._set_cuda_rng_state = lambda *a, **k: None
+    # the causal masks are made on "cuda" by name, also inside tensor_parallel.checkpoint's autograd
+    # Function, where the device-rewriting mode below is not active: made on the CPU instead
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils as mt_utils
+
+    def causal_mask(sq: int) -> torch.Tensor:
+        return torch.triu(torch.ones(sq, sq, device="cpu"), diagonal=1).bool()
+
+    def sliding_window_mask(sq: int, skv: int, window_size: Any) -> torch.Tensor:
+        m = torch.ones(sq, skv, dtype=torch.bool, device="cpu")
+        return ~torch.tril(
+            torch.triu(m, diagonal=skv - sq - window_size[0]), diagonal=skv - sq + window_size[1]
+        )
+
+    for mod in (mt_utils, fused_softmax):
+        mod.get_default_causal_mask = causal_mask
+        mod.get_sliding_window_causal_mask = sliding_window_mask
     # the optimizers pick fp32 / half paths by type string ("torch.cuda.FloatTensor")
     _orig_type = torch.Tensor.type
 

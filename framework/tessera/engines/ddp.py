@@ -34,12 +34,14 @@ from tessera.engines.base import (
     dp_sum,
     global_counts,
     hf_eval_loss,
+    hf_recompute,
     step_result,
     summed_token_loss,
 )
 from tessera.engines.held import optimizer_bytes, tensor_bytes
 from tessera.engines.optim import MOMENTS, LRSchedule, adam_state, build_optimizer, set_adam_step
 from tessera.errors import CheckpointError
+from tessera.hostmem import lean_construction
 from tessera.plan.layout import ParallelLayout
 from tessera.tensorfile import load_tensors_and_meta, save_tensors
 
@@ -80,7 +82,9 @@ class DDPEngine:
 
         self.layout = layout
         self.device = torch.device(device if device == "cpu" else f"cuda:{torch.cuda.current_device()}")
-        self.model = source.build_hf().to(self.device)
+        with lean_construction():
+            self.model = source.build_hf(device=self.device)  # fp32 parameters; bf16 through autocast
+        hf_recompute(self.model, layout.recompute)
         self.ddp = DistributedDataParallel(
             self.model, device_ids=None if self.device.type == "cpu" else [self.device.index]
         )

@@ -24,12 +24,17 @@ from tessera.engines.base import (
     dp_sum,
     global_counts,
     hf_eval_loss,
+    hf_recompute,
     step_result,
     summed_token_loss,
 )
 from tessera.engines.optim import MOMENTS
 from tessera.engines.zero import DeepSpeedRunner, build_ds_config
+from tessera.hostmem import lean_construction
 from tessera.plan.layout import ParallelLayout
+
+#: the dtype DeepSpeed keeps the module's parameters in (its fp32 master copies live in the optimizer)
+PARAM_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class DeepSpeedEngine:
@@ -38,11 +43,14 @@ class DeepSpeedEngine:
     def __init__(self, source: ModelSource, recipe: Recipe, layout: ParallelLayout, *, device: str) -> None:
         self.layout = layout
         self.device = torch.device(device if device == "cpu" else f"cuda:{torch.cuda.current_device()}")
-        tensors = source.hf_tensors()
-        if tensors is not None and layout.zero == 3:
-            model = partitioned_from(source, tensors, build_ds_config(recipe, layout, device=device))
-        else:
-            model = source.build_hf()
+        with lean_construction():
+            if layout.zero == 3:  # partitioned as it is made: no rank holds the whole model
+                model = partitioned_from(
+                    source, source.tensors(), build_ds_config(recipe, layout, device=device)
+                )
+            else:  # ZeRO 0-2 hold the whole model on every rank: made whole, in the dtype DeepSpeed trains in
+                model = source.build_hf(dtype=PARAM_DTYPE[recipe.train.precision], device=self.device)
+        hf_recompute(model, layout.recompute)
         self.ds = DeepSpeedRunner(model, recipe, layout, device=device)
         self.sharding = self.ds.sharding
 
@@ -124,36 +132,44 @@ def partition_range(p: Any, rank: int) -> tuple[int, int]:
 def partitioned_from(
     source: ModelSource, tensors: Mapping[str, torch.Tensor], ds_config: dict[str, Any]
 ) -> Any:
-    """ZeRO-3 from given weights (``model.pretrained``, a resharded checkpoint): the HF model is created
-    under ``deepspeed.zero.Init``, so every parameter is partitioned as it is made, and each rank copies
-    its flat partition of every tensor from the lazy reader, one tensor at a time: no rank holds the whole
-    model. (Initialised from the seed, the model is still built whole first, as every engine builds it,
-    so that all layouts start from the same weights.)"""
+    """ZeRO-3: the HF model is created under ``deepspeed.zero.Init``, so every parameter is partitioned as
+    it is made (in the dtype DeepSpeed trains in, on the device), and each rank copies in only its flat
+    partition of every tensor, read from ``tensors`` (the seeded rule draws just the rows covering it; a
+    lazy safetensors reader reads just those rows): no rank ever holds the whole model."""
     import deepspeed
-    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
 
     from tessera.models.hf import fill_from
+    from tessera.models.init import read_flat
 
     # the dtype comes from the config (fp32 unless bf16 / fp16 is on): deepspeed 0.19.8 ignores an
     # explicit dtype= on an accelerator without fp16 (operator precedence in Init._set_dtype) and
     # makes bf16 partitions
-    with deepspeed.zero.Init(config_dict_or_path=ds_config):
+    if not deepspeed.comm.is_initialized():  # zero.Init sizes its partitions by DeepSpeed's world
+        deepspeed.init_distributed(
+            dist_backend=dist.get_backend() if dist.is_initialized() else None, verbose=False
+        )
+    with deepspeed.zero.Init(config_dict_or_path=ds_config), no_init_weights():
+        from transformers import AutoModelForCausalLM
+
         model = AutoModelForCausalLM.from_config(
             source.hf_config(), attn_implementation=source.section.attn_implementation
         )
+        model.tie_weights()  # part of HF's init_weights, which no_init_weights skips
     rank = dist.get_rank() if dist.is_initialized() else 0
 
-    def copy_partition(t: torch.Tensor, full: torch.Tensor) -> None:
+    def copy_partition(t: torch.Tensor, name: str) -> None:
         if not hasattr(t, "ds_tensor"):  # a buffer: not partitioned
-            t.copy_(full)
+            t.copy_(tensors[name])
             return
         start, stop = partition_range(t, rank)
-        t.ds_tensor.view(-1)[: stop - start].copy_(full.reshape(-1)[start:stop])
+        part = read_flat(tensors, name, tuple(t.ds_shape), start, stop)
+        t.ds_tensor.view(-1)[: stop - start].copy_(part)
 
     fill_from(
         model,
         tensors,
-        where=str(source.weights_dir()),
+        where=str(source.weights_dir() or "model.hf_config"),
         shape_of=lambda t: tuple(getattr(t, "ds_shape", t.shape)),
         copy=copy_partition,
     )

@@ -4,17 +4,28 @@ the checks that the result is the layout's (TP attributes; DeepSpeed's view of t
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from tessera.models.megatron import COL, REPL, ROW, VOCAB, Shard, adapter_for, layer_range, padded_vocab
-from tessera.models.weight_map import hf_to_mcore, tp_splits
+from tessera.models.weight_map import iter_hf_to_mcore, tp_splits
 from tessera.plan.layout import ParallelLayout
 
+#: parallel.recompute -> megatron-core's settings: selective recomputes the attention core (the s^2 scores,
+#: softmax, dropout), full recomputes each layer from its input (uniform, one layer per checkpoint)
+RECOMPUTE: dict[str, dict[str, Any]] = {
+    "none": {},
+    "selective": {"recompute_granularity": "selective"},
+    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+}
+
 CPU_CONFIG = dict(  # megatron-core's fused CUDA kernels off: the pure-torch paths run anywhere
-    use_cpu_initialization=True,
+    # each rank initialises only its local slices (overwritten by build_model_chunks): megatron's CPU
+    # initialisation would make every weight whole first ("master weight") and then slice it
+    use_cpu_initialization=False,
     gradient_accumulation_fusion=False,
     bias_dropout_fusion=False,
     bias_activation_fusion=False,
@@ -128,6 +139,7 @@ def transformer_config(hf_cfg: Any, layout: ParallelLayout, *, seq_len: int, pre
         pipeline_dtype=dtype,
         bf16=precision == "bf16",
         attention_softmax_in_fp32=True,
+        **RECOMPUTE[layout.recompute],
         # the schedules scale by 1/num_microbatches and DDP averages over dp; the loss function
         # passes scale = grad_accum * dp / global_tokens, so the product is 1 / global_tokens
         calculate_per_token_loss=False,
@@ -138,9 +150,10 @@ def transformer_config(hf_cfg: Any, layout: ParallelLayout, *, seq_len: int, pre
 
 
 def build_model_chunks(
-    hf_cfg: Any, hf_state: dict[str, torch.Tensor], config: Any, layout: ParallelLayout, ps: Any
+    hf_cfg: Any, hf_state: Mapping[str, torch.Tensor], config: Any, layout: ParallelLayout, ps: Any
 ) -> list[torch.nn.Module]:
-    """One ``GPTModel`` per virtual stage of this rank, each loaded with its shard of ``hf_state``."""
+    """One ``GPTModel`` per virtual stage of this rank, each loaded with its shard of ``hf_state`` (read
+    part by part: megatron makes only the local slices, uninitialised, and they are filled here)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
@@ -167,9 +180,17 @@ def build_model_chunks(
                 f"{shard}: megatron placed layers {placed}, the weight map expects "
                 f"{list(layer_range(shape, shard))}"
             )
-        local = hf_to_mcore(hf_state, adapter, hf_cfg, shard)
-        missing, unexpected = model.load_state_dict(local, strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
+        # one tensor at a time into the parameters: never a second copy of the chunk
+        own = {k: v for k, v in model.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")}
+        unexpected, filled = [], set()
+        with torch.no_grad():
+            for key, t in iter_hf_to_mcore(hf_state, adapter, hf_cfg, shard):
+                if key in own and tuple(own[key].shape) == tuple(t.shape):
+                    own[key].copy_(t)
+                    filled.add(key)
+                else:
+                    unexpected.append(key)
+        missing = sorted(set(own) - filled)
         if missing or unexpected:  # internal: the weight map and megatron's modules disagree
             raise RuntimeError(f"weight map mismatch for {shard}: missing {missing}, unexpected {unexpected}")
         check_tp_attributes(model, hf_cfg, shard)

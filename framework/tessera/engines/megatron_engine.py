@@ -51,6 +51,7 @@ from tessera.engines.megatron_build import (
 from tessera.engines.optim import MOMENTS, LRSchedule, materialize_adam_state, set_adam_step
 from tessera.engines.zero import DeepSpeedRunner
 from tessera.errors import CheckpointError
+from tessera.hostmem import lean_construction
 from tessera.models.megatron import adapter_for
 from tessera.models.weight_map import hf_to_mcore, mcore_to_hf_slices
 from tessera.plan.layout import ParallelLayout
@@ -94,19 +95,15 @@ class MegatronEngine:
         self.schedule = LRSchedule(recipe)
         self.seq_len = recipe.data.seq_len
         self.ps = ps = init_parallel_state(layout, seed=recipe.train.seed, device=device)
-        hf_state = source.hf_tensors()  # given weights: each rank reads only the tensors of its chunks
-        if hf_state is None:  # initialised from the seed: the full HF model, as every engine builds it
-            hf_model = source.build_hf()
-            hf_cfg = hf_model.config
-            hf_state = {k: v.detach().float() for k, v in hf_model.state_dict().items()}
-            del hf_model
-        else:
-            hf_cfg = source.hf_config()
+        # each rank reads (given weights) or draws (the seeded rule) only the tensor parts its chunks hold
+        hf_state = source.tensors()
+        hf_cfg = source.hf_config()
         self.hf_config = hf_cfg
         self.config = transformer_config(
             hf_cfg, layout, seq_len=self.seq_len, precision=recipe.train.precision, device=device
         )
-        chunks = build_model_chunks(hf_cfg, hf_state, self.config, layout, ps)
+        with lean_construction():
+            chunks = build_model_chunks(hf_cfg, hf_state, self.config, layout, ps)
         del hf_state
         if device == "cuda":
             chunks = [c.cuda() for c in chunks]

@@ -29,7 +29,7 @@ class Capabilities:
     #: trains the HF module itself (HF tensor granularity; its gradient checkpointing is per layer), as
     #: opposed to megatron-core's GPTModel built from the HF config (fused QKV / gate-up, dense vs expert)
     hf_module: bool = True
-    recompute: tuple[str, ...] = ("none",)  # activation recompute granularities the planner may estimate
+    recompute: tuple[str, ...] = ("none",)  # activation recompute granularities the engine runs
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -145,13 +145,20 @@ def topology(world_size: int, hostfile: str | None) -> dict[str, Any]:
 
 
 def weights_digest(named: Any) -> str:
-    """sha256 over (name, dtype, shape, bytes) of tensors in name order: the same on every layout."""
+    """sha256 over (name, dtype, shape, bytes) of tensors in name order: the same on every layout.
+    ``named``: (name, tensor) pairs, or a Mapping (read one tensor at a time, in name order)."""
     import hashlib
+    from collections.abc import Mapping
 
     import torch
 
     h = hashlib.sha256()
-    for name, t in sorted(named, key=lambda kv: kv[0]):
+    pairs = (
+        ((k, named[k]) for k in sorted(named))
+        if isinstance(named, Mapping)
+        else sorted(named, key=lambda kv: kv[0])
+    )
+    for name, t in pairs:
         t = t.detach().cpu().contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(t.view(-1).view(torch.uint8).numpy().tobytes())

@@ -146,7 +146,10 @@ def plan_record(resolved, layout, device: str) -> dict[str, Any]:
     from tessera.plan.search import estimate_layout, hardware_for
 
     hw = hardware_for(resolved.recipe, device=device)
-    return {"source": "recipe", "chosen": estimate_layout(resolved.recipe, layout, hardware=hw).to_json()}
+    return {
+        "source": "recipe",
+        "chosen": estimate_layout(resolved.recipe, layout, hardware=hw, recompute=layout.recompute).to_json(),
+    }
 
 
 def start_run(

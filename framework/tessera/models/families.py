@@ -43,6 +43,8 @@ class Family:
     qkv_bias: Flag = "attention_bias"
     proj_bias: Flag = "attention_bias"  # attention output projection
     mlp_bias: Flag = "mlp_bias"
+    # initial weights (tessera.models.init): tensors whose name ends so start at std / sqrt(2 n_layer)
+    scaled_init: tuple[str, ...] = ()
 
     @property
     def tiny_config(self) -> str:
@@ -106,6 +108,7 @@ FAMILIES: dict[str, Family] = {
             qkv_bias=True,
             proj_bias=True,
             mlp_bias=True,
+            scaled_init=("c_proj.weight",),  # the residual projections, as GPT-2 scales them
         ),
         Family(name="mixtral", model_types=("mixtral",), adapter="mixtral", topk_key="num_experts_per_tok"),
     )

@@ -16,7 +16,16 @@ from tessera.config.schema import ModelSection
 from tessera.errors import RecipeError
 from tessera.models.families import Family, family_of
 
-__all__ = ["Family", "build_model", "check_vocab", "family_of", "fill_from", "load_hf_config"]
+__all__ = [
+    "Family",
+    "build_model",
+    "check_vocab",
+    "empty_model",
+    "family_of",
+    "fill_from",
+    "initial_tensors",
+    "load_hf_config",
+]
 
 
 def load_hf_config(section: ModelSection, *, vocab_size: int | None = None):
@@ -77,24 +86,60 @@ def check_vocab(cfg, tokenizer_vocab: int) -> None:
         )
 
 
-def build_model(
-    section: ModelSection, *, seed: int, vocab_size: int | None = None, dtype: torch.dtype = torch.float32
+def empty_model(
+    cfg: Any,
+    *,
+    attn_implementation: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: Any = "cpu",
 ) -> torch.nn.Module:
-    """The HF causal LM, initialised from ``seed`` (same weights on every rank and every layout)."""
+    """The HF model of ``cfg`` made directly in ``dtype`` on ``device``, its parameters not initialised
+    (HF's own init would only be overwritten): fill them with :func:`fill_from`. Non-persistent buffers
+    (RoPE frequencies) are computed by the modules as usual."""
     from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
 
+    with no_init_weights(), torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation, dtype=dtype)
+    model.tie_weights()  # part of HF's init_weights, which no_init_weights skips
+    return model
+
+
+def initial_tensors(section: ModelSection, cfg: Any, *, seed: int) -> Mapping[str, torch.Tensor]:
+    """The model's initial weights by HF name, read / drawn one tensor (or part) per access: a
+    pretrained directory's files, else the seeded rule of :mod:`tessera.models.init`."""
+    if section.pretrained:
+        return hf_dir_tensors(Path(section.path))  # type: ignore[arg-type]
+    from tessera.models.init import SeededWeights
+
+    return SeededWeights(cfg, seed)
+
+
+def build_model(
+    section: ModelSection,
+    *,
+    seed: int,
+    vocab_size: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: Any = "cpu",
+    tensors: Mapping[str, torch.Tensor] | None = None,
+) -> torch.nn.Module:
+    """The whole HF causal LM in ``dtype`` on ``device``: ``tensors`` (HF names), else the pretrained
+    directory's weights, else the weights the seed gives (:mod:`tessera.models.init`: the same on every
+    rank, engine and layout), copied in one tensor at a time. Host memory: the model once, plus one tensor."""
     cfg = load_hf_config(section, vocab_size=vocab_size)
     if vocab_size is not None:
         check_vocab(cfg, vocab_size)
-    torch.manual_seed(seed)
-    if section.pretrained:
-        model = AutoModelForCausalLM.from_pretrained(
-            section.path, local_files_only=True, dtype=dtype, attn_implementation=section.attn_implementation
-        )
-    else:
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=section.attn_implementation)
-        model.to(dtype)
+    if tensors is None:
+        tensors = initial_tensors(section, cfg, seed=seed)
+    model = empty_model(cfg, attn_implementation=section.attn_implementation, dtype=dtype, device=device)
+    fill_from(model, tensors, where=str(section.path or "model.hf_config"))
     return model
+
+
+def _shape(tensors: Mapping[str, torch.Tensor], name: str) -> tuple[int, ...]:
+    shape_of = getattr(tensors, "shape_of", None)
+    return tuple(shape_of(name)) if shape_of is not None else tuple(tensors[name].shape)
 
 
 def fill_from(
@@ -103,12 +148,12 @@ def fill_from(
     *,
     where: str,
     shape_of: Callable[[torch.Tensor], tuple[int, ...]] = lambda t: tuple(t.shape),
-    copy: Callable[[torch.Tensor, torch.Tensor], Any] = lambda t, src: t.copy_(src),
+    copy: Callable[[torch.Tensor, str], Any] | None = None,
 ) -> None:
     """Copy HF-named ``tensors`` into ``model``'s parameters and persistent buffers one tensor at a time
     (``tensors`` may read lazily). Every tensor of the model must be there with its shape, and nothing
-    else (a tied ``lm_head.weight`` may be absent or present). ``shape_of`` / ``copy``: for parameters
-    that hold only a part of themselves (ZeRO-3 partitions)."""
+    else (a tied ``lm_head.weight`` may be absent or present). ``shape_of`` / ``copy(param, name)``: for
+    parameters that hold only a part of themselves (ZeRO-3 partitions read only their part)."""
     from tessera.errors import CheckpointError
 
     own = dict(model.named_parameters())
@@ -125,15 +170,18 @@ def fill_from(
         )
     with torch.no_grad():
         for name, t in own.items():
-            src = tensors[name]
-            if tuple(src.shape) != shape_of(t):
+            src_shape = _shape(tensors, name)
+            if src_shape != shape_of(t):
                 raise CheckpointError(
-                    f"{name} has shape {list(src.shape)}, the model's is {list(shape_of(t))}",
+                    f"{name} has shape {list(src_shape)}, the model's is {list(shape_of(t))}",
                     field="model.path",
                     value=where,
                     fix=fix,
                 )
-            copy(t, src)
+            if copy is not None:
+                copy(t, name)
+            else:
+                t.copy_(tensors[name])
 
 
 def model_tensor_names(cfg: Any) -> set[str]:

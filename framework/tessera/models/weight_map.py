@@ -8,11 +8,13 @@ layers over stages, experts over EP ranks) are described in :mod:`tessera.models
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 
+from tessera.models.init import read_part
 from tessera.models.megatron import (
     COL,
     ROW,
@@ -80,59 +82,102 @@ def _instances(
             yield key, hf_key, ge
 
 
-def _full_mcore(
-    rule: Rule,
-    hf: dict[str, torch.Tensor],
-    hf_key: Callable[[str], str],
-    expert: int | None,
-    shape: ModelShape,
-) -> list[torch.Tensor]:
-    """The tp=1 megatron tensor of one rule instance, as parts that are TP-split separately."""
-    names = rule.hf if isinstance(rule.hf, tuple) else (rule.hf,)
-    ts = [hf[hf_key(n)] for n in names]
-    if rule.hf_expert_dim:
-        ts = [t[expert] for t in ts]
-    if rule.transpose:
-        ts = [t.t() for t in ts]
-    if rule.fuse == "qkv":
-        if len(ts) == 1:  # GPT-2's c_attn: [q; k; v] in one tensor
-            ts = list(ts[0].chunk(3, dim=0))
-        return [_qkv_interleave(*ts, shape)]
-    if rule.fuse == "gate_up_fused":
-        return list(ts[0].chunk(2, dim=0))
-    if rule.split == VOCAB:
-        t = ts[0]
-        pad = padded_vocab(shape.vocab_size, 1) - t.shape[0]
-        return [t if pad == 0 else torch.cat([t, t.new_zeros(pad, *t.shape[1:])])]
-    return ts
+def _hf_shape(hf: Mapping[str, torch.Tensor], name: str) -> tuple[int, ...]:
+    shape = getattr(hf, "shape_of", None)
+    return tuple(shape(name)) if shape is not None else tuple(hf[name].shape)
 
 
-def hf_to_mcore(
-    hf: dict[str, torch.Tensor], adapter: Adapter, hf_cfg: Any, shard: Shard
-) -> dict[str, torch.Tensor]:
-    """The megatron state dict of one model chunk (its TP / EP shard) from a full HF state dict."""
+def _local_mcore(
+    rule: Rule, hf: Mapping[str, torch.Tensor], hf_key: Callable[[str], str], expert: int | None,
+    shape: ModelShape, tp: int, r: int,
+) -> torch.Tensor:  # fmt: skip
+    """This TP rank's megatron tensor of one rule instance, reading only the HF parts it holds."""
+    names = [hf_key(n) for n in (rule.hf if isinstance(rule.hf, tuple) else (rule.hf,))]
+    prefix: tuple[int, ...] = (expert,) if rule.hf_expert_dim else ()
+
+    def read(
+        name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None
+    ) -> torch.Tensor:
+        """megatron-oriented rows / columns of HF tensor ``name`` (its expert; transposed for Conv1D)."""
+        rs = slice(*rows) if rows else slice(None)
+        cs = slice(*cols) if cols else slice(None)
+        dims = len(_hf_shape(hf, name)) - len(prefix)
+        index = (rs,) if dims == 1 else ((cs, rs) if rule.transpose else (rs, cs))
+        t = read_part(hf, name, prefix + index)
+        return t.t() if rule.transpose and dims == 2 else t
+
+    def m_rows(name: str) -> int:  # megatron rows (output features) of the whole HF tensor
+        dims = _hf_shape(hf, name)[len(prefix) :]
+        return dims[1] if rule.transpose and len(dims) == 2 else dims[0]
+
+    def m_cols(name: str) -> int:
+        dims = _hf_shape(hf, name)[len(prefix) :]
+        return dims[0] if rule.transpose else dims[1]
+
+    def chunk(n: int) -> tuple[int, int]:
+        return r * n // tp, (r + 1) * n // tp
+
+    if rule.fuse == "qkv" and shape.num_query_groups % tp:  # groups split inside: rows of the whole
+        whole = _local_mcore(rule, hf, hf_key, expert, shape, 1, 0)
+        return whole[slice(*chunk(whole.shape[0]))]
+    if rule.fuse == "qkv":  # query groups [g0, g1): a contiguous range of q, of k and of v rows
+        g0, g1 = chunk(shape.num_query_groups)
+        per_q = shape.num_heads // shape.num_query_groups * shape.head_dim
+        d = shape.head_dim
+        q_rows, kv_rows = shape.num_heads * d, shape.num_query_groups * d
+        if len(names) == 3:
+            q, k, v = (read(names[0], (g0 * per_q, g1 * per_q)), read(names[1], (g0 * d, g1 * d)),
+                       read(names[2], (g0 * d, g1 * d)))  # fmt: skip
+        else:  # GPT-2's [q; k; v] in one tensor
+            q = read(names[0], (g0 * per_q, g1 * per_q))
+            k = read(names[0], (q_rows + g0 * d, q_rows + g1 * d))
+            v = read(names[0], (q_rows + kv_rows + g0 * d, q_rows + kv_rows + g1 * d))
+        local = dataclasses.replace(
+            shape, num_heads=shape.num_heads * (g1 - g0) // shape.num_query_groups, num_query_groups=g1 - g0
+        )
+        return _qkv_interleave(q, k, v, local)
+    if rule.fuse == "gate_up":  # [gate_r; up_r]
+        return torch.cat([read(n, chunk(m_rows(n))) for n in names])
+    if rule.fuse == "gate_up_fused":  # HF holds [gate; up]
+        ffn = m_rows(names[0]) // 2
+        a, b = chunk(ffn)
+        return torch.cat([read(names[0], (a, b)), read(names[0], (ffn + a, ffn + b))])
+    if rule.split == VOCAB:  # rows of the vocabulary padded to a multiple of tp; the padding is zeros
+        a, b = chunk(padded_vocab(shape.vocab_size, tp))
+        real = read(names[0], (a, min(b, shape.vocab_size))) if a < shape.vocab_size else None
+        pad = max(0, b - max(a, shape.vocab_size))
+        if real is None:
+            real = torch.zeros(0, m_cols(names[0]))
+        return torch.cat([real, real.new_zeros(pad, *real.shape[1:])]) if pad else real
+    if rule.split == COL:
+        return read(names[0], chunk(m_rows(names[0])))
+    if rule.split == ROW:
+        return read(names[0], None, chunk(m_cols(names[0])))
+    return read(names[0])
+
+
+def iter_hf_to_mcore(
+    hf: Mapping[str, torch.Tensor], adapter: Adapter, hf_cfg: Any, shard: Shard
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(megatron key, tensor) of one model chunk (its TP / EP shard), one tensor at a time, from the HF
+    tensors by name. Only the parts the chunk holds are read (:func:`~tessera.models.init.read_part`: a
+    lazy safetensors reader or the seeded initial weights read / draw just those rows and columns)."""
     shape = adapter.shape(hf_cfg)
-    out: dict[str, torch.Tensor] = {}
+    fresh = hasattr(hf, "part")  # a reader's parts are new tensors; a dict's are views of the caller's
     for rule in adapter.rules(hf_cfg):
         if not _stage_has(rule, shard, shape):
             continue
         tp, r = _tp_of(rule, shard)
         for key, hf_key, expert in _instances(rule, shape, shard):
-            parts = _full_mcore(rule, hf, hf_key, expert, shape)
-            if rule.split == VOCAB:
-                v = parts[0]
-                pad = padded_vocab(shape.vocab_size, tp) - v.shape[0]
-                parts = [torch.cat([v, v.new_zeros(pad, *v.shape[1:])]) if pad else v]
-            if rule.split in (COL, VOCAB):
-                parts = [p.chunk(tp, dim=0)[r] for p in parts]
-            elif rule.split == ROW:
-                parts = [p.chunk(tp, dim=1)[r] for p in parts]
-            out[key] = (
-                torch.cat(parts, dim=0).clone().contiguous()
-                if len(parts) > 1
-                else parts[0].clone().contiguous()
-            )
-    return out
+            t = _local_mcore(rule, hf, hf_key, expert, shape, tp, r)
+            yield key, t.contiguous() if fresh else t.clone(memory_format=torch.contiguous_format)
+
+
+def hf_to_mcore(
+    hf: Mapping[str, torch.Tensor], adapter: Adapter, hf_cfg: Any, shard: Shard
+) -> dict[str, torch.Tensor]:
+    """The megatron state dict of one model chunk (see :func:`iter_hf_to_mcore`)."""
+    return dict(iter_hf_to_mcore(hf, adapter, hf_cfg, shard))
 
 
 def mcore_to_hf(

@@ -49,6 +49,8 @@ class ParallelLayout:
     sequence_parallel: bool = False
     #: who shards the data-parallel state (one of the engine's ``zero_impls``); "auto" = :func:`resolve_auto`
     zero_impl: str = "auto"
+    #: activation recompute: none | selective | full (one of the engine's ``recompute``)
+    recompute: str = "none"
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -71,6 +73,7 @@ class ParallelLayout:
             offload_optimizer=self.offload_optimizer,
             offload_params=self.offload_params,
             zero_impl=self.zero_impl,
+            recompute=self.recompute,
         )
         if self.etp < 1 or (self.etp > 1 and not self.caps.tp):
             raise LayoutError(
@@ -165,6 +168,7 @@ def check_capabilities(
     offload_optimizer: bool = False,
     offload_params: bool = False,
     zero_impl: str = "auto",
+    recompute: str = "none",
 ) -> None:
     """Refuse what ``engine`` cannot run at all, by its row of the capability table: the rules every
     engine shares. What depends on the model or on combinations (megatron's) is :func:`check_megatron_layout`."""
@@ -200,6 +204,19 @@ def check_capabilities(
             fix=f"set parallel.zero: {nearest}, or use parallel.engine: "
             f"{_engines_with(lambda c: zero in c.zero)} for ZeRO-{zero}",
         )
+    if recompute not in caps.recompute:
+        how = (
+            "HF gradient checkpointing, which recomputes whole layers (full) only"
+            if caps.hf_module
+            else "no activation recompute"
+        )
+        raise LayoutError(
+            f"engine '{engine}' recomputes activations with {how}",
+            field="parallel.recompute",
+            value=recompute,
+            fix=f"set parallel.recompute: {' or '.join(caps.recompute)}, or use parallel.engine: "
+            f"{_engines_with(lambda c: recompute in c.recompute)} for {recompute} recompute",
+        )
     if zero_impl != "auto" and zero_impl not in caps.zero_impls:
         raise LayoutError(
             f"engine '{engine}' shards data-parallel state with {' or '.join(caps.zero_impls)} only",
@@ -222,6 +239,7 @@ def layout_from_recipe(recipe: Recipe) -> ParallelLayout:
         offload_optimizer=p.offload_optimizer,
         offload_params=p.offload_params,
         zero_impl=p.zero_impl,
+        recompute=p.recompute,
     )
     if p.vpp > 1 and p.pp == 1:
         raise LayoutError(
@@ -293,6 +311,7 @@ def layout_from_recipe(recipe: Recipe) -> ParallelLayout:
         offload_params=p.offload_params,
         sequence_parallel=bool(sp),
         zero_impl=zero_impl,
+        recompute=p.recompute,
     )
     if shape is not None:
         check_megatron_layout(layout, shape)

@@ -386,6 +386,7 @@ def apply_plan(recipe: Any, result: PlanResult) -> Any:
         sequence_parallel=lay.sequence_parallel,
         offload_optimizer=lay.offload_optimizer,
         offload_params=lay.offload_params,
+        recompute=result.chosen.recompute,
         auto=False,
     )
     parallel = recipe.parallel.model_copy(update=chosen)

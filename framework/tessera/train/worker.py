@@ -206,7 +206,7 @@ def _manifest(
 
 
 def _history(
-    manifest: dict[str, Any], run_dir: RunDir, source: Any, resume_from: Path | None
+    manifest: dict[str, Any], run_dir: RunDir, source: Any, resume_from: Path | None, *, rank: int
 ) -> dict[str, Any] | None:
     """The run's initial weights and its restarts: a fresh run records what it built; a resume keeps
     the first launch's record (its weights came from the checkpoint) and adds one restart. Returns the
@@ -215,7 +215,7 @@ def _history(
     if before and before.get("initial_weights"):
         manifest["initial_weights"] = before["initial_weights"]
     else:
-        manifest["initial_weights"] = source.initial_weights()
+        manifest["initial_weights"] = source.initial_weights() if rank == 0 else None  # rank 0 writes it
     restarts = list((before or {}).get("restarts", []))
     if resume_from is not None:
         # an automatic restart says why (launch.json's "restart", from the supervisor); a manual resume not
@@ -297,7 +297,9 @@ def setup(run_dir: RunDir, start: Start, heartbeat: Any = None) -> tuple[RunCont
         heartbeat=heartbeat,
     )
     # the run's history before a resume compares manifests (else initial_weights would read as changed)
-    ctx.restart = _history(manifest, run_dir, source, resume_from[0] if resume_from and src is None else None)
+    ctx.restart = _history(
+        manifest, run_dir, source, resume_from[0] if resume_from and src is None else None, rank=rank
+    )
     if hf_source:
         import_reshard(ctx, None, src, tag=None, verify=start.verify)  # type: ignore[arg-type]
     elif reshard:

@@ -1,0 +1,47 @@
+"""Host memory during model construction: glibc's allocator keeps what it frees.
+
+Construction makes and frees many large tensors one after another (DeepSpeed's ``zero.Init`` creates each
+parameter whole and broadcasts it before partitioning it; the seeded weights are drawn block by block).
+glibc serves a large allocation with its own mmap and unmaps it on free, but its threshold for doing so
+is dynamic: after the first such free it rises to that size (up to 32 MiB), and later blocks of a layer's
+size come from the heap, whose freed memory stays resident. Measured on a ~300M Llama at ZeRO-3 over 2
+ranks: one rank's construction peaked at 1076 MiB instead of 769 MiB.
+
+:func:`lean_construction` fixes the threshold at 128 KiB while a model is built, so every large tensor is
+returned to the system when freed, then trims the heap and sets the threshold to 32 MiB, where the dynamic
+rule would have taken it. Elsewhere than glibc it does nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+from collections.abc import Iterator
+
+M_MMAP_THRESHOLD = -3
+CONSTRUCTION_THRESHOLD = 128 * 1024
+AFTER_THRESHOLD = 32 * 1024 * 1024  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt  # noqa: B018  (glibc only)
+        libc.malloc_trim  # noqa: B018
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+@contextlib.contextmanager
+def lean_construction() -> Iterator[None]:
+    libc = _libc()
+    if libc is not None:
+        libc.mallopt(M_MMAP_THRESHOLD, CONSTRUCTION_THRESHOLD)
+    try:
+        yield
+    finally:
+        if libc is not None:
+            libc.malloc_trim(0)
+            libc.mallopt(M_MMAP_THRESHOLD, AFTER_THRESHOLD)
