@@ -26,7 +26,7 @@ lint: setup
 	$(BIN)/ruff check framework tests tools
 
 test: setup lint
-	$(BIN)/pytest -q tests
+	$(BIN)/pytest -q tests --durations=25
 
 demo: setup
 	$(BIN)/tessera compare recipes/tiny-llama-cpu.yaml --out runs/demo-$$(date +%Y%m%d-%H%M%S)
