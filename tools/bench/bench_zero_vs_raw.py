@@ -35,7 +35,6 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, q) -> None
     from tessera.engines.base import ModelSource
     from tessera.engines.deepspeed_engine import DeepSpeedEngine
     from tessera.engines.zero import build_ds_config
-    from tessera.models.hf import build_model
     from tessera.plan.layout import layout_from_recipe
 
     recipe = load_recipe(
@@ -50,7 +49,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, q) -> None
 
     source = ModelSource(section=recipe.model, vocab_size=data.vocab_size, seed=1)
     tess = DeepSpeedEngine(source, recipe, layout, device="cpu")
-    raw_model = build_model(recipe.model, seed=1, vocab_size=data.vocab_size)
+    raw_model = source.build_hf()  # the same initial weights, as a plain HF module
     raw, _, _, _ = deepspeed.initialize(
         model=raw_model,
         optimizer=torch.optim.AdamW(raw_model.parameters(), lr=1e-3, foreach=False),

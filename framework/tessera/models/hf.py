@@ -18,12 +18,10 @@ from tessera.models.families import Family, family_of
 
 __all__ = [
     "Family",
-    "build_model",
     "check_vocab",
     "empty_model",
     "family_of",
     "fill_from",
-    "initial_tensors",
     "load_hf_config",
 ]
 
@@ -105,43 +103,6 @@ def empty_model(
     return model
 
 
-def initial_tensors(section: ModelSection, cfg: Any, *, seed: int) -> Mapping[str, torch.Tensor]:
-    """The model's initial weights by HF name, read / drawn one tensor (or part) per access: a
-    pretrained directory's files, else the seeded rule of :mod:`tessera.models.init`."""
-    if section.pretrained:
-        return hf_dir_tensors(Path(section.path))  # type: ignore[arg-type]
-    from tessera.models.init import SeededWeights
-
-    return SeededWeights(cfg, seed)
-
-
-def build_model(
-    section: ModelSection,
-    *,
-    seed: int,
-    vocab_size: int | None = None,
-    dtype: torch.dtype = torch.float32,
-    device: Any = "cpu",
-    tensors: Mapping[str, torch.Tensor] | None = None,
-) -> torch.nn.Module:
-    """The whole HF causal LM in ``dtype`` on ``device``: ``tensors`` (HF names), else the pretrained
-    directory's weights, else the weights the seed gives (:mod:`tessera.models.init`: the same on every
-    rank, engine and layout), copied in one tensor at a time. Host memory: the model once, plus one tensor."""
-    cfg = load_hf_config(section, vocab_size=vocab_size)
-    if vocab_size is not None:
-        check_vocab(cfg, vocab_size)
-    if tensors is None:
-        tensors = initial_tensors(section, cfg, seed=seed)
-    model = empty_model(cfg, attn_implementation=section.attn_implementation, dtype=dtype, device=device)
-    fill_from(model, tensors, where=str(section.path or "model.hf_config"))
-    return model
-
-
-def _shape(tensors: Mapping[str, torch.Tensor], name: str) -> tuple[int, ...]:
-    shape_of = getattr(tensors, "shape_of", None)
-    return tuple(shape_of(name)) if shape_of is not None else tuple(tensors[name].shape)
-
-
 def fill_from(
     model: torch.nn.Module,
     tensors: Mapping[str, torch.Tensor],
@@ -155,6 +116,7 @@ def fill_from(
     else (a tied ``lm_head.weight`` may be absent or present). ``shape_of`` / ``copy(param, name)``: for
     parameters that hold only a part of themselves (ZeRO-3 partitions read only their part)."""
     from tessera.errors import CheckpointError
+    from tessera.models.init import shape_of as source_shape
 
     own = dict(model.named_parameters())
     own.update((n, b) for n, b in model.named_buffers() if n in model.state_dict())
@@ -170,7 +132,7 @@ def fill_from(
         )
     with torch.no_grad():
         for name, t in own.items():
-            src_shape = _shape(tensors, name)
+            src_shape = source_shape(tensors, name)
             if src_shape != shape_of(t):
                 raise CheckpointError(
                     f"{name} has shape {list(src_shape)}, the model's is {list(shape_of(t))}",

@@ -62,8 +62,15 @@ class SeededWeights(Mapping[str, torch.Tensor]):
             self.shapes[name] = tuple(p.shape)
             self.alias[name] = owner.setdefault(id(p), name)
         persistent = [n for n in model.state_dict() if n not in self.shapes]
-        if persistent:  # no supported family has one; a new family must say how to make them
-            raise NotImplementedError(f"persistent buffers have no init rule: {persistent[:3]}")
+        if persistent:  # no supported family has one; a family that adds one must give it a rule here
+            from tessera.errors import RecipeError
+
+            raise RecipeError(
+                f"the model has persistent buffers the init rule ({INIT_RULE}) cannot make: {persistent[:3]}",
+                field="model.hf_config.model_type",
+                value=hf_cfg.model_type,
+                fix="start from weights instead (model.path with model.pretrained: true)",
+            )
 
     # ---- the rule -------------------------------------------------------------------------------
     def rule(self, name: str) -> tuple[str, float]:
@@ -139,6 +146,12 @@ def _plan(shape: tuple[int, ...], index: Index) -> tuple[range, slice, tuple[int
     inner = math.prod(shape[k + 1 : -1])
     first = (base * shape[k] + a) * inner
     return range(first, first + (b - a) * inner), slice(c0, c1), (b - a, *shape[k + 1 : -1], *width)
+
+
+def shape_of(tensors: Mapping[str, torch.Tensor], name: str) -> tuple[int, ...]:
+    """The shape of ``tensors[name]`` without reading it where the source knows it (a header, the rule)."""
+    shape = getattr(tensors, "shape_of", None)
+    return tuple(shape(name)) if shape is not None else tuple(tensors[name].shape)
 
 
 def read_part(tensors: Mapping[str, torch.Tensor], name: str, index: Index) -> torch.Tensor:

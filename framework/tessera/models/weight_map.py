@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from tessera.models.init import read_part
+from tessera.models.init import read_part, shape_of
 from tessera.models.megatron import (
     COL,
     ROW,
@@ -82,11 +82,6 @@ def _instances(
             yield key, hf_key, ge
 
 
-def _hf_shape(hf: Mapping[str, torch.Tensor], name: str) -> tuple[int, ...]:
-    shape = getattr(hf, "shape_of", None)
-    return tuple(shape(name)) if shape is not None else tuple(hf[name].shape)
-
-
 def _local_mcore(
     rule: Rule, hf: Mapping[str, torch.Tensor], hf_key: Callable[[str], str], expert: int | None,
     shape: ModelShape, tp: int, r: int,
@@ -101,17 +96,17 @@ def _local_mcore(
         """megatron-oriented rows / columns of HF tensor ``name`` (its expert; transposed for Conv1D)."""
         rs = slice(*rows) if rows else slice(None)
         cs = slice(*cols) if cols else slice(None)
-        dims = len(_hf_shape(hf, name)) - len(prefix)
+        dims = len(shape_of(hf, name)) - len(prefix)
         index = (rs,) if dims == 1 else ((cs, rs) if rule.transpose else (rs, cs))
         t = read_part(hf, name, prefix + index)
         return t.t() if rule.transpose and dims == 2 else t
 
     def m_rows(name: str) -> int:  # megatron rows (output features) of the whole HF tensor
-        dims = _hf_shape(hf, name)[len(prefix) :]
+        dims = shape_of(hf, name)[len(prefix) :]
         return dims[1] if rule.transpose and len(dims) == 2 else dims[0]
 
     def m_cols(name: str) -> int:
-        dims = _hf_shape(hf, name)[len(prefix) :]
+        dims = shape_of(hf, name)[len(prefix) :]
         return dims[0] if rule.transpose else dims[1]
 
     def chunk(n: int) -> tuple[int, int]:
