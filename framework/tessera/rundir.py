@@ -10,7 +10,7 @@ Layout of ``runs/<name>/`` (one per run)::
     manifest.json         the reproducibility manifest (rank 0)
     metrics.jsonl         one line per step (rank 0)
     comm.jsonl            the collectives of every rank, per step
-    summary.json          final loss, peaks, model-state bytes per rank, plot paths
+    summary.json          final loss, peaks, model-state and activation bytes per rank, plot paths
     *.png                 loss, step-time distribution, memory per rank
     checkpoints/          step_NNNNNN/ + latest (see tessera.checkpoint.manager)
     logs/rank_NNNNN.{log,pid,exit}

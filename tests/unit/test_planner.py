@@ -22,6 +22,7 @@ from tessera.models.weight_map import hf_to_mcore
 from tessera.plan.estimate import (
     ZERO3_PERSISTENCE_THRESHOLD,
     GiB,
+    Kernels,
     ModelFacts,
     activation_bytes_per_layer,
     comm_bytes_by_op,
@@ -238,7 +239,7 @@ def test_activations_are_korthikanti_for_the_gpt_shape():
         and act(tp=t, sequence_parallel=True, recompute="full") == 2 * sbh // t
     )
     assert act(precision="fp32") == 66 * sbh + 9 * a * s * s * b + stats  # masks stay 1 byte
-    assert act(fused_attention=True) == 34 * sbh + 4 * a * s * b + stats  # flash keeps fp32 row stats
+    assert act(kernels=Kernels(fused_attention=True)) == 34 * sbh + 4 * a * s * b + stats  # flash: fp32 row stats
 
 
 def test_activations_of_llama3_8b_gqa_swiglu_rmsnorm():
@@ -262,8 +263,12 @@ def test_memory_of_a_layout_adds_up():
     )
     m = memory_per_rank(f, lay, seq_len=8192, precision="bf16", recompute="full")
     assert (m.params, m.grads, m.optimizer) == (2 * LLAMA3_8B, 2 * LLAMA3_8B, 12 * LLAMA3_8B)
-    logits = 8192 * 128256 * (2 + 4 + 4)  # bf16 logits, fp32 copy, fp32 softmax
-    assert m.buffers == logits + 2 * 500_000_000  # + DeepSpeed's reduce bucket
+    logits = 8192 * 128256
+    assert m.buffers == logits * (2 + 4) + 2 * 500_000_000  # bf16 logits, fp32 copy + DeepSpeed's bucket
+    # saved for backward per micro-batch: each layer's input, the final norm's input and normalized
+    # value (paper kernels: the input only), the LM-head input, the loss's fp32 softmax
+    sbh = 8192 * 4096
+    assert m.activations_per_micro_batch == 32 * 2 * sbh + (2 * sbh + 4 * 8192) + 2 * sbh + logits * 4
     assert m.total == m.params + m.grads + m.optimizer + m.activations + m.buffers
 
 
@@ -359,7 +364,7 @@ def test_ddp_holds_an_fp32_replica_and_its_bucket_copy(precision):
     # torch AdamW on fp32 params (bf16 runs under autocast): the same 16Ψ in both precisions
     assert (m.params, m.grads, m.optimizer) == (4 * psi, 4 * psi, 8 * psi)
     e = 2 if precision == "bf16" else 4
-    logits = 128 * 512 * (e + (4 if e < 4 else 0) + 4)  # the loss's logits, as for every engine
+    logits = 128 * 512 * (e + (4 if e < 4 else 0))  # the loss's logits (+ fp32 copy); its softmax is saved
     assert m.buffers == 4 * psi + logits  # + DDP's flat fp32 copy of every gradient
     assert "4Ψ" in m.formulas["buffers"] and m.formulas["model_states"].startswith("DDP fp32 replica")
     # activations as the deepspeed engine's (the same HF module)

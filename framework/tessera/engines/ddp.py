@@ -38,7 +38,7 @@ from tessera.engines.base import (
     step_result,
     summed_token_loss,
 )
-from tessera.engines.held import optimizer_bytes, tensor_bytes
+from tessera.engines.held import ACTIVATIONS, optimizer_bytes, tensor_bytes
 from tessera.engines.optim import MOMENTS, LRSchedule, adam_state, build_optimizer, set_adam_step
 from tessera.errors import CheckpointError
 from tessera.hostmem import lean_construction
@@ -109,9 +109,11 @@ class DDPEngine:
             with contextlib.nullcontext() if last else self.ddp.no_sync():
                 ids = mb["input_ids"].to(self.device, non_blocking=True)
                 labels = mb["labels"].to(self.device, non_blocking=True)
-                with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-                    logits = self.ddp(input_ids=ids, use_cache=False).logits
-                token_loss = summed_token_loss(logits, labels)
+                with (
+                    ACTIVATIONS.micro_batch(),
+                    torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16),
+                ):
+                    token_loss = summed_token_loss(self.ddp(input_ids=ids, use_cache=False).logits, labels)
                 loss_sum += token_loss.detach()
                 (token_loss * scale).backward()
         if self._grads_held is None:  # gradients exist between backward and the next zero_grad

@@ -8,7 +8,8 @@ and optimizer state after the step (torch's AdamW creates its state lazily at th
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -84,3 +85,62 @@ def megatron_params_and_optimizer(chunks: Iterable[Any], optimizer: Any) -> dict
         "params": tensor_bytes(params),
         "optimizer": sum(optimizer_bytes(o.optimizer, params) for o in opts),
     }
+
+
+# ---- activations ---------------------------------------------------------------------------------------
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    """A parameter, or a view of one (``weight.t()`` saved by a matmul; ZeRO-3's gathered weights)."""
+    while t is not None:
+        if isinstance(t, torch.nn.Parameter):
+            return True
+        t = t._base
+    return False
+
+
+class SavedActivations:
+    """Bytes autograd saves for backward per micro-batch, measured with saved-tensor hooks.
+
+    Armed for one step (the first of a process: later steps run without hooks), an engine wraps each
+    micro-batch's forward and loss in :meth:`micro_batch`; every tensor autograd saves then passes the
+    pack hook, which counts its storage once (a view and its base, or one tensor saved by two ops, are
+    one storage) and leaves parameters and their views out. With checkpointed layers (recompute) the
+    saves inside a checkpoint are the checkpoint's own business: what it keeps, the layer input, is what
+    the hook sees. ``per_micro_batch`` is the largest micro-batch (of one model chunk, with virtual
+    pipeline stages); None until a step was measured."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.per_micro_batch: int | None = None
+        self._param_storages: set[int] = set()
+
+    def arm(self, modules: Iterable[torch.nn.Module]) -> None:
+        self._param_storages = {p.untyped_storage().data_ptr() for m in modules for p in m.parameters()}
+        self.armed = True
+
+    def disarm(self) -> None:
+        self.armed = False
+        self._param_storages = set()
+
+    @contextlib.contextmanager
+    def micro_batch(self) -> Iterator[None]:
+        if not self.armed:
+            yield
+            return
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key and key not in seen and key not in self._param_storages and not _is_parameter(t):
+                seen[key] = storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+        self.per_micro_batch = max(self.per_micro_batch or 0, sum(seen.values()))
+
+
+#: the process's meter: the training loop arms it, the engines' micro-batch loops report to it
+ACTIVATIONS = SavedActivations()

@@ -35,7 +35,7 @@ from tessera.engines.base import (
     global_counts,
     step_result,
 )
-from tessera.engines.held import megatron_grad_bytes, megatron_params_and_optimizer
+from tessera.engines.held import ACTIVATIONS, megatron_grad_bytes, megatron_params_and_optimizer
 from tessera.engines.megatron_build import (
     CPU_CONFIG,
     MpuAdapter,
@@ -225,10 +225,11 @@ class MegatronEngine:
 
         def forward_step(data_iterator, model):
             ids, pos, target, mask = _shifted(next(data_iterator), self.device)
-            out = model(ids, pos, None, labels=target)
-            if out.dim() == 3:  # not the last stage: the hidden states go to the next stage
-                return out, None
-            return (out.float() * mask).sum(), loss_func
+            with ACTIVATIONS.micro_batch():
+                out = model(ids, pos, None, labels=target)
+                if out.dim() == 3:  # not the last stage: the hidden states go to the next stage
+                    return out, None
+                return (out.float() * mask).sum(), loss_func
 
         iters = [iter(micro_batches) for _ in self.chunks]
         reported = self.forward_backward(

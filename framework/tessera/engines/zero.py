@@ -18,6 +18,7 @@ import torch
 from tessera.comm.accounting import Phase
 from tessera.config.schema import Recipe
 from tessera.engines.held import (
+    ACTIVATIONS,
     deepspeed_grad_bytes,
     deepspeed_params_and_optimizer,
     flat_tensors,
@@ -170,7 +171,8 @@ class DeepSpeedRunner:
         self.engine.train()
         self.optimizer_phase = Phase()
         for i, mb in enumerate(micro_batches):
-            token_loss = loss_of(self.engine, mb)
+            with ACTIVATIONS.micro_batch():
+                token_loss = loss_of(self.engine, mb)
             loss_sum += token_loss.detach()  # stays on the device: no sync per micro-batch
             self.engine.backward(token_loss * scale)
             if i < len(micro_batches) - 1:

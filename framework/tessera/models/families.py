@@ -36,6 +36,7 @@ class Family:
     attn_dropout_key: str | None = "attention_dropout"
     hidden_dropout_key: str | None = None  # residual dropout, when the family has one
     topk_key: str | None = None  # mixture of experts: experts per token
+    act_key: str = "hidden_act"  # the activation function
     # architecture
     norm: str = "RMSNorm"  # "RMSNorm" (weight) or "LayerNorm" (weight + bias)
     gated_mlp: bool = True  # SwiGLU: gate and up projections
@@ -82,6 +83,7 @@ class Family:
             attn_dropout=dropout(self.attn_dropout_key),
             hidden_dropout=dropout(self.hidden_dropout_key),
             topk=int(getattr(c, self.topk_key, 0) or 0) if self.topk_key else 0,
+            activation=str(getattr(c, self.act_key, "silu")),
         )
 
 
@@ -101,6 +103,7 @@ FAMILIES: dict[str, Family] = {
             ffn_default=4,
             positions_key="n_positions",
             attn_dropout_key="attn_pdrop",
+            act_key="activation_function",
             hidden_dropout_key="resid_pdrop",
             norm="LayerNorm",
             gated_mlp=False,

@@ -70,6 +70,7 @@ class ModelFacts:
     topk: int = 0
     attn_dropout: bool = False
     hidden_dropout: bool = False
+    activation: str = "silu"  # the HF activation function (hidden_act; GPT-2's activation_function)
     shape: ModelShape | None = None  # what check_megatron_layout reads
 
     @property
@@ -260,6 +261,68 @@ def ddp_bucket_count(
 # ---- activations -------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Kernels:
+    """What an engine's kernels keep for backward where they differ from the paper's fused ones.
+
+    The defaults are Korthikanti et al.'s accounting. :func:`kernels_for` gives what each engine really
+    runs, as measured with saved-tensor hooks (``tessera.engines.held.SavedActivations``) on the tiny
+    models of every family."""
+
+    #: a python RMSNorm (HF's; torch's outside CUDA): keeps its input upcast to fp32 and the normalized
+    #: value besides its output, instead of the input alone
+    composite_rmsnorm: bool = False
+    #: flash / SDPA: the fp32 softmax statistics instead of the s x s scores
+    fused_attention: bool = False
+    #: unfused attention expands K and V to every query head (GQA) before the matmuls, and keeps them so
+    repeated_kv: bool = False
+    #: s·b·f tensors the dense MLP keeps, its down-projection input included (None: 4 SwiGLU, 2 GeLU)
+    mlp: int | None = None
+    #: the same per routed copy of a token in an expert (None: as the dense MLP)
+    expert_mlp: int | None = None
+    #: the expert outputs are kept for the routing-weight product (HF's Mixtral block)
+    expert_outputs: bool = False
+    #: full recompute keeps the s x s additive attention mask, which the layer gets as a positional
+    #: argument, once per micro-batch (HF's GPT-2 blocks: e·b·s²)
+    checkpoint_keeps_mask: bool = False
+
+
+def kernels_for(
+    f: ModelFacts, *, hf_module: bool, device: str, attn_implementation: str = "eager"
+) -> Kernels:
+    """The kernels an engine runs. The HF module (deepspeed, ddp): python RMSNorm; SiLU and SwiGLU's
+    product keep gate, up, silu(gate) and the down-projection input; GPT-2's "gelu_new" is python too
+    (x, tanh, 0.5x and 1 + tanh besides the down-projection input); Mixtral keeps each expert's input and
+    output; HF's GPT-2 blocks take the attention mask positionally, so their recompute checkpoints keep
+    it. megatron-core's local spec: torch.nn.RMSNorm (one fused kernel on CUDA), unfused attention;
+    its unfused SwiGLU computes silu(gate) * (up + glu_linear_offset), one more s·b·f copy; an expert also
+    scales by the routing probability inside the MLP (one more)."""
+    unfused = not (hf_module and attn_implementation == "sdpa")
+    if hf_module:
+        gelu = 5 if f.activation == "gelu_new" else 2
+        mlp = 4 if f.gated_mlp else gelu
+        return Kernels(
+            composite_rmsnorm=True,
+            fused_attention=not unfused,
+            repeated_kv=unfused,
+            mlp=mlp,
+            expert_mlp=mlp,
+            expert_outputs=True,
+            checkpoint_keeps_mask=unfused and f.family == "gpt2",
+        )
+    mlp = 5 if f.gated_mlp else 2
+    return Kernels(composite_rmsnorm=device != "cuda", repeated_kv=True, mlp=mlp, expert_mlp=mlp + 1)
+
+
+#: Korthikanti et al.'s fused kernels
+PAPER = Kernels()
+
+
+def _norm_input_bytes(f: ModelFacts, k: Kernels, e: int, sbh: int) -> int:
+    """What one norm keeps of its input (and, composite, of the normalized value)."""
+    return (4 + e) * sbh if k.composite_rmsnorm and f.norm == "RMSNorm" else e * sbh
+
+
 def activation_bytes_per_layer(
     f: ModelFacts,
     *,
@@ -269,7 +332,7 @@ def activation_bytes_per_layer(
     sequence_parallel: bool = False,
     recompute: str = "none",
     precision: str = "bf16",
-    fused_attention: bool = False,
+    kernels: Kernels = PAPER,
 ) -> int:
     """Bytes one transformer layer keeps for its backward, per rank (Korthikanti et al. 2022, Sec. 4).
 
@@ -284,42 +347,72 @@ def activation_bytes_per_layer(
     only the fp32 softmax statistics 4·asb with a fused (flash / SDPA) kernel. With GPT-2's shape (f=4h,
     g=a, dropout on, bf16) this is exactly sbh(34 + 5as/h) plus the 16sb of LayerNorm statistics.
     Selective recompute drops the attention-score term; full recompute keeps the layer input e·sbh only.
+    ``kernels``: where the engine's kernels keep more than the paper's (see :class:`Kernels`).
     """
+    k = kernels
     s, b, h, e = seq_len, micro_batch, f.hidden, BYTES[precision]
     sbh, sb = s * b * h, s * b
     sp_div = tp if sequence_parallel else 1
     if recompute == "full":
         return e * sbh // sp_div
     stats = 8 if f.norm == "LayerNorm" else 4
-    outside = 2 * e * sbh + 2 * stats * sb + e * sbh + e * sbh + (2 * sbh if f.hidden_dropout else 0)
+    norms = 2 * _norm_input_bytes(f, k, e, sbh) + 2 * stats * sb
+    outside = norms + e * sbh + e * sbh + (2 * sbh if f.hidden_dropout else 0)
     qo, kvo = f.num_heads * f.head_dim, f.num_kv_heads * f.head_dim
-    inside = e * sb * qo + 2 * e * sb * kvo + e * sb * qo
-    mlp = (4 if f.gated_mlp else 2) * e * sb * f.ffn
+    inside = e * sb * qo + 2 * e * sb * (qo if k.repeated_kv else kvo) + e * sb * qo
+    dense = k.mlp if k.mlp is not None else (4 if f.gated_mlp else 2)
+    mlp = dense * e * sb * f.ffn
     if f.moe:
-        outside += 4 * sb * f.num_experts + f.topk * e * sbh
-        mlp *= f.topk
+        outside += 4 * sb * f.num_experts + f.topk * e * sbh * (2 if k.expert_outputs else 1)
+        mlp = (k.expert_mlp if k.expert_mlp is not None else dense) * e * sb * f.ffn * f.topk
     inside += mlp
     if recompute != "selective":
         a = f.num_heads
-        if fused_attention:
+        if k.fused_attention:
             inside += 4 * a * s * b
         else:
             inside += e * a * s * s * b + ((a * s * s * b + e * a * s * s * b) if f.attn_dropout else 0)
     return outside // sp_div + inside // tp
 
 
-def activation_formula(recompute: str, fused_attention: bool) -> str:
+def head_activation_bytes(
+    f: ModelFacts,
+    *,
+    seq_len: int,
+    micro_batch: int,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    precision: str = "bf16",
+    kernels: Kernels = PAPER,
+) -> int:
+    """Bytes the last stage keeps for backward after its layers: the final norm (as a layer's norm), the
+    LM-head input e·sbh, and the loss's fp32 log-probabilities (softmax) 4·s·b·V/t."""
+    s, b, e = seq_len, micro_batch, BYTES[precision]
+    sbh, sb = s * b * f.hidden, s * b
+    stats = 8 if f.norm == "LayerNorm" else 4
+    outside = _norm_input_bytes(f, kernels, e, sbh) + stats * sb + e * sbh
+    return outside // (tp if sequence_parallel else 1) + 4 * sb * (padded_vocab(f.vocab_size, tp) // tp)
+
+
+def activation_formula(recompute: str, kernels: Kernels = PAPER) -> str:
     """The activation formula as text, for the plan record."""
+    k = kernels
+    head = " + last stage: final norm + e*s*b*h LM-head input + 4*s*b*V/t fp32 log-probs"
     if recompute == "full":
-        return "L_stage * in_flight * e*s*b*h/(t if sp) + one layer's full activations (recomputed one)"
+        return (
+            "L_stage * in_flight * e*s*b*h/(t if sp) + one layer's full activations (recomputed one)" + head
+        )
     attn = (
         ""
         if recompute == "selective"
-        else (" + 4*a*s*b [fused]" if fused_attention else " + e*a*s^2*b [+ dropout]")
+        else (" + 4*a*s*b [fused]" if k.fused_attention else " + e*a*s^2*b [+ dropout]")
     )
+    norm = "2*(4+e)*s*b*h [python RMSNorm]" if k.composite_rmsnorm else "2*e*s*b*h"
+    kv = "2*e*s*b*a*d [K, V repeated]" if k.repeated_kv else "2*e*s*b*g*d"
+    c_mlp = "c_mlp" if k.mlp is None else str(k.mlp)
     return (
-        "L_stage * in_flight * [(4*e*s*b*h + 2*stats*s*b [+ 2sbh masks])/(t if sp) + "
-        "(2*e*s*b*a*d + 2*e*s*b*g*d + c_mlp*e*s*b*f" + attn + ")/t]; "
+        f"L_stage * in_flight * [({norm} + 2*e*s*b*h + 2*stats*s*b [+ 2sbh masks])/(t if sp) + "
+        f"(2*e*s*b*a*d + {kv} + {c_mlp}*e*s*b*f" + attn + ")/t]" + head + "; "
         "Korthikanti et al. 2022 sbh(34+5as/h) for GPT shapes; in_flight: megatron 1F1B warmup count"
     )
 
@@ -347,6 +440,8 @@ class MemoryEstimate:
     grads: int
     optimizer: int
     activations: int
+    #: what one micro-batch's forward saves for backward on this stage (one model chunk of it)
+    activations_per_micro_batch: int
     buffers: int
     host: int
     stage: str  # "only" (pp = 1), "first" or "last"
@@ -358,7 +453,12 @@ class MemoryEstimate:
 
     def to_json(self) -> dict[str, int]:
         out = {k: getattr(self, k) for k in ("params", "grads", "optimizer", "activations", "buffers")}
-        return {**out, "total": self.total, "host": self.host}
+        return {
+            **out,
+            "total": self.total,
+            "host": self.host,
+            "activations_per_micro_batch": self.activations_per_micro_batch,
+        }
 
 
 def expert_dp(layout: ParallelLayout) -> int:
@@ -384,7 +484,7 @@ def memory_per_rank(
     seq_len: int,
     precision: str,
     recompute: str = "none",
-    fused_attention: bool = False,
+    kernels: Kernels = PAPER,
 ) -> MemoryEstimate:
     """Device bytes per rank of the stage that needs the most: ZeRO model states (dense states over dp,
     expert states over the expert-dp group), activations of the in-flight micro-batches, and buffers
@@ -405,7 +505,7 @@ def memory_per_rank(
         sequence_parallel=L.sequence_parallel,
         recompute=recompute,
         precision=precision,
-        fused_attention=fused_attention,
+        kernels=kernels,
     )
     best: MemoryEstimate | None = None
     for name, first, last in stages:
@@ -427,7 +527,6 @@ def memory_per_rank(
         rank = 0 if first else L.pp - 1
         layers = f.num_layers // L.pp
         act = int(per_layer * layers * in_flight_microbatches(L.pp, L.vpp, m, rank))
-        sbh = seq_len * L.micro_batch * f.hidden
         if recompute == "full":  # the layer being recomputed holds its full activations meanwhile
             act += activation_bytes_per_layer(
                 f,
@@ -436,21 +535,36 @@ def memory_per_rank(
                 tp=t,
                 sequence_parallel=L.sequence_parallel,
                 precision=precision,
-                fused_attention=fused_attention,
+                kernels=kernels,
             )
+        # what one micro-batch's forward saves on this stage, per model chunk (what SavedActivations measures)
+        per_micro_batch = per_layer * layers // L.vpp
+        if recompute == "full" and kernels.checkpoint_keeps_mask:
+            mask = e * L.micro_batch * seq_len * seq_len
+            act, per_micro_batch = act + mask, per_micro_batch + mask
         buffers = 0
         if last:
-            # final-norm input and LM-head input; the loss holds the logits in e, an fp32 copy, fp32 softmax
-            act += 2 * e * sbh // (t if L.sequence_parallel else 1)
+            head = head_activation_bytes(
+                f,
+                seq_len=seq_len,
+                micro_batch=L.micro_batch,
+                tp=t,
+                sequence_parallel=L.sequence_parallel,
+                precision=precision,
+                kernels=kernels,
+            )
+            act += head
+            per_micro_batch += head
+            # besides the saved fp32 softmax, the loss holds the logits in e and (e < 4) their fp32 copy
             logits = seq_len * L.micro_batch * (padded_vocab(f.vocab_size, t) // t)
-            buffers += logits * (e + (4 if e < 4 else 0) + 4)
+            buffers += logits * (e + (4 if e < 4 else 0))
         if L.zero_impl == "ddp":
             states = f"{DDP_FORMULA}, Ψ={dense:,}, whole on each of the {L.dp} ranks"
         else:
             states = zero_formula(L.zero, precision, dense, L.dp) + (
                 f"; experts: {zero_formula(L.zero, precision, expert, expert_dp(L))}" if expert else ""
             )
-        formulas = {"model_states": states, "activations": activation_formula(recompute, fused_attention)}
+        formulas = {"model_states": states, "activations": activation_formula(recompute, kernels)}
         if L.zero >= 3:
             # gathered full (dp-unsharded) params: the largest module in use + the prefetched layer
             buffers += p * (max(rp.per_layer, rp.embedding) + rp.per_layer)
@@ -468,6 +582,7 @@ def memory_per_rank(
             grads=st["grads"],
             optimizer=st["optimizer"],
             activations=act,
+            activations_per_micro_batch=per_micro_batch,
             buffers=buffers,
             host=host,
             stage=name,

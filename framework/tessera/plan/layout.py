@@ -425,6 +425,20 @@ def check_megatron_layout(layout: ParallelLayout, shape: Any) -> None:
             "set parallel.zero_impl: auto (megatron DDP for zero 0)",
         ),
         (
+            shape.num_experts > 0 and tp > 1 and not L.sequence_parallel,
+            "parallel.tp",
+            tp,
+            "megatron-core trains MoE layers under tensor parallelism only with sequence parallelism"
+            + (
+                ""
+                if shape.sequence_parallel_ok
+                else f", which its local spec has not for {shape.normalization}"
+            ),
+            "split the experts with parallel.ep instead (tp: 1), or train on the deepspeed engine"
+            if not shape.sequence_parallel_ok
+            else "set parallel.sequence_parallel: true",
+        ),
+        (
             L.sequence_parallel and tp == 1,
             "parallel.sequence_parallel",
             True,

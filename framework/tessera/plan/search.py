@@ -21,11 +21,13 @@ from tessera.errors import LayoutError, RecipeError, TesseraError
 from tessera.plan.estimate import (
     RECOMPUTE,
     GiB,
+    Kernels,
     MemoryEstimate,
     ModelFacts,
     comm_bytes_by_op,
     comm_formulas,
     comm_per_step,
+    kernels_for,
     memory_per_rank,
     model_facts,
 )
@@ -226,12 +228,14 @@ def plan(
     for engine in engines:
         caps = capabilities(engine)
         # the HF module runs the kernel the recipe names; megatron-core's local spec always materialises
-        fused = caps.hf_module and attn_implementation == "sdpa"
+        kernels = kernels_for(
+            f, hf_module=caps.hf_module, device=hardware.device, attn_implementation=attn_implementation
+        )
         options = [r for r in recompute if r in caps.recompute]
         if not options:
             continue
         for st in _structures(f, caps, world_size, hardware):
-            _try_structure(result, q, engine, st, options, fused)
+            _try_structure(result, q, engine, st, options, kernels)
     result.candidates.sort(key=lambda c: (c.time.step_s, c.memory.total, ENGINE_NAMES.index(c.layout.engine)))
     result.chosen = result.candidates[0] if result.candidates else None
     return result
@@ -253,7 +257,7 @@ class _Query:
 
 
 def _try_structure(
-    result: PlanResult, q: _Query, engine: str, st: dict[str, Any], options: list[str], fused: bool
+    result: PlanResult, q: _Query, engine: str, st: dict[str, Any], options: list[str], kernels: Kernels
 ) -> None:
     """All micro-batch sizes and recompute options of one structural layout; a rule that rejects every
     micro-batch size with the same reason is listed once (with the first size)."""
@@ -287,7 +291,7 @@ def _try_structure(
         ops = comm_per_step(f, layout, seq_len=q.seq_len, precision=precision, backend=_backend(hw))
         for rc in options:
             mem = memory_per_rank(
-                f, layout, seq_len=q.seq_len, precision=precision, recompute=rc, fused_attention=fused
+                f, layout, seq_len=q.seq_len, precision=precision, recompute=rc, kernels=kernels
             )
             lay = layout_json(layout, rc)
             if mem.total > hw.memory_bytes:
@@ -403,11 +407,16 @@ def estimate_layout(
     f = model_facts(load_hf_config(recipe.model, vocab_size=recipe.data.vocab_size))
     kw = dict(seq_len=recipe.data.seq_len, precision=recipe.train.precision)
     ops = comm_per_step(f, layout, backend=_backend(hardware), **kw)
-    fused = layout.caps.hf_module and recipe.model.attn_implementation == "sdpa"
+    kernels = kernels_for(
+        f,
+        hf_module=layout.caps.hf_module,
+        device=hardware.device,
+        attn_implementation=recipe.model.attn_implementation,
+    )
     return Candidate(
         layout=layout,
         recompute=recompute,
-        memory=memory_per_rank(f, layout, recompute=recompute, fused_attention=fused, **kw),
+        memory=memory_per_rank(f, layout, recompute=recompute, kernels=kernels, **kw),
         comm_bytes=comm_bytes_by_op(ops),
         bubble=bubble_fraction(layout.pp, layout.vpp, layout.grad_accum),
         time=step_time(f, layout, recompute=recompute, hardware=hardware, ops=ops, **kw),

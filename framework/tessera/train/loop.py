@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from tessera.config.schema import Recipe
+from tessera.engines.held import ACTIVATIONS
 from tessera.plan.layout import ParallelLayout
 from tessera.rundir import RunDir
 
@@ -141,7 +142,12 @@ class TrainingLoop:
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        res = ctx.engine.train_step(micro, step)
+        if not ctx.records:  # this process's first step: measure the activations autograd saves
+            ACTIVATIONS.arm(ctx.engine.modules())
+        try:
+            res = ctx.engine.train_step(micro, step)
+        finally:
+            ACTIVATIONS.disarm()
         if cuda:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0

@@ -372,6 +372,9 @@ def finish(ctx: RunContext, *, stopped: RunStopped | None = None) -> None:
 
     engine = ctx.engine
     held = all_gather_object(engine.held_state())  # model states each rank really holds, for the plan check
+    from tessera.engines.held import ACTIVATIONS
+
+    activations = all_gather_object(ACTIVATIONS.per_micro_batch)  # None: no step ran in this process
     engine.close()
     peaks = all_gather_int(peak_memory_bytes(engine.device))
     if not ctx.is_rank0:
@@ -389,6 +392,8 @@ def finish(ctx: RunContext, *, stopped: RunStopped | None = None) -> None:
             "steps": ctx.total,
             "peak_memory_bytes_per_rank": peaks,
             "model_state_bytes_per_rank": held,
+            # bytes autograd saved for backward in one micro-batch's forward (the first step of a process)
+            "activation_bytes_per_rank": activations,
             "plots": [str(p) for p in pngs],
             "stopped": None if stopped is None else {"diagnosis": str(stopped), "exit_code": stopped.code},
             "restarts": ctx.manifest.get("restarts", []),
