@@ -241,6 +241,30 @@ def assert_model_states_match_plan(run_dir: Path, tol: float = 0.05) -> dict[str
     return want
 
 
+def assert_activations_match_plan(run_dir: Path, tol: float = 0.10) -> tuple[list[int], int]:
+    """The bytes each rank's autograd saved in one micro-batch's forward (summary.json) against the
+    planner's per-micro-batch estimate for the recipe's layout and recompute, within ``tol``."""
+    import yaml
+
+    from tessera.config.loader import validate_recipe
+    from tessera.plan.hardware import load_hardware
+    from tessera.plan.layout import layout_from_recipe
+    from tessera.plan.search import estimate_layout
+
+    rd = RunDir(run_dir)
+    recipe = validate_recipe(yaml.safe_load(rd.recipe.read_text()))
+    layout = layout_from_recipe(recipe)
+    mem = estimate_layout(
+        recipe, layout, hardware=load_hardware("cpu-2core"), recompute=layout.recompute
+    ).memory
+    want = mem.activations_per_micro_batch
+    got = rd.read_summary()["activation_bytes_per_rank"]
+    assert len(got) == recipe.run.world_size and all(isinstance(g, int) for g in got), got
+    for rank, g in enumerate(got):
+        assert abs(g - want) <= tol * want, (rank, g, want, round(g / want, 3))
+    return got, want
+
+
 # ---- checkpoint integrity checks shared by the engine tests --------------------------------------------
 
 PICKLE_MARKER = "PICKLE_PAYLOAD_RAN"

@@ -14,7 +14,7 @@ import yaml
 from helpers import REPO
 from tessera.config.schema import ModelSection
 from tessera.engines.registry import ENGINE_NAMES
-from tessera.errors import RecipeError
+from tessera.errors import LayoutError, RecipeError
 from tessera.models.families import FAMILIES, FAMILY_NAMES
 from tessera.models.hf import load_hf_config
 from tessera.models.megatron import Shard, adapter_for
@@ -239,7 +239,9 @@ def test_activations_are_korthikanti_for_the_gpt_shape():
         and act(tp=t, sequence_parallel=True, recompute="full") == 2 * sbh // t
     )
     assert act(precision="fp32") == 66 * sbh + 9 * a * s * s * b + stats  # masks stay 1 byte
-    assert act(kernels=Kernels(fused_attention=True)) == 34 * sbh + 4 * a * s * b + stats  # flash: fp32 row stats
+    assert (
+        act(kernels=Kernels(fused_attention=True)) == 34 * sbh + 4 * a * s * b + stats
+    )  # flash: fp32 row stats
 
 
 def test_activations_of_llama3_8b_gqa_swiglu_rmsnorm():
@@ -630,3 +632,17 @@ def test_selective_recompute_is_refused_where_the_engine_cannot(engine):
         layout_from_recipe(recipe)
     assert e.value.field == "parallel.recompute" and e.value.value == "selective"
     assert "whole layers (full) only" in str(e.value) and "parallel.engine: megatron" in e.value.fix
+
+
+def test_moe_under_tensor_parallelism_without_sp_is_refused_before_launch():
+    """megatron-core raises in the first forward (MoE + TP needs sequence parallelism), and the local
+    spec has no sequence-parallel RMSNorm: the planner refuses it, naming the way out."""
+    from tessera.plan.layout import check_megatron_layout
+
+    shape = model_facts(_cfg("tiny-mixtral")).shape
+    lay = _layout(engine="megatron", world_size=2, tp=2)
+    with pytest.raises(
+        LayoutError, match="MoE layers under tensor parallelism only with sequence parallelism"
+    ):
+        check_megatron_layout(lay, shape)
+    check_megatron_layout(_layout(engine="megatron", world_size=2, ep=2), shape)  # experts split by ep: fine

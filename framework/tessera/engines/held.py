@@ -117,6 +117,7 @@ class SavedActivations:
 
     def arm(self, modules: Iterable[torch.nn.Module]) -> None:
         self._param_storages = {p.untyped_storage().data_ptr() for m in modules for p in m.parameters()}
+        self.per_micro_batch = None  # a new measurement (the harness runs several runs per process)
         self.armed = True
 
     def disarm(self) -> None:
