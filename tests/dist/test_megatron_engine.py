@@ -77,6 +77,8 @@ def runs(tmp_path_factory):
     for name, (base_run, how) in RECOMPUTED.items():  # megatron-core's recompute granularities
         two[name] = (TWO[base_run][0], [*COMMON, f"parallel.recompute={how}"], False)
     two["deepspeed_dp2_zero2"] = (LLAMA, COMMON, False)  # the foundation's engine, same seed
+    for name, (recipe, over) in MOE_AUX.items():  # the router load-balancing loss in three engines
+        two[name] = (recipe, [*COMMON, f"model.moe_aux_loss_coeff={AUX_COEFF}", *over], False)
     # first halves of the resume checks (checkpoint at step 5), on the dist_checkpointing paths
     for k in ("dp2_distopt", "tp2"):
         two[f"resume_{k}"] = (TWO[k][0], ["train.steps=5"], False)
@@ -90,6 +92,34 @@ def runs(tmp_path_factory):
     batch({k: (rec, COMMON, False) for k, rec in FOUR.items()}, 4)
     out["_base"] = base  # type: ignore[assignment]
     return out
+
+
+# Mixtral with the router load-balancing loss (2 micro-batches per rank: its averaging is checked too)
+AUX_COEFF = 0.1
+MOE_AUX = {
+    "aux_mcore_ep2": (R / "tiny-mixtral-cpu-mcore-ep2.yaml", []),
+    "aux_deepspeed_zero2": (MIXTRAL, []),
+    "aux_ddp": (MIXTRAL, ["parallel.engine=ddp", "parallel.zero=0"]),
+}
+
+
+def test_moe_load_balancing_loss_is_the_same_in_every_engine(runs):
+    """megatron-core's aux loss (EP2, its router and MoEAuxLossAutoScaler) and the same loss computed from
+    the HF model's router logits (DeepSpeed ZeRO-2, DDP): losses and the logged aux loss agree within
+    1e-5 relative at every one of 10 steps, and the aux loss really trains (the losses leave the run
+    without it by far more than that)."""
+    ref = runs["aux_mcore_ep2"]
+    aux = [r["moe_aux_loss"] for r in ref]
+    assert len(ref) == STEPS and all(a > 0 for a in aux)
+    # top-2 of 4 experts, 2 layers: a perfectly balanced router scores coeff * 2 layers * 1
+    assert all(0.9 * 2 * AUX_COEFF < a < 2 * 2 * AUX_COEFF for a in aux)
+    for name in ("aux_deepspeed_zero2", "aux_ddp"):
+        run = runs[name]
+        assert_close_rel(losses(run), losses(ref), 1e-5)
+        assert_close_rel([r["moe_aux_loss"] for r in run], aux, 1e-5)
+    plain = losses(runs["ep2_mixtral"])  # the same layout without the aux loss
+    assert max(abs(a - b) / b for a, b in zip(losses(ref), plain)) > 1e-4
+    assert all("moe_aux_loss" not in r for r in runs["ep2_mixtral"])
 
 
 RECOMPUTED = {

@@ -34,6 +34,13 @@ class ModelSection(_Section):
     attn_implementation: Literal["eager", "sdpa"] = Field(
         "eager", description="HF attention kernel; eager is bit-stable on CPU"
     )
+    moe_aux_loss_coeff: float = Field(
+        0.0,
+        ge=0.0,
+        description="MoE router load-balancing loss coefficient (0 = off), the same loss in every engine: "
+        "megatron-core's switch load-balancing loss of each layer over the micro-batch's tokens, summed "
+        "over layers (HF's router_aux_loss_coef formula pools the layers instead and is not used)",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSection:

@@ -14,7 +14,7 @@ global batch differently give the same numbers even when micro-batches carry dif
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from tessera.comm.accounting import Phase
 from tessera.config.schema import ModelSection, Recipe
+from tessera.models.families import family_of
 from tessera.plan.layout import ParallelLayout
 
 IGNORE_INDEX = -100
@@ -41,6 +42,9 @@ class StepResult:
     input_tokens: int  # input positions in the global batch (throughput counts these)
     optimizer_s: float = 0.0  # wall seconds of the optimizer step (clip + update), its collectives included
     optimizer_comm_s: float = 0.0  # the counted collective seconds inside optimizer_s
+    #: the MoE load-balancing loss added to the objective (coefficient included; mean over micro-batches
+    #: and data-parallel ranks, summed over layers); None without model.moe_aux_loss_coeff
+    moe_aux_loss: float | None = None
 
 
 @dataclass(frozen=True)
@@ -264,6 +268,7 @@ def step_result(
     tokens: float,
     inputs: float,
     optimizer: Phase | None = None,
+    moe_aux_loss: float | None = None,
 ) -> StepResult:
     """The step's report; an engine that has no norm passes ``None`` (never NaN, which means diverged);
     ``optimizer``: the timed optimizer step."""
@@ -276,7 +281,63 @@ def step_result(
         input_tokens=int(inputs),
         optimizer_s=optimizer.seconds if optimizer else 0.0,
         optimizer_comm_s=optimizer.comm_seconds if optimizer else 0.0,
+        moe_aux_loss=moe_aux_loss,
     )
+
+
+def router_balance_loss(router_logits: Sequence[torch.Tensor], *, topk: int, coeff: float) -> torch.Tensor:
+    """megatron-core's load-balancing loss (``switch_load_balancing_loss_func`` on its router's routing
+    map) from an HF MoE model's router logits: per layer, over the micro-batch's T tokens,
+    E·coeff/(k·T²) · Σ_e (Σ_t p_te) · (tokens routed to e), p = the fp32 softmax of the logits and the
+    routing its top k; summed over layers. (HF's ``load_balancing_loss_func`` pools every layer's tokens
+    into one product of means: another number, so it is not used.)"""
+    total = torch.zeros((), dtype=torch.float32, device=router_logits[0].device)
+    for logits in router_logits:
+        probs = torch.softmax(logits.float(), dim=-1)
+        t, e = probs.shape
+        routed = torch.zeros_like(probs).scatter_(1, torch.topk(probs, topk, dim=-1).indices, 1.0)
+        total = total + (probs.sum(0) * routed.sum(0)).sum() * (e * coeff / (topk * t * t))
+    return total
+
+
+def mean_aux_loss(aux_sum: torch.Tensor | None, layout: ParallelLayout, group: Any = None) -> float | None:
+    """The step's load-balancing loss: this rank's sum over its micro-batches, averaged over them and
+    over the data-parallel ranks (what the gradient sees); None when there is none."""
+    if aux_sum is None:
+        return None
+    total = dp_sum(aux_sum.detach().double().reshape(1).clone(), layout, group)
+    return float(total) / (layout.grad_accum * layout.dp)
+
+
+@dataclass(frozen=True)
+class HFObjective:
+    """What an HF-module engine minimises per micro-batch: the summed token loss and, for a mixture of
+    experts with ``model.moe_aux_loss_coeff``, the router load-balancing loss (``topk`` experts/token)."""
+
+    aux_coeff: float = 0.0
+    topk: int = 0
+    autocast_bf16: bool = False
+
+    @classmethod
+    def of(cls, source: ModelSource, *, autocast_bf16: bool = False) -> HFObjective:
+        cfg = source.hf_config()
+        topk = int(family_of(cfg.model_type).facts(cfg)["topk"])
+        coeff = source.section.moe_aux_loss_coeff if topk else 0.0
+        return cls(aux_coeff=coeff, topk=topk, autocast_bf16=autocast_bf16)
+
+    def __call__(
+        self, model: Any, mb: dict[str, torch.Tensor], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(summed token loss, load-balancing loss or None) of one micro-batch through ``model``."""
+        ids = mb["input_ids"].to(device, non_blocking=True)
+        labels = mb["labels"].to(device, non_blocking=True)
+        extra = {"output_router_logits": True} if self.aux_coeff else {}
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.autocast_bf16):
+            out = model(input_ids=ids, use_cache=False, **extra)
+        loss = summed_token_loss(out.logits, labels)
+        if not self.aux_coeff:
+            return loss, None
+        return loss, router_balance_loss(out.router_logits, topk=self.topk, coeff=self.aux_coeff)
 
 
 def hf_eval_loss(

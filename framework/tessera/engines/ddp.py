@@ -26,6 +26,7 @@ import torch.distributed as dist
 from tessera.comm.accounting import Phase
 from tessera.config.schema import Recipe
 from tessera.engines.base import (
+    HFObjective,
     ModelSource,
     Moments,
     ShardedStateDict,
@@ -35,8 +36,8 @@ from tessera.engines.base import (
     global_counts,
     hf_eval_loss,
     hf_recompute,
+    mean_aux_loss,
     step_result,
-    summed_token_loss,
 )
 from tessera.engines.held import ACTIVATIONS, optimizer_bytes, tensor_bytes
 from tessera.engines.optim import MOMENTS, LRSchedule, adam_state, build_optimizer, set_adam_step
@@ -93,6 +94,7 @@ class DDPEngine:
         self.schedule = LRSchedule(recipe)
         self.grad_clip = recipe.optim.grad_clip
         self.bf16 = recipe.train.precision == "bf16"
+        self.objective = HFObjective.of(source, autocast_bf16=self.bf16)
         self._grads_held: int | None = None
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]], step: int) -> StepResult:
@@ -104,18 +106,18 @@ class DDPEngine:
         self.ddp.train()
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        aux_sum: torch.Tensor | None = None
+        m = len(micro_batches)
         for i, mb in enumerate(micro_batches):
-            last = i == len(micro_batches) - 1
-            with contextlib.nullcontext() if last else self.ddp.no_sync():
-                ids = mb["input_ids"].to(self.device, non_blocking=True)
-                labels = mb["labels"].to(self.device, non_blocking=True)
-                with (
-                    ACTIVATIONS.micro_batch(),
-                    torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16),
-                ):
-                    token_loss = summed_token_loss(self.ddp(input_ids=ids, use_cache=False).logits, labels)
+            with contextlib.nullcontext() if i == m - 1 else self.ddp.no_sync():
+                with ACTIVATIONS.micro_batch():
+                    token_loss, aux = self.objective(self.ddp, mb, self.device)
                 loss_sum += token_loss.detach()
-                (token_loss * scale).backward()
+                objective = token_loss * scale
+                if aux is not None:  # DDP averages over dp; the micro-batches add up: divide by m here
+                    objective = objective + aux / m
+                    aux_sum = aux.detach() if aux_sum is None else aux_sum + aux.detach()
+                objective.backward()
         if self._grads_held is None:  # gradients exist between backward and the next zero_grad
             self._grads_held = tensor_bytes(p.grad for p in self.model.parameters() if p.grad is not None)
         with Phase() as opt:
@@ -125,7 +127,15 @@ class DDPEngine:
             )
             self.optimizer.step()
         dp_sum(loss_sum, self.layout)
-        return step_result(float(loss_sum), float(norm), lr=lr, tokens=tokens, inputs=inputs, optimizer=opt)
+        return step_result(
+            float(loss_sum),
+            float(norm),
+            lr=lr,
+            tokens=tokens,
+            inputs=inputs,
+            optimizer=opt,
+            moe_aux_loss=mean_aux_loss(aux_sum, self.layout),
+        )
 
     def eval_loss(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
         return hf_eval_loss(

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from tessera.config.schema import Recipe
 from tessera.engines.base import (
+    HFObjective,
     ModelSource,
     Moments,
     ShardedStateDict,
@@ -25,8 +26,8 @@ from tessera.engines.base import (
     global_counts,
     hf_eval_loss,
     hf_recompute,
+    mean_aux_loss,
     step_result,
-    summed_token_loss,
 )
 from tessera.engines.optim import MOMENTS
 from tessera.engines.zero import DeepSpeedRunner, build_ds_config
@@ -51,6 +52,7 @@ class DeepSpeedEngine:
             else:  # ZeRO 0-2 hold the whole model on every rank: made whole, in the dtype DeepSpeed trains in
                 model = source.build_hf(dtype=PARAM_DTYPE[recipe.train.precision], device=self.device)
         hf_recompute(model, layout.recompute)
+        self.objective = HFObjective.of(source)
         self.ds = DeepSpeedRunner(model, recipe, layout, device=device)
         self.sharding = self.ds.sharding
 
@@ -65,20 +67,24 @@ class DeepSpeedEngine:
         # DeepSpeed divides by grad_accum (scale_wrt_gas) and averages over dp: undo both so that the
         # gradient is d(sum of token losses)/d(theta) / (tokens in the global batch).
         scale = self.layout.grad_accum * self.layout.dp / max(tokens, 1.0)
-        loss_sum, norm = self.ds.step(micro_batches, scale, self._loss_of)
+        loss_sum, norm, aux_sum = self.ds.step(micro_batches, scale, self._loss_of)
         dp_sum(loss_sum, self.layout)
         return step_result(
-            float(loss_sum), norm, lr=lr, tokens=tokens, inputs=inputs, optimizer=self.ds.optimizer_phase
+            float(loss_sum),
+            norm,
+            lr=lr,
+            tokens=tokens,
+            inputs=inputs,
+            optimizer=self.ds.optimizer_phase,
+            moe_aux_loss=mean_aux_loss(aux_sum, self.layout),
         )
 
     def eval_loss(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
         """Through the DeepSpeed engine (ZeRO-3 gathers its parameters in the forward; bf16 casts)."""
         return hf_eval_loss(self.ds.engine, micro_batches, self.layout, device=self.device)
 
-    def _loss_of(self, engine: Any, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-        ids = mb["input_ids"].to(self.device, non_blocking=True)
-        labels = mb["labels"].to(self.device, non_blocking=True)
-        return summed_token_loss(engine(input_ids=ids, use_cache=False).logits, labels)
+    def _loss_of(self, engine: Any, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.objective(engine, mb, self.device)
 
     def named_groups(self) -> dict[Any, str]:
         """Data parallelism over the whole world: the comm accounting names it from the layout."""

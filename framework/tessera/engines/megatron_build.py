@@ -122,13 +122,24 @@ def init_parallel_state(layout: ParallelLayout, *, seed: int, device: str) -> An
     return ps
 
 
-def transformer_config(hf_cfg: Any, layout: ParallelLayout, *, seq_len: int, precision: str, device: str):
-    """The ``TransformerConfig``: the family adapter's model shape plus the layout and the device."""
+def transformer_config(
+    hf_cfg: Any,
+    layout: ParallelLayout,
+    *,
+    seq_len: int,
+    precision: str,
+    device: str,
+    moe_aux_loss_coeff: float = 0.0,
+):
+    """The ``TransformerConfig``: the family adapter's model shape plus the layout and the device, and
+    the router's load-balancing loss (``model.moe_aux_loss_coeff``) for a mixture of experts."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     adapter = adapter_for(hf_cfg.model_type)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     kw = adapter.transformer(hf_cfg, seq_len)
+    if moe_aux_loss_coeff and kw.get("num_moe_experts"):
+        kw.update(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=moe_aux_loss_coeff)
     kw.update(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,

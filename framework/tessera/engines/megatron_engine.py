@@ -99,8 +99,14 @@ class MegatronEngine:
         hf_state = source.tensors()
         hf_cfg = source.hf_config()
         self.hf_config = hf_cfg
+        self.aux_coeff = recipe.model.moe_aux_loss_coeff
         self.config = transformer_config(
-            hf_cfg, layout, seq_len=self.seq_len, precision=recipe.train.precision, device=device
+            hf_cfg,
+            layout,
+            seq_len=self.seq_len,
+            precision=recipe.train.precision,
+            device=device,
+            moe_aux_loss_coeff=self.aux_coeff,
         )
         with lean_construction():
             chunks = build_model_chunks(hf_cfg, hf_state, self.config, layout, ps)
@@ -188,7 +194,13 @@ class MegatronEngine:
         for c in self.chunks:
             c.train()
         if self.ds is not None:
-            loss_t, grad_norm = self.ds.step(micro_batches, scale, self._loss_sum)
+            if self.aux_coeff:  # the schedules set it; DeepSpeed averages over micro-batches only the loss
+                from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+                MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / len(micro_batches)))
+            loss_t, grad_norm, _ = self.ds.step(
+                micro_batches, scale, lambda e, mb: (self._loss_sum(e, mb), None)
+            )
             loss_sum, opt = float(dp_sum(loss_t, self.layout, self.dp_group)), self.ds.optimizer_phase
         else:
             for c in self.chunks:
@@ -200,7 +212,34 @@ class MegatronEngine:
             if not ok:  # only fp16 loss scaling skips a step, and fp16 is refused before launch
                 raise RuntimeError("megatron optimizer skipped the step")
             grad_norm = None if grad_norm is None else float(grad_norm)
-        return step_result(loss_sum, grad_norm, lr=lr, tokens=tokens, inputs=inputs, optimizer=opt)
+        return step_result(
+            loss_sum,
+            grad_norm,
+            lr=lr,
+            tokens=tokens,
+            inputs=inputs,
+            optimizer=opt,
+            moe_aux_loss=self._moe_aux_loss() if self.aux_coeff else None,
+        )
+
+    def _moe_aux_loss(self) -> float:
+        """The step's load-balancing loss from megatron-core's tracker (each router adds its layer's loss
+        without the coefficient, once per micro-batch): summed over layers and pipeline stages, averaged
+        over micro-batches and dp ranks, times the coefficient; the tracker is cleared for the next step."""
+        from megatron.core.transformer.moe.moe_utils import (
+            clear_aux_losses_tracker,
+            get_moe_layer_wise_logging_tracker,
+        )
+
+        entry = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        if entry is not None:
+            total += entry["values"].double().sum()
+        if self.layout.pp > 1:
+            dist.all_reduce(total, group=self.ps.get_pipeline_model_parallel_group())
+        dp_sum(total, self.layout, self.dp_group)
+        clear_aux_losses_tracker()
+        return float(total) * self.aux_coeff / (self.layout.grad_accum * self.layout.dp)
 
     def eval_loss(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
         tokens, _ = global_counts(micro_batches, self.layout, device=self.device, group=self.dp_group)

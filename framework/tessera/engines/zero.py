@@ -162,19 +162,26 @@ class DeepSpeedRunner:
         self,
         micro_batches: list[dict[str, torch.Tensor]],
         scale: float,
-        loss_of: Callable[[Any, dict[str, torch.Tensor]], torch.Tensor],
-    ) -> tuple[torch.Tensor, float | None]:
-        """Forward / backward every micro-batch (``loss_of(engine, mb)``: its summed token loss), step at
-        the boundary. Returns this rank's loss sum (on the device) and the pre-clip global grad norm."""
+        loss_of: Callable[[Any, dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor | None]],
+    ) -> tuple[torch.Tensor, float | None, torch.Tensor | None]:
+        """Forward / backward every micro-batch (``loss_of(engine, mb)``: its summed token loss and the
+        load-balancing loss or None, added unscaled: DeepSpeed averages it over micro-batches and dp), step
+        at the boundary. Returns this rank's loss sum (on the device), the pre-clip global grad norm and
+        this rank's load-balancing loss summed over its micro-batches (None without one)."""
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.engine.device)
+        aux_sum: torch.Tensor | None = None
         manual_norm = None
         self.engine.train()
         self.optimizer_phase = Phase()
         for i, mb in enumerate(micro_batches):
             with ACTIVATIONS.micro_batch():
-                token_loss = loss_of(self.engine, mb)
+                token_loss, aux = loss_of(self.engine, mb)
             loss_sum += token_loss.detach()  # stays on the device: no sync per micro-batch
-            self.engine.backward(token_loss * scale)
+            objective = token_loss * scale
+            if aux is not None:
+                objective = objective + aux
+                aux_sum = aux.detach() if aux_sum is None else aux_sum + aux.detach()
+            self.engine.backward(objective)
             if i < len(micro_batches) - 1:
                 self.engine.step()  # not a boundary: DeepSpeed only counts the micro-step
                 continue
@@ -187,7 +194,7 @@ class DeepSpeedRunner:
                     manual_norm = _grad_norm(self.engine.module.parameters())
                 self.engine.step()
         norm = self.engine.get_global_grad_norm() if manual_norm is None else manual_norm
-        return loss_sum, None if norm is None else float(norm)
+        return loss_sum, None if norm is None else float(norm), aux_sum
 
     def held_state(self) -> dict[str, int]:
         return {

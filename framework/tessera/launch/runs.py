@@ -61,6 +61,16 @@ def validate(path: str, overrides: list[str]):
     cfg = load_hf_config(recipe.model)
     if recipe.data.tokenizer == "bpe":
         check_vocab(cfg, recipe.data.vocab_size)
+    if recipe.model.moe_aux_loss_coeff:
+        from tessera.models.families import family_of
+
+        if not family_of(cfg.model_type).facts(cfg)["topk"]:
+            raise RecipeError(
+                f"a load-balancing loss needs a router, and this {cfg.model_type} model has no experts",
+                field="model.moe_aux_loss_coeff",
+                value=recipe.model.moe_aux_loss_coeff,
+                fix="remove model.moe_aux_loss_coeff (or set it to 0) for a dense model",
+            )
     return resolved, layout, device
 
 

@@ -259,7 +259,8 @@ def _llama_like(family: str, *, qkv_bias: bool = False, moe: bool = False) -> Ad
                 moe_router_topk=c.num_experts_per_tok,
                 moe_router_score_function="softmax",
                 moe_router_pre_softmax=False,  # top-k on logits then softmax == HF's softmax, top-k, renorm
-                moe_router_load_balancing_type="none",  # HF adds the aux loss only with output_router_logits
+                # the load-balancing loss only with model.moe_aux_loss_coeff (engines.megatron_build)
+                moe_router_load_balancing_type="none",
                 moe_aux_loss_coeff=0.0,
                 moe_token_dispatcher_type="alltoall",
                 moe_router_dtype="fp32",

@@ -175,6 +175,8 @@ class TrainingLoop:
             "compute_time_s": max(dt - comm_s - optimizer_s, 0.0),
             "wall_time": time.time(),
         }
+        if res.moe_aux_loss is not None:  # the router load-balancing loss in the objective (not in "loss")
+            rec["moe_aux_loss"] = res.moe_aux_loss
         if ctx.model_flops_per_step and ctx.peak_flops and dt > 0:
             rec["mfu"] = ctx.model_flops_per_step / (dt * ctx.peak_flops * ctx.world)
         if not ctx.records and ctx.process_start is not None:  # this process's first step
