@@ -397,7 +397,10 @@ def _friendly(e: ValidationError, data: dict[str, Any]) -> RecipeError:
             value = _get(data, loc) if value is None else value
             desc = field_description(dotted)
             reason = err["msg"].removeprefix("Value error, ")
-            fix = f"{dotted} is the {desc}" if desc else "see the recipe schema"
+            fix = "see the recipe schema"
+            if desc:  # "is the ..." unless the description brings its own article
+                article = "" if desc.split(" ", 1)[0].lower() in ("the", "a", "an") else "the "
+                fix = f"{dotted} is {article}{desc}"
             msg = f"{dotted} = {preview(value)}: {reason}\n  fix: {fix}"
         if first_field is None:
             first_field, first_value = dotted, value

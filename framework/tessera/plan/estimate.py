@@ -323,18 +323,22 @@ def _norm_input_bytes(f: ModelFacts, k: Kernels, e: int, sbh: int) -> int:
     return (4 + e) * sbh if k.composite_rmsnorm and f.norm == "RMSNorm" else e * sbh
 
 
-def activation_bytes_per_layer(
-    f: ModelFacts,
-    *,
-    seq_len: int,
-    micro_batch: int,
-    tp: int = 1,
-    sequence_parallel: bool = False,
-    recompute: str = "none",
-    precision: str = "bf16",
-    kernels: Kernels = PAPER,
-) -> int:
-    """Bytes one transformer layer keeps for its backward, per rank (Korthikanti et al. 2022, Sec. 4).
+@dataclass(frozen=True)
+class ActivationShape:
+    """What the activation bytes of one micro-batch depend on besides the model: its sequence length and
+    size, the tensor-parallel split, the activation dtype and the engine's kernels."""
+
+    seq_len: int
+    micro_batch: int
+    tp: int = 1
+    sequence_parallel: bool = False
+    precision: str = "bf16"
+    kernels: Kernels = PAPER
+
+
+def activation_bytes_per_layer(f: ModelFacts, recompute: str = "none", **shape: Any) -> int:
+    """Bytes one transformer layer keeps for its backward, per rank (Korthikanti et al. 2022, Sec. 4);
+    ``shape``: the fields of :class:`ActivationShape`.
 
     e = bytes per activation (2 bf16/fp16, 4 fp32), masks 1 byte. Outside the TP regions (split by t
     only with sequence parallelism): the two norm inputs 2·e·sbh plus their fp32 statistics (LayerNorm
@@ -349,10 +353,11 @@ def activation_bytes_per_layer(
     Selective recompute drops the attention-score term; full recompute keeps the layer input e·sbh only.
     ``kernels``: where the engine's kernels keep more than the paper's (see :class:`Kernels`).
     """
-    k = kernels
-    s, b, h, e = seq_len, micro_batch, f.hidden, BYTES[precision]
+    a = ActivationShape(**shape)
+    k = a.kernels
+    s, b, h, e, tp = a.seq_len, a.micro_batch, f.hidden, BYTES[a.precision], a.tp
     sbh, sb = s * b * h, s * b
-    sp_div = tp if sequence_parallel else 1
+    sp_div = tp if a.sequence_parallel else 1
     if recompute == "full":
         return e * sbh // sp_div
     stats = 8 if f.norm == "LayerNorm" else 4
@@ -367,31 +372,25 @@ def activation_bytes_per_layer(
         mlp = (k.expert_mlp if k.expert_mlp is not None else dense) * e * sb * f.ffn * f.topk
     inside += mlp
     if recompute != "selective":
-        a = f.num_heads
+        heads = f.num_heads
         if k.fused_attention:
-            inside += 4 * a * s * b
+            inside += 4 * heads * s * b
         else:
-            inside += e * a * s * s * b + ((a * s * s * b + e * a * s * s * b) if f.attn_dropout else 0)
+            scores = heads * s * s * b
+            inside += e * scores + ((scores + e * scores) if f.attn_dropout else 0)
     return outside // sp_div + inside // tp
 
 
-def head_activation_bytes(
-    f: ModelFacts,
-    *,
-    seq_len: int,
-    micro_batch: int,
-    tp: int = 1,
-    sequence_parallel: bool = False,
-    precision: str = "bf16",
-    kernels: Kernels = PAPER,
-) -> int:
+def head_activation_bytes(f: ModelFacts, **shape: Any) -> int:
     """Bytes the last stage keeps for backward after its layers: the final norm (as a layer's norm), the
-    LM-head input e·sbh, and the loss's fp32 log-probabilities (softmax) 4·s·b·V/t."""
-    s, b, e = seq_len, micro_batch, BYTES[precision]
+    LM-head input e·sbh, and the loss's fp32 log-probabilities (softmax) 4·s·b·V/t; ``shape``: the
+    fields of :class:`ActivationShape`."""
+    a = ActivationShape(**shape)
+    s, b, e, tp = a.seq_len, a.micro_batch, BYTES[a.precision], a.tp
     sbh, sb = s * b * f.hidden, s * b
     stats = 8 if f.norm == "LayerNorm" else 4
-    outside = _norm_input_bytes(f, kernels, e, sbh) + stats * sb + e * sbh
-    return outside // (tp if sequence_parallel else 1) + 4 * sb * (padded_vocab(f.vocab_size, tp) // tp)
+    outside = _norm_input_bytes(f, a.kernels, e, sbh) + stats * sb + e * sbh
+    return outside // (tp if a.sequence_parallel else 1) + 4 * sb * (padded_vocab(f.vocab_size, tp) // tp)
 
 
 def activation_formula(recompute: str, kernels: Kernels = PAPER) -> str:
@@ -497,16 +496,15 @@ def memory_per_rank(
     hf_module = L.caps.hf_module
     m = L.grad_accum
     stages = [("only", True, True)] if L.pp == 1 else [("first", True, False), ("last", False, True)]
-    per_layer = activation_bytes_per_layer(
-        f,
+    shape = dict(
         seq_len=seq_len,
         micro_batch=L.micro_batch,
         tp=t,
         sequence_parallel=L.sequence_parallel,
-        recompute=recompute,
         precision=precision,
         kernels=kernels,
     )
+    per_layer = activation_bytes_per_layer(f, recompute, **shape)
     best: MemoryEstimate | None = None
     for name, first, last in stages:
         rp = rank_params(f, tp=t, pp=L.pp, ep=L.ep, etp=L.etp, first=first, last=last)
@@ -528,15 +526,7 @@ def memory_per_rank(
         layers = f.num_layers // L.pp
         act = int(per_layer * layers * in_flight_microbatches(L.pp, L.vpp, m, rank))
         if recompute == "full":  # the layer being recomputed holds its full activations meanwhile
-            act += activation_bytes_per_layer(
-                f,
-                seq_len=seq_len,
-                micro_batch=L.micro_batch,
-                tp=t,
-                sequence_parallel=L.sequence_parallel,
-                precision=precision,
-                kernels=kernels,
-            )
+            act += activation_bytes_per_layer(f, **shape)
         # what one micro-batch's forward saves on this stage, per model chunk (what SavedActivations measures)
         per_micro_batch = per_layer * layers // L.vpp
         if recompute == "full" and kernels.checkpoint_keeps_mask:
@@ -544,15 +534,7 @@ def memory_per_rank(
             act, per_micro_batch = act + mask, per_micro_batch + mask
         buffers = 0
         if last:
-            head = head_activation_bytes(
-                f,
-                seq_len=seq_len,
-                micro_batch=L.micro_batch,
-                tp=t,
-                sequence_parallel=L.sequence_parallel,
-                precision=precision,
-                kernels=kernels,
-            )
+            head = head_activation_bytes(f, **shape)
             act += head
             per_micro_batch += head
             # besides the saved fp32 softmax, the loss holds the logits in e and (e < 4) their fp32 copy

@@ -22,9 +22,15 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 def plot_run(
-    run_dir: Path, records: list[dict[str, Any]], memory_per_rank: list[int] | None = None
+    run_dir: Path,
+    records: list[dict[str, Any]],
+    memory_per_rank: list[int] | None = None,
+    held: list[dict[str, int]] | None = None,
+    activations: list[int | None] | None = None,
 ) -> list[Path]:
-    """loss.png, step_time.png (distribution), memory.png (peak per rank); returns the files written."""
+    """loss.png, step_time.png (distribution), memory.png (per rank: the peak, the model states held and
+    the activations one micro-batch saved, each measured, beside the planner's prediction); returns the
+    files written."""
     if not records:
         return []
     import matplotlib
@@ -33,7 +39,7 @@ def plot_run(
     import matplotlib.pyplot as plt
 
     def figure(name: str, title: str, xlabel: str, ylabel: str, draw) -> None:
-        fig, ax = plt.subplots(figsize=(6, 3.5))
+        fig, ax = plt.subplots(figsize=(6, 4.2 if name == memory_png else 3.5))
         draw(ax)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
@@ -76,12 +82,50 @@ def plot_run(
 
     figure(time_png, "step-time distribution (first step excluded)", "step time (s)", "steps", step_times)
     if memory_per_rank:
-        mib = [m / 2**20 for m in memory_per_rank]
+        predicted_mem = (plan.get("chosen") or {}).get("memory_bytes_per_rank") or {}
         figure(
             memory_png,
-            "peak memory per rank",
+            "memory per rank: measured (bars) and planned (dashes)",
             "rank",
-            "peak memory (MiB)",
-            lambda ax: (ax.bar(range(len(mib)), mib), ax.set_xticks(range(len(mib)))),  # whole ranks
+            "MiB (log scale)",
+            lambda ax: _memory_bars(ax, memory_per_rank, held, activations, predicted_mem),
         )
     return out
+
+
+def _memory_bars(
+    ax: Any,
+    peaks: list[int],
+    held: list[dict[str, int]] | None,
+    activations: list[int | None] | None,
+    predicted: dict[str, int],
+) -> None:
+    """Grouped bars per rank (peak; model states held; activations saved by one micro-batch) on a log
+    axis, each with the planner's figure for it as a dash over its bar."""
+    series = [("peak (GPU: allocator; CPU: process RSS, libraries included)", peaks, predicted.get("total"))]
+    if held:
+        states = [sum(h.get(k, 0) for k in ("params", "grads", "optimizer")) for h in held]
+        planned = sum(predicted.get(k, 0) for k in ("params", "grads", "optimizer")) or None
+        series.append(("model states held", states, planned))
+    if activations and all(a is not None for a in activations):
+        series.append(
+            ("activations, one micro-batch", activations, predicted.get("activations_per_micro_batch"))
+        )
+    width = 0.8 / len(series)
+    ranks = range(len(peaks))
+    for i, (label, values, planned) in enumerate(series):
+        xs = [r - 0.4 + width * (i + 0.5) for r in ranks]
+        ax.bar(xs, [v / 2**20 for v in values], width=width * 0.9, color=f"C{i}", label=label)
+        if planned:
+            ax.hlines(
+                [planned / 2**20] * len(xs),
+                [x - width / 2 for x in xs],
+                [x + width / 2 for x in xs],
+                colors="k",
+                linestyles="--",
+                linewidth=1.5,
+            )
+    ax.plot([], [], "k--", label="planner")
+    ax.set_yscale("log")
+    ax.set_xticks(list(ranks))  # whole ranks
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)

@@ -380,7 +380,7 @@ def finish(ctx: RunContext, *, stopped: RunStopped | None = None) -> None:
     if not ctx.is_rank0:
         return
     records = ctx.run_dir.read_metrics()
-    pngs = plot_run(ctx.run_dir.path, records, peaks)
+    pngs = plot_run(ctx.run_dir.path, records, peaks, held, activations)
     latest = ctx.ckpt.latest() if ctx.last_saved is not None else None
     ctx.run_dir.write_json(
         RunDir.SUMMARY,
