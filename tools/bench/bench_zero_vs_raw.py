@@ -32,7 +32,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, q) -> None
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     from tessera.config.loader import load_recipe
     from tessera.data import StepSampler, prepare_data
-    from tessera.engines.base import ModelSource
+    from tessera.engines.base import IGNORE_INDEX, MicroBatches, ModelSource, known_counts
     from tessera.engines.deepspeed_engine import DeepSpeedEngine
     from tessera.engines.zero import build_ds_config
     from tessera.plan.layout import layout_from_recipe
@@ -45,14 +45,27 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, q) -> None
     deepspeed.init_distributed(dist_backend="gloo")
     data = prepare_data(recipe.data, root=REPO)
     sampler = StepSampler.for_layout(len(data), layout, rank=rank, seed=0)
-    batches = [[(data.input_ids[i], data.labels[i]) for i in sampler.next_step()] for _ in range(args.steps)]
+    # as the training loop feeds the engine: this rank's micro-batches + the global batch's counts
+    row_tokens = (data.labels[:, 1:] != IGNORE_INDEX).sum(dim=1)
+    batches, counts = [], []
+    for _ in range(args.steps):
+        batches.append([(data.input_ids[i], data.labels[i]) for i in sampler.next_step()])
+        counts.append(known_counts(row_tokens, sampler.last_global_batch, data.labels.shape[1]))
 
     source = ModelSource(section=recipe.model, vocab_size=data.vocab_size, seed=1)
     tess = DeepSpeedEngine(source, recipe, layout, device="cpu")
     raw_model = source.build_hf()  # the same initial weights, as a plain HF module
+    # the same training math a hand-written script would do: no weight decay on biases and norms (two
+    # parameter groups: ZeRO flattens, reduces and gathers each group on its own)
+    matrices = [p for p in raw_model.parameters() if p.dim() >= 2]
+    vectors = [p for p in raw_model.parameters() if p.dim() < 2]
+    groups = [
+        {"params": matrices, "weight_decay": recipe.optim.weight_decay},
+        {"params": vectors, "weight_decay": 0.0},
+    ]
     raw, _, _, _ = deepspeed.initialize(
         model=raw_model,
-        optimizer=torch.optim.AdamW(raw_model.parameters(), lr=1e-3, foreach=False),
+        optimizer=torch.optim.AdamW(groups, lr=1e-3, foreach=False),
         config=build_ds_config(recipe, layout, device="cpu"),
     )
 
@@ -63,7 +76,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, q) -> None
             raw.step()
 
     def tess_step(step: list, n: int) -> None:
-        tess.train_step([{"input_ids": i, "labels": lab} for i, lab in step], n)
+        tess.train_step(MicroBatches(({"input_ids": i, "labels": lab} for i, lab in step), counts[n - 1]), n)
 
     times: dict[str, list[float]] = {"raw": [], "tessera": []}
     block = 5

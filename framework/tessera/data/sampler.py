@@ -114,7 +114,10 @@ class StepSampler:
 
     def next_step(self) -> list[list[int]]:
         """This rank's ``grad_accum`` micro-batches (``micro_batch`` indices each) for the next step."""
-        micro = self.split(self._global_batch(self.epoch, self.step_in_epoch).tolist())
+        batch = self._global_batch(self.epoch, self.step_in_epoch).tolist()
+        micro = self.split(batch)
+        #: every rank's indices of the step just taken (each rank knows them: the order is seeded)
+        self.last_global_batch = batch
         self.step_in_epoch += 1
         self.consumed_samples += self.global_batch
         if self.step_in_epoch == self.steps_per_epoch:

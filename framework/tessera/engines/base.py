@@ -230,12 +230,13 @@ def label_tokens(labels: torch.Tensor) -> int:
 
 
 def summed_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of next-token cross-entropies in fp32 (the caller divides by the global token count)."""
-    shift_logits = logits[:, :-1, :].float()
-    shift_labels = labels[:, 1:]
+    """Sum of next-token cross-entropies in fp32 (the caller divides by the global token count). The
+    labels move, not the logits: position t is scored against label t+1 and the last position against
+    nothing, so no shifted copy of the b·s·V logits is made."""
+    target = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
     return F.cross_entropy(
-        shift_logits.reshape(-1, shift_logits.size(-1)),
-        shift_labels.reshape(-1),
+        logits.float().reshape(-1, logits.size(-1)),
+        target.reshape(-1),
         ignore_index=IGNORE_INDEX,
         reduction="sum",
     )
@@ -248,10 +249,29 @@ def dp_sum(t: torch.Tensor, layout: ParallelLayout, group: Any = None) -> torch.
     return t
 
 
+def known_counts(row_tokens: torch.Tensor, indices: list[int], seq_len: int) -> tuple[float, float]:
+    """(label tokens, input positions) of the global batch of rows ``indices``; ``row_tokens``: every
+    row's label tokens after the causal shift, ``(labels[:, 1:] != IGNORE_INDEX).sum(1)``."""
+    return float(row_tokens[indices].sum()), float(len(indices) * seq_len)
+
+
+class MicroBatches(list):
+    """This rank's micro-batches of one step, with the global batch's (label tokens, input positions)
+    when the caller knows them: the training loop does, from the seeded sampler that gives every rank
+    every rank's indices, so :func:`global_counts` needs no collective."""
+
+    def __init__(self, items: Iterable[dict[str, torch.Tensor]], counts: tuple[float, float] | None = None):
+        super().__init__(items)
+        self.counts = counts
+
+
 def global_counts(
     micro_batches: list[dict[str, torch.Tensor]], layout: ParallelLayout, *, device: torch.device, group: Any
 ) -> tuple[float, float]:
-    """(label tokens, input positions) of the global batch: this rank's counts summed over dp."""
+    """(label tokens, input positions) of the global batch: known beforehand (:class:`MicroBatches`), or
+    this rank's counts summed over dp."""
+    if isinstance(micro_batches, MicroBatches) and micro_batches.counts is not None:
+        return micro_batches.counts
     local = [
         float(sum(label_tokens(mb["labels"]) for mb in micro_batches)),
         float(sum(mb["input_ids"].numel() for mb in micro_batches)),

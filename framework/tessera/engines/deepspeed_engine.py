@@ -22,7 +22,6 @@ from tessera.engines.base import (
     ShardedStateDict,
     StepResult,
     TensorSlice,
-    dp_sum,
     global_counts,
     hf_eval_loss,
     hf_recompute,
@@ -68,7 +67,6 @@ class DeepSpeedEngine:
         # gradient is d(sum of token losses)/d(theta) / (tokens in the global batch).
         scale = self.layout.grad_accum * self.layout.dp / max(tokens, 1.0)
         loss_sum, norm, aux_sum = self.ds.step(micro_batches, scale, self._loss_of)
-        dp_sum(loss_sum, self.layout)
         return step_result(
             float(loss_sum),
             norm,

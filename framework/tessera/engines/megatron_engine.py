@@ -199,9 +199,9 @@ class MegatronEngine:
 
                 MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / len(micro_batches)))
             loss_t, grad_norm, _ = self.ds.step(
-                micro_batches, scale, lambda e, mb: (self._loss_sum(e, mb), None)
+                micro_batches, scale, lambda e, mb: (self._loss_sum(e, mb), None), dp_group=self.dp_group
             )
-            loss_sum, opt = float(dp_sum(loss_t, self.layout, self.dp_group)), self.ds.optimizer_phase
+            loss_sum, opt = float(loss_t), self.ds.optimizer_phase
         else:
             for c in self.chunks:
                 c.zero_grad_buffer()

@@ -163,10 +163,13 @@ class DeepSpeedRunner:
         micro_batches: list[dict[str, torch.Tensor]],
         scale: float,
         loss_of: Callable[[Any, dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor | None]],
+        *,
+        dp_group: Any = None,
     ) -> tuple[torch.Tensor, float | None, torch.Tensor | None]:
         """Forward / backward every micro-batch (``loss_of(engine, mb)``: its summed token loss and the
         load-balancing loss or None, added unscaled: DeepSpeed averages it over micro-batches and dp), step
-        at the boundary. Returns this rank's loss sum (on the device), the pre-clip global grad norm and
+        at the boundary. Returns the loss summed over the micro-batches and the data-parallel ranks
+        (``dp_group``; its all-reduce runs while the optimizer steps), the pre-clip global grad norm and
         this rank's load-balancing loss summed over its micro-batches (None without one)."""
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.engine.device)
         aux_sum: torch.Tensor | None = None
@@ -187,12 +190,16 @@ class DeepSpeedRunner:
                 continue
             if self._grads_held is None:  # gradients exist only here; measured once
                 self._grads_held = deepspeed_grad_bytes(self.engine, self.layout.zero)
+            if self.layout.dp > 1:  # the reported loss, summed over dp in the background
+                pending = torch.distributed.all_reduce(loss_sum, group=dp_group, async_op=True)
             with self.optimizer_phase:  # the boundary: clip, (ZeRO) reduce, update, (ZeRO) gather
                 if self.layout.zero == 0:
                     # without ZeRO, DeepSpeed clips but does not keep the norm; gradients are all-reduced
                     # by now (backward at the boundary), so the pre-clip norm is the same on every rank
                     manual_norm = _grad_norm(self.engine.module.parameters())
                 self.engine.step()
+            if self.layout.dp > 1:
+                pending.wait()
         norm = self.engine.get_global_grad_norm() if manual_norm is None else manual_norm
         return loss_sum, None if norm is None else float(norm), aux_sum
 

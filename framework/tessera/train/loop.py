@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from tessera.config.schema import Recipe
+from tessera.engines.base import IGNORE_INDEX, MicroBatches, known_counts
 from tessera.engines.held import ACTIVATIONS
 from tessera.plan.layout import ParallelLayout
 from tessera.rundir import RunDir
@@ -96,6 +97,7 @@ class TrainingLoop:
     def __init__(self, ctx: RunContext, callbacks: list[Callback]) -> None:
         self.ctx = ctx
         self.callbacks = callbacks
+        self._row_tokens: torch.Tensor | None = None
         ctx.loop = self
 
     def _each(self, hook: str, *args: Any) -> None:
@@ -135,7 +137,11 @@ class TrainingLoop:
         ctx = self.ctx
         data = ctx.data
         t_data = time.perf_counter()
-        micro = [{"input_ids": data.input_ids[i], "labels": data.labels[i]} for i in ctx.sampler.next_step()]
+        rows = ctx.sampler.next_step()
+        micro = MicroBatches(
+            ({"input_ids": data.input_ids[i], "labels": data.labels[i]} for i in rows),
+            counts=self._global_counts(ctx.sampler.last_global_batch),
+        )
         data_s = time.perf_counter() - t_data
         ctx.beat(phase="step")
         cuda = ctx.device == "cuda"
@@ -184,6 +190,14 @@ class TrainingLoop:
             if ctx.restart:
                 rec["restart"] = ctx.restart
         return rec, ops
+
+    def _global_counts(self, indices: list[int]) -> tuple[float, float]:
+        """(label tokens, input positions) of the global batch of rows ``indices``, which every rank knows:
+        the engines need no collective to normalise the loss."""
+        labels = self.ctx.data.labels
+        if self._row_tokens is None:  # label tokens per row, after the causal shift
+            self._row_tokens = (labels[:, 1:] != IGNORE_INDEX).sum(dim=1)
+        return known_counts(self._row_tokens, indices, labels.shape[1])
 
     def _eval_due(self, step: int) -> bool:
         every = self.ctx.recipe.train.eval_every
