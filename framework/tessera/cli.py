@@ -105,6 +105,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from tessera.plan.search import DEFAULT_HARDWARE, plan_recipe
     from tessera.train.worker import resolve_device
 
+    if args.calibrate:
+        return _plan_calibrate(args)
+    if args.recipe is None:
+        raise RecipeError(
+            "which recipe?", field="recipe", value=None, fix="tessera plan R.yaml [--measured RUN_DIR]"
+        )
     recipe = load_recipe(args.recipe, args.overrides).recipe
     ws = args.world_size or recipe.run.world_size
     if ws < 1:
@@ -115,6 +121,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     device = recipe.run.device if recipe.run.device != "auto" else resolve_device("auto")
     hw_name = args.hardware or recipe.run.hardware or DEFAULT_HARDWARE[device]
     hw = load_hardware(hw_name)
+    if args.measured:
+        return _plan_measured(args, hw)
     result = plan_recipe(recipe, world_size=ws, hardware=hw)
     if args.json:
         print(json.dumps(result.to_json(), indent=2))
@@ -174,6 +182,75 @@ def cmd_plan(args: argparse.Namespace) -> int:
             f"ep={lay.get('ep')} zero={lay.get('zero')}: {r.reason}",
             soft_wrap=True,
         )
+    return 0
+
+
+def _plan_measured(args: argparse.Namespace, hw: Any) -> int:
+    """Predicted against measured per term and per collective, for the layout the run ran."""
+    from rich.table import Table
+
+    from tessera.plan.measured import TERMS, compare_to_run
+
+    cmp = compare_to_run(Path(args.measured), hw)
+    if args.json:
+        print(json.dumps(cmp, indent=2))
+        return 0
+    con = _console()
+    table = Table(title=f"{cmp['layout']} on {hw.name}: planner vs {args.measured} (median of steady steps)")
+    for col in ("term", "predicted ms", "measured ms", "measured / predicted"):
+        table.add_column(col, justify="left" if col == "term" else "right")
+    for k in TERMS:
+        p, m = cmp["terms"][k]["predicted_s"], cmp["terms"][k]["measured_s"]
+        ratio = f"{m / p:.2f}" if m is not None and p else "-"
+        table.add_row(k, f"{p * 1e3:.2f}", "not measured apart" if m is None else f"{m * 1e3:.2f}", ratio)
+    con.print(table)
+    ops = Table(title="collectives per step: α + n·β against the counted calls (rank 0)")
+    for col in ("op:group", "messages pred.", "calls meas.", "MB pred.", "MB meas.", "ms pred.", "ms meas."):
+        ops.add_column(col, justify="left" if col == "op:group" else "right")
+    pred, meas = cmp["ops"]["predicted"], cmp["ops"]["measured"]
+    zero = {"calls": 0.0, "bytes": 0.0, "seconds": 0.0}
+    for key in sorted(set(pred) | set(meas)):
+        p, m = pred.get(key, zero), meas.get(key, zero)
+        ops.add_row(
+            key,
+            f"{p['calls']:g}",
+            f"{m['calls']:g}",
+            f"{p['bytes'] / 1e6:.3f}",
+            f"{m['bytes'] / 1e6:.3f}",
+            f"{p['seconds'] * 1e3:.2f}",
+            f"{m['seconds'] * 1e3:.2f}",
+        )
+    con.print(ops)
+    con.print(
+        "compute = step - counted collectives - optimizer step (framework time and pipeline waits outside "
+        "collectives included); the bubble is not measured apart."
+    )
+    return 0
+
+
+def _plan_calibrate(args: argparse.Namespace) -> int:
+    from tessera.plan.hardware import load_hardware
+    from tessera.plan.measured import calibrate, write_profile
+
+    if not args.hardware:
+        raise RecipeError(
+            "--calibrate fits a profile: which one?",
+            field="--hardware",
+            value=None,
+            fix="tessera plan --calibrate RUN_DIR... --hardware cpu-2core",
+        )
+    base = load_hardware(args.hardware)
+    runs = [Path(args.recipe)] if args.recipe else []
+    runs += [Path(r) for r in args.calibrate]
+    fitted, report = calibrate(runs, base)
+    out = Path(args.out or f"{fitted.name}.yaml")
+    write_profile(fitted, out, report)
+    print(
+        f"{fitted.name}: latency {fitted.latency_s * 1e6:.1f} us per message, "
+        f"{fitted.intra_node_bandwidth / 1e9:.2f} GB/s, matmul efficiency {fitted.efficiency:.3f}, "
+        f"optimizer bandwidth {fitted.hbm_bandwidth / 1e9:.2f} GB/s, from {report['messages_fitted']} "
+        f"collective calls of {len(runs)} run(s) -> {out}"
+    )
     return 0
 
 
@@ -406,12 +483,26 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--acceptance", default=None, help="with --runs: a YAML file of acceptance thresholds")
     cp.set_defaults(fn=cmd_compare)
     pl = sub.add_parser("plan", help="rank the layouts of a recipe's model on N devices")
-    pl.add_argument("recipe")
+    pl.add_argument("recipe", nargs="?", default=None)
     pl.add_argument("overrides", nargs="*")
     pl.add_argument("--world-size", type=int, default=None, help="devices (default run.world_size)")
     pl.add_argument("--hardware", default=None, help="profile name in configs/hardware/ or a path")
     pl.add_argument("--json", action="store_true", help='{"chosen", "candidates", "rejected"} on stdout')
     pl.add_argument("--top", type=int, default=15, help="rows of the table")
+    pl.add_argument(
+        "--measured",
+        default=None,
+        metavar="RUN_DIR",
+        help="predicted vs measured per term for a finished run",
+    )
+    pl.add_argument(
+        "--calibrate",
+        nargs="+",
+        default=None,
+        metavar="RUN_DIR",
+        help="fit the --hardware profile's latency, bandwidth, efficiency from runs; writes a new profile",
+    )
+    pl.add_argument("--out", default=None, help="with --calibrate: the profile file to write")
     pl.set_defaults(fn=cmd_plan)
     cv = sub.add_parser(
         "convert",

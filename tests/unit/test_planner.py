@@ -43,6 +43,7 @@ from tessera.plan.time_estimate import (
     bubble_fraction,
     flops_per_token,
     matmul_params,
+    op_seconds,
     step_time,
 )
 
@@ -646,3 +647,39 @@ def test_moe_under_tensor_parallelism_without_sp_is_refused_before_launch():
     ):
         check_megatron_layout(lay, shape)
     check_megatron_layout(_layout(engine="megatron", world_size=2, ep=2), shape)  # experts split by ep: fine
+
+
+def test_alpha_beta_fit_recovers_latency_and_bandwidth():
+    """seconds = α·messages + β·wire bytes, fitted by least squares from counted calls (with noise)."""
+    import random
+
+    from tessera.plan.measured import _fit_alpha_beta
+
+    rng = random.Random(0)
+    alpha, beta = 60e-6, 1 / 4e9
+    samples = []
+    for _ in range(400):
+        m, w = rng.choice([1, 2, 3]), rng.choice([16, 4096, 1e6, 4e6, 2e7])
+        samples.append((m, w, (alpha * m + beta * w) * rng.uniform(0.95, 1.05)))
+    a, b = _fit_alpha_beta(samples)
+    assert abs(a - alpha) < 0.05 * alpha and abs(b - beta) < 0.05 * beta
+
+
+def test_a_profile_without_comm_overlap_exposes_every_dp_second(tmp_path):
+    """On CPU (gloo and the backward share the cores) the data-parallel collectives are all exposed."""
+    import dataclasses
+
+    f = _tiny_llama_facts()
+    lay = _layout(engine="deepspeed", world_size=2, zero=2)
+    cpu = load_hardware("cpu-2core")
+    assert cpu.comm_overlap is False
+    exposed = step_time(f, lay, seq_len=64, precision="fp32", recompute="none", hardware=cpu)
+    hidden = step_time(
+        f, lay, seq_len=64, precision="fp32", recompute="none", hardware=dataclasses.replace(cpu, comm_overlap=True)
+    )
+    ops = comm_per_step(f, lay, seq_len=64, precision="fp32")
+    dp = sum(op_seconds(o, cpu) for o in ops if o.group == "dp")
+    assert dp > 0 and exposed.dp_exposed_s == pytest.approx(dp) and hidden.dp_exposed_s < dp
+    (tmp_path / "p.yaml").write_text((REPO / "configs/hardware/cpu-2core.yaml").read_text() + "comm_overlap: 1\n")
+    with pytest.raises(RecipeError, match="true or false"):
+        load_hardware(tmp_path / "p.yaml")

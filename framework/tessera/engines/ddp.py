@@ -32,7 +32,6 @@ from tessera.engines.base import (
     ShardedStateDict,
     StepResult,
     TensorSlice,
-    dp_sum,
     global_counts,
     hf_eval_loss,
     hf_recompute,
@@ -120,13 +119,16 @@ class DDPEngine:
                 objective.backward()
         if self._grads_held is None:  # gradients exist between backward and the next zero_grad
             self._grads_held = tensor_bytes(p.grad for p in self.model.parameters() if p.grad is not None)
+        # the reported loss, summed over dp while the optimizer steps
+        pending = dist.all_reduce(loss_sum, async_op=True) if self.layout.dp > 1 else None
         with Phase() as opt:
             # the pre-clip norm of the all-reduced gradients: the same on every rank
             norm = torch.nn.utils.clip_grad_norm_(
                 self.model.parameters(), self.grad_clip if self.grad_clip > 0 else math.inf
             )
             self.optimizer.step()
-        dp_sum(loss_sum, self.layout)
+        if pending is not None:
+            pending.wait()
         return step_result(
             float(loss_sum),
             float(norm),

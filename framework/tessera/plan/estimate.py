@@ -610,10 +610,13 @@ class CommOp:
     def wire_bytes(self) -> float:
         """Bytes each rank sends (bandwidth-optimal ring / pairwise algorithms): all-reduce 2(n-1)/n of
         the buffer, all-gather / reduce-scatter / all-to-all (n-1)/n, point-to-point the whole tensor."""
-        n = self.group_size
-        # p2p is full duplex: the link time is the send's, the matching recv adds none
-        factor = {"all_reduce": 2 * (n - 1) / n, "send": 1.0, "recv": 0.0}.get(self.op, (n - 1) / n)
-        return factor * self.payload_bytes
+        return wire_factor(self.op, self.group_size) * self.payload_bytes
+
+
+def wire_factor(op: str, n: int) -> float:
+    """Bytes each of ``n`` ranks sends per byte of the op's buffer (:attr:`CommOp.wire_bytes`); p2p is
+    full duplex: the link time is the send's, the matching recv adds none."""
+    return {"all_reduce": 2 * (n - 1) / n, "send": 1.0, "recv": 0.0}.get(op, (n - 1) / n)
 
 
 def pp_sends_per_rank(pp: int, vpp: int, num_microbatches: int) -> int:

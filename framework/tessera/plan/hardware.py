@@ -51,6 +51,12 @@ class HardwareProfile:
     host_memory_bandwidth: float | None = None
     #: price of one device for one hour (any currency; the report quotes cost per 1B tokens); None = unknown
     price_per_device_hour: float | None = None
+    #: the fraction of peak FLOP/s the model's matmuls reach on this device (a calibrated profile has
+    #: it: ``tessera plan --calibrate``); None = the planner's default
+    efficiency: float | None = None
+    #: whether data-parallel collectives run beside the backward (GPU streams, NCCL): False on CPU, where
+    #: gloo's collectives and the backward share the cores, so every collective second is exposed
+    comm_overlap: bool = True
 
     @property
     def can_offload(self) -> bool:
@@ -165,6 +171,12 @@ def load_hardware(path: str | Path) -> HardwareProfile:
             continue
         if key == "name":
             kw[key] = str(value)
+        elif key == "comm_overlap":
+            if not isinstance(value, bool):
+                raise RecipeError(
+                    f"{p}: must be true or false", field=key, value=value, fix="comm_overlap: false"
+                )
+            kw[key] = value
         elif key == "device":
             if value not in DEVICES:
                 raise RecipeError(

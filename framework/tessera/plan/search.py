@@ -20,6 +20,7 @@ from tessera.engines.registry import ENGINE_NAMES, Capabilities, capabilities
 from tessera.errors import LayoutError, RecipeError, TesseraError
 from tessera.plan.estimate import (
     RECOMPUTE,
+    CommOp,
     GiB,
     Kernels,
     MemoryEstimate,
@@ -70,6 +71,7 @@ class Candidate:
     bubble: float
     time: TimeEstimate
     comm_formulas: dict[str, str] = field(default_factory=dict)
+    comm_ops: list[CommOp] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -330,6 +332,7 @@ def _try_structure(
                     bubble=bubble_fraction(layout.pp, layout.vpp, layout.grad_accum),
                     time=t,
                     comm_formulas=comm_formulas(ops),
+                    comm_ops=ops,
                 )
             )
 
@@ -421,4 +424,5 @@ def estimate_layout(
         bubble=bubble_fraction(layout.pp, layout.vpp, layout.grad_accum),
         time=step_time(f, layout, recompute=recompute, hardware=hardware, ops=ops, **kw),
         comm_formulas=comm_formulas(ops),
+        comm_ops=ops,
     )

@@ -70,6 +70,12 @@ def link_bandwidth(hw: HardwareProfile, span: int) -> float:
     return hw.intra_node_bandwidth if span <= hw.devices_per_node else hw.inter_node_bandwidth
 
 
+def op_seconds(o: CommOp, hw: HardwareProfile) -> float:
+    """α + n·β per message: the profile's latency per message sent (``calls`` x ``messages``: DDP's and
+    DeepSpeed's buckets), plus the wire bytes over the group's link bandwidth."""
+    return o.wire_bytes / link_bandwidth(hw, o.span) + hw.latency_s * o.calls * o.messages
+
+
 @dataclass(frozen=True)
 class TimeEstimate:
     """Seconds of one optimizer step on the busiest rank and the model FLOPs utilisation."""
@@ -104,7 +110,9 @@ def step_time(
     collective takes wire bytes / link bandwidth + latency per call. TP and EP collectives sit on the
     critical path; DP ones hide behind the compute they overlap with (DeepSpeed / megatron bucket the
     grad reduction into the backward and prefetch ZeRO-3 gathers; torch DDP's buckets are timed like
-    ZeRO-0's all-reduce, over the last backward), only what exceeds it is exposed.
+    ZeRO-0's all-reduce, over the last backward), only what exceeds it is exposed; on a profile without
+    ``comm_overlap`` (CPU: gloo and the backward share the cores) all of it is. The profile's calibrated
+    ``efficiency`` replaces the default one.
     The optimizer reads and writes 28 bytes per parameter of its shard at device-memory bandwidth (with
     offload: at the host's share of host-memory bandwidth, plus the PCIe transfers of grads and params).
     MFU = model FLOPs per step / (step time x peak x world), PaLM's definition (no recompute FLOPs)."""
@@ -114,10 +122,10 @@ def step_time(
     model_flops = flops_per_token(f, seq_len) * tokens
     hw_flops = (flops_per_token(f, seq_len) + recompute_flops_per_token(f, seq_len, recompute)) * tokens
     peak = hw.peak_for(precision)
-    compute = hw_flops / L.world_size / (peak * efficiency)
+    compute = hw_flops / L.world_size / (peak * (hw.efficiency or efficiency))
 
     def secs(o: CommOp) -> float:
-        return o.wire_bytes / link_bandwidth(hw, o.span) + hw.latency_s * o.calls
+        return op_seconds(o, hw)
 
     tp_ep = sum(secs(o) for o in ops if o.group in ("tp", "ep"))
     pp_s = sum(secs(o) for o in ops if o.group in ("pp", "embd"))
@@ -129,7 +137,9 @@ def step_time(
     for o in ops:
         if o.group not in ("dp", "edp"):
             continue
-        if o.overlap in per_mb:
+        if not hw.comm_overlap:  # nothing runs beside the backward: every second counts
+            exposed += secs(o)
+        elif o.overlap in per_mb:
             per_mb[o.overlap] += secs(o) / o.calls  # the same op once per micro-batch
         elif o.overlap == "last_bwd":
             last_bwd += secs(o)
