@@ -196,6 +196,7 @@ def _plan_measured(args: argparse.Namespace, hw: Any) -> int:
         print(json.dumps(cmp, indent=2))
         return 0
     con = _console()
+    con.width = max(con.width, 110)
     table = Table(title=f"{cmp['layout']} on {hw.name}: planner vs {args.measured} (median of steady steps)")
     for col in ("term", "predicted ms", "measured ms", "measured / predicted"):
         table.add_column(col, justify="left" if col == "term" else "right")

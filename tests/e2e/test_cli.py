@@ -96,6 +96,41 @@ def test_run_resume_through_deepspeed_launcher(tmp_path):
     assert [r["step"] for r in after] == list(range(1, 10))
     assert [r["loss"] for r in after[:6]] == [r["loss"] for r in first]
     assert (ck / LATEST).read_text().strip() == step_dir_name(9)
+    _check_plan_against_the_run(out, tmp_path)
+
+
+def _check_plan_against_the_run(out, tmp_path) -> None:
+    """`tessera plan --measured` reports the run's own medians beside the planner's terms, and
+    `--calibrate` writes a profile the planner loads and uses."""
+    import statistics
+
+    from tessera.plan.hardware import load_hardware
+
+    p = tessera("plan", RECIPE, "--measured", str(out), "--json")
+    assert p.returncode == 0, p.stderr[-2000:]
+    cmp = json.loads(p.stdout)
+    steady = [r for r in read_metrics(out) if r["step"] > 5]
+    for term, key in (
+        ("step", "step_time_s"),
+        ("communication", "comm_time_s"),
+        ("optimizer", "optimizer_time_s"),
+    ):
+        assert cmp["terms"][term]["measured_s"] == statistics.median(r[key] for r in steady), term
+    assert cmp["terms"]["step"]["predicted_s"] > 0 and cmp["terms"]["bubble"]["measured_s"] is None
+    # per collective: the bytes the planner predicts are the bytes comm.jsonl counted (ZeRO-2, dp 2)
+    pred, meas = cmp["ops"]["predicted"], cmp["ops"]["measured"]
+    for key in ("all_gather:dp", "all_reduce:dp"):
+        assert abs(meas[key]["bytes"] - pred[key]["bytes"]) <= 1e-3 * pred[key]["bytes"], key
+    assert pred["all_gather:dp"]["calls"] == meas["all_gather:dp"]["calls"] == 2  # one per parameter group
+    profile = tmp_path / "cal.yaml"
+    p = tessera("plan", "--calibrate", str(out), "--hardware", "cpu-2core", "--out", str(profile))
+    assert p.returncode == 0 and "latency" in p.stdout, p.stderr[-2000:]
+    hw = load_hardware(profile)
+    assert hw.name == "cpu-2core-calibrated" and hw.efficiency and not hw.comm_overlap and hw.latency_s >= 0
+    p = tessera("plan", RECIPE, "--measured", str(out), "--hardware", str(profile))
+    assert p.returncode == 0 and "compute" in p.stdout, p.stderr[-2000:]
+    p = tessera("plan", "--calibrate", str(tmp_path), "--hardware", "cpu-2core")
+    assert p.returncode == ExitCode.USER_ERROR and "--calibrate" in p.stderr  # not a run directory
 
 
 @pytest.mark.slow

@@ -675,11 +675,18 @@ def test_a_profile_without_comm_overlap_exposes_every_dp_second(tmp_path):
     assert cpu.comm_overlap is False
     exposed = step_time(f, lay, seq_len=64, precision="fp32", recompute="none", hardware=cpu)
     hidden = step_time(
-        f, lay, seq_len=64, precision="fp32", recompute="none", hardware=dataclasses.replace(cpu, comm_overlap=True)
+        f,
+        lay,
+        seq_len=64,
+        precision="fp32",
+        recompute="none",
+        hardware=dataclasses.replace(cpu, comm_overlap=True),
     )
     ops = comm_per_step(f, lay, seq_len=64, precision="fp32")
     dp = sum(op_seconds(o, cpu) for o in ops if o.group == "dp")
     assert dp > 0 and exposed.dp_exposed_s == pytest.approx(dp) and hidden.dp_exposed_s < dp
-    (tmp_path / "p.yaml").write_text((REPO / "configs/hardware/cpu-2core.yaml").read_text() + "comm_overlap: 1\n")
+    (tmp_path / "p.yaml").write_text(
+        (REPO / "configs/hardware/cpu-2core.yaml").read_text() + "comm_overlap: 1\n"
+    )
     with pytest.raises(RecipeError, match="true or false"):
         load_hardware(tmp_path / "p.yaml")

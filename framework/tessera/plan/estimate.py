@@ -39,6 +39,8 @@ BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 RECOMPUTE = ("none", "selective", "full")
 #: DeepSpeed's default ``zero_optimization.reduce_bucket_size`` (elements): its gradient bucket buffer
 DS_REDUCE_BUCKET = 500_000_000
+#: optimizer parameter groups of the HF engines (``engines.optim.param_groups``: decay, no decay)
+DS_PARAM_GROUPS = 2
 #: torch DDP's default bucket caps (bytes): ``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`` for the first
 #: bucket, ``bucket_cap_mb=25`` MiB for the others
 DDP_FIRST_BUCKET_BYTES = 1024 * 1024
@@ -704,8 +706,14 @@ def comm_per_step(
             # (gloo has no reduce-scatter); megatron's distributed optimizer reduce-scatters everywhere
             reduce = "all_reduce" if deepspeed_dp and backend == "gloo" else "reduce_scatter"
             calls = m if per_mb else 1
-            ops.append(CommOp(reduce, name, grad_b, calls, n, span, "bwd" if per_mb else "last_bwd"))
-            ops.append(CommOp("all_gather", name, param_b, 1, n, span, "none"))
+            # DeepSpeed flattens, reduces and gathers each optimizer parameter group on its own (the HF
+            # engines have two: decay / no decay), in buckets of reduce_bucket_size elements
+            msgs = DS_PARAM_GROUPS - 1 + math.ceil(psi / DS_REDUCE_BUCKET) if deepspeed_dp else 1
+            why = f"{msgs} message(s) per call: {DS_PARAM_GROUPS} parameter groups" if deepspeed_dp else ""
+            ops.append(
+                CommOp(reduce, name, grad_b, calls, n, span, "bwd" if per_mb else "last_bwd", msgs, why)
+            )
+            ops.append(CommOp("all_gather", name, param_b, 1, n, span, "none", msgs, why))
         else:
             # persistent (small) tensors are whole on every rank: one all-gather after the update;
             # the others are gathered for every forward and backward

@@ -38,15 +38,15 @@ def _steady(records: list[dict[str, Any]], warmup: int) -> list[dict[str, Any]]:
     return [r for r in steps if r["step"] > warmup] or steps
 
 
-def run_recipe(run_dir: Path) -> Any:
-    """The resolved recipe a run ran with."""
+def run_recipe(run_dir: Path, flag: str = "--measured") -> Any:
+    """The resolved recipe a run ran with (``flag``: the option that named the directory)."""
     from tessera.config.loader import validate_recipe
 
     rd = RunDir(run_dir)
     if not rd.recipe.is_file() or not rd.metrics.is_file():
         raise RecipeError(
             "not a finished run directory (no recipe.resolved.yaml or metrics.jsonl)",
-            field="--measured",
+            field=flag,
             value=str(run_dir),
             fix="give the directory of a run that made steps (runs/<name>)",
         )
@@ -155,7 +155,7 @@ def calibrate(run_dirs: list[Path], hardware: HardwareProfile) -> tuple[Hardware
     samples: list[tuple[float, float, float]] = []
     efficiency, bandwidth = [], []
     for run_dir in run_dirs:
-        recipe = run_recipe(run_dir)
+        recipe = run_recipe(run_dir, "--calibrate")
         cand = predicted(recipe, hardware)
         layout = cand.layout
         sizes = {o.group: o.group_size for o in cand.comm_ops}
@@ -163,6 +163,8 @@ def calibrate(run_dirs: list[Path], hardware: HardwareProfile) -> tuple[Hardware
             if line.get("phase") != "step" or line["step"] <= WARMUP_STEPS:
                 continue
             for o in line["ops"]:
+                if o["op"] == "recv":  # a receive waits for the sender's compute too: not a link time
+                    continue
                 n = sizes.get(o["group"], layout.world_size)
                 samples.append((float(o["count"]), wire_factor(o["op"], n) * o["bytes"], float(o["seconds"])))
         meas = measured_terms(run_dir)
