@@ -18,6 +18,7 @@ from typing import Any
 
 from tessera.engines.registry import ENGINE_NAMES, Capabilities, capabilities
 from tessera.errors import LayoutError, RecipeError, TesseraError
+from tessera.plan.activations import kernels_for
 from tessera.plan.estimate import (
     RECOMPUTE,
     CommOp,
@@ -28,7 +29,6 @@ from tessera.plan.estimate import (
     comm_bytes_by_op,
     comm_formulas,
     comm_per_step,
-    kernels_for,
     memory_per_rank,
     model_facts,
 )
