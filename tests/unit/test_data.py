@@ -312,12 +312,12 @@ def test_eval_batches_are_layout_free() -> None:
 def test_every_rank_knows_the_global_token_count_without_a_collective():
     """The loop's counts (from the step's global indices, which each rank's sampler knows) equal the
     sum of every dp rank's own micro-batch counts, which an all-reduce would give, padding included."""
-    from tessera.engines.base import IGNORE_INDEX, known_counts, label_tokens
+    from tessera.engines.base import IGNORE_INDEX, known_counts, label_tokens, row_label_tokens
 
     gen = torch.Generator().manual_seed(0)
     labels = torch.randint(0, 50, (40, 16), generator=gen)
     labels[::3, 9:] = IGNORE_INDEX  # unpacked rows end in padding
-    row_tokens = (labels[:, 1:] != IGNORE_INDEX).sum(dim=1)
+    row_tokens = row_label_tokens(labels)
     samplers = [
         StepSampler(40, global_batch=8, micro_batch=2, grad_accum=2, dp_rank=r, dp_size=2, seed=5)
         for r in range(2)

@@ -32,7 +32,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, q) -> None
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     from tessera.config.loader import load_recipe
     from tessera.data import StepSampler, prepare_data
-    from tessera.engines.base import IGNORE_INDEX, MicroBatches, ModelSource, known_counts
+    from tessera.engines.base import MicroBatches, ModelSource, known_counts, row_label_tokens
     from tessera.engines.deepspeed_engine import DeepSpeedEngine
     from tessera.engines.zero import build_ds_config
     from tessera.plan.layout import layout_from_recipe
@@ -46,7 +46,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, q) -> None
     data = prepare_data(recipe.data, root=REPO)
     sampler = StepSampler.for_layout(len(data), layout, rank=rank, seed=0)
     # as the training loop feeds the engine: this rank's micro-batches + the global batch's counts
-    row_tokens = (data.labels[:, 1:] != IGNORE_INDEX).sum(dim=1)
+    row_tokens = row_label_tokens(data.labels)
     batches, counts = [], []
     for _ in range(args.steps):
         batches.append([(data.input_ids[i], data.labels[i]) for i in sampler.next_step()])

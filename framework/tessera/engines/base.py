@@ -249,9 +249,15 @@ def dp_sum(t: torch.Tensor, layout: ParallelLayout, group: Any = None) -> torch.
     return t
 
 
+def row_label_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """Label tokens of every row of ``labels`` ``[N, s]`` after the causal shift (:func:`label_tokens`
+    per row)."""
+    return (labels[:, 1:] != IGNORE_INDEX).sum(dim=1)
+
+
 def known_counts(row_tokens: torch.Tensor, indices: list[int], seq_len: int) -> tuple[float, float]:
-    """(label tokens, input positions) of the global batch of rows ``indices``; ``row_tokens``: every
-    row's label tokens after the causal shift, ``(labels[:, 1:] != IGNORE_INDEX).sum(1)``."""
+    """(label tokens, input positions) of the global batch of rows ``indices``; ``row_tokens``:
+    :func:`row_label_tokens` of the data."""
     return float(row_tokens[indices].sum()), float(len(indices) * seq_len)
 
 

@@ -151,6 +151,7 @@ def calibrate(run_dirs: list[Path], hardware: HardwareProfile) -> tuple[Hardware
     """A profile with α, β, the matmul efficiency and the optimizer's bandwidth fitted from the runs (see
     the module doc); returns it and what each figure was fitted from."""
     from tessera.plan.estimate import wire_factor
+    from tessera.plan.time_estimate import DEFAULT_EFFICIENCY
 
     samples: list[tuple[float, float, float]] = []
     efficiency, bandwidth = [], []
@@ -169,7 +170,7 @@ def calibrate(run_dirs: list[Path], hardware: HardwareProfile) -> tuple[Hardware
                 samples.append((float(o["count"]), wire_factor(o["op"], n) * o["bytes"], float(o["seconds"])))
         meas = measured_terms(run_dir)
         t = cand.time
-        used = hardware.efficiency or 0.5
+        used = hardware.efficiency or DEFAULT_EFFICIENCY
         if meas["compute"]:
             efficiency.append(used * t.compute_s / meas["compute"])
         if meas["optimizer"] and t.optimizer_s:

@@ -35,6 +35,7 @@ from tessera.plan.estimate import (
 from tessera.plan.hardware import HardwareProfile
 from tessera.plan.layout import ParallelLayout, check_megatron_layout, resolve_auto
 from tessera.plan.time_estimate import (
+    DEFAULT_EFFICIENCY,
     FLOPS_FORMULA,
     TimeEstimate,
     bubble_fraction,
@@ -186,7 +187,7 @@ def plan(
     recompute: Sequence[str] = ("none", "selective", "full"),
     micro_batches: Sequence[int] = (1, 2, 4, 8),
     attn_implementation: str = "eager",
-    efficiency: float = 0.5,
+    efficiency: float = DEFAULT_EFFICIENCY,
 ) -> PlanResult:
     """Enumerate, validate, estimate and rank the layouts of ``hf_cfg`` on ``world_size`` devices.
 

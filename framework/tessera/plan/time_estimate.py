@@ -24,6 +24,8 @@ from tessera.plan.layout import ParallelLayout
 #: Adam step memory traffic per updated parameter: read fp32 param, m, v (12) + grad, write param, m, v
 #: (12) and the compute-dtype copy; 28 bytes for bf16 (14 read + 14 written) and for fp32 (16 + 12)
 ADAM_BYTES_PER_PARAM = 28
+#: the fraction of peak FLOP/s the matmuls reach when the profile has no calibrated figure
+DEFAULT_EFFICIENCY = 0.5
 
 
 def matmul_params(f: ModelFacts, *, active: bool = True) -> int:
@@ -102,7 +104,7 @@ def step_time(
     precision: str,
     recompute: str,
     hardware: HardwareProfile,
-    efficiency: float = 0.5,
+    efficiency: float = DEFAULT_EFFICIENCY,
     ops: list[CommOp] | None = None,
 ) -> TimeEstimate:
     """Step time = (compute + TP/EP collectives) / (1 - bubble) + PP sends + exposed DP collectives +

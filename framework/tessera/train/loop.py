@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from tessera.config.schema import Recipe
-from tessera.engines.base import IGNORE_INDEX, MicroBatches, known_counts
+from tessera.engines.base import MicroBatches, known_counts, row_label_tokens
 from tessera.engines.held import ACTIVATIONS
 from tessera.plan.layout import ParallelLayout
 from tessera.rundir import RunDir
@@ -195,8 +195,8 @@ class TrainingLoop:
         """(label tokens, input positions) of the global batch of rows ``indices``, which every rank knows:
         the engines need no collective to normalise the loss."""
         labels = self.ctx.data.labels
-        if self._row_tokens is None:  # label tokens per row, after the causal shift
-            self._row_tokens = (labels[:, 1:] != IGNORE_INDEX).sum(dim=1)
+        if self._row_tokens is None:
+            self._row_tokens = row_label_tokens(labels)
         return known_counts(self._row_tokens, indices, labels.shape[1])
 
     def _eval_due(self, step: int) -> bool:
