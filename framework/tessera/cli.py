@@ -247,8 +247,15 @@ def _plan_calibrate(args: argparse.Namespace) -> int:
     out = Path(args.out or f"{fitted.name}.yaml")
     write_profile(fitted, out, report)
     print(
-        f"{fitted.name}: latency {fitted.latency_s * 1e6:.1f} us per message, "
-        f"{fitted.intra_node_bandwidth / 1e9:.2f} GB/s, matmul efficiency {fitted.efficiency:.3f}, "
+        f"{fitted.name}: latency {fitted.latency_s * 1e6:.1f} us per message"
+        + (
+            f" ({fitted.tp_latency_s * 1e6:.1f} us per TP / EP message)"
+            if fitted.tp_latency_s is not None
+            else ""
+        )
+        + ", "
+        f"{fitted.intra_node_bandwidth / 1e9:.2f} GB/s, matmul efficiency {fitted.efficiency:.3f} (HF modules) / "
+        f"{fitted.megatron_efficiency:.3f} (megatron-core), "
         f"optimizer bandwidth {fitted.hbm_bandwidth / 1e9:.2f} GB/s, from {report['messages_fitted']} "
         f"collective calls of {len(runs)} run(s) -> {out}"
     )

@@ -32,6 +32,7 @@ from tessera.plan.estimate import (
     hf_tensor_numels,
     in_flight_microbatches,
     memory_per_rank,
+    minimum_wire_bytes,
     model_facts,
     model_state_bytes,
     rank_params,
@@ -355,6 +356,31 @@ TINY_LLAMA_PSI = 139_584
 
 def _tiny_llama_facts():
     return model_facts(_cfg(Path(FAMILIES["llama"].tiny_config).stem))
+
+
+def test_minimum_wire_bytes_is_the_textbook_volume_of_each_layout():
+    f, psi = _tiny_llama_facts(), TINY_LLAMA_PSI
+
+    def least(**kw) -> float:
+        lay = _layout(world_size=2, grad_accum=2, micro_batch=4, **kw)
+        return minimum_wire_bytes(f, lay, seq_len=64, precision="fp32")[0]
+
+    e, n = 4, 2
+    assert least(engine="ddp") == least(engine="deepspeed", zero=0) == 2 * (n - 1) / n * psi * e
+    assert least(engine="deepspeed", zero=1) == 2 * (n - 1) / n * psi * e
+    assert least(engine="deepspeed", zero=2) == (2 + 1) * (n - 1) / n * psi * e  # m = 2 reduce-scatters
+    # every tensor of the tiny model is under DeepSpeed's persistence threshold: moved as under ZeRO-2
+    assert least(engine="deepspeed", zero=3) == least(engine="deepspeed", zero=2)
+    big = model_facts(_cfg("llama-3-8b"))
+    lay = _layout(world_size=2, grad_accum=2, micro_batch=1, engine="deepspeed", zero=3)
+    small = sum(x for x in hf_tensor_numels(big) if x < ZERO3_PERSISTENCE_THRESHOLD)
+    assert minimum_wire_bytes(big, lay, seq_len=64, precision="bf16")[0] == pytest.approx(
+        (3 * 2 * (LLAMA3_8B - small) + 3 * small) * 0.5 * 2, rel=1e-12
+    )
+    act = 64 * 4 * 64 * e  # s·b·h·e
+    assert least(engine="megatron", tp=2) == (4 * 2 + 2) * 2 * act  # 2 layers, m = 2, 2(t-1)/t = 1
+    assert least(engine="megatron", pp=2) == 2 * act  # each rank sends one tensor per micro-batch
+    assert minimum_wire_bytes(f, _layout(world_size=1, engine="ddp"), seq_len=64, precision="fp32")[0] == 0
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -690,3 +716,21 @@ def test_a_profile_without_comm_overlap_exposes_every_dp_second(tmp_path):
     )
     with pytest.raises(RecipeError, match="true or false"):
         load_hardware(tmp_path / "p.yaml")
+
+
+def test_megatron_layouts_take_the_megatron_efficiency_of_a_calibrated_profile():
+    """megatron-core's modules run other kernels than HF's: a calibrated profile has one efficiency each."""
+    import dataclasses
+
+    f = _tiny_llama_facts()
+    cpu = dataclasses.replace(load_hardware("cpu-2core"), efficiency=0.2, megatron_efficiency=0.05)
+
+    def compute(**kw) -> float:  # the same global batch of 8 rows on 2 ranks
+        lay = _layout(world_size=2, micro_batch=4, **kw)
+        return step_time(f, lay, seq_len=64, precision="fp32", recompute="none", hardware=cpu).compute_s
+
+    ddp = compute(engine="ddp")
+    assert compute(engine="megatron", pp=2, grad_accum=2) == pytest.approx(4 * ddp, rel=1e-12)
+    assert compute(engine="deepspeed", zero=2) == pytest.approx(ddp, rel=1e-12)
+    only_hf = dataclasses.replace(cpu, megatron_efficiency=None)
+    assert only_hf.efficiency_for(hf_module=False) == only_hf.efficiency_for(hf_module=True) == 0.2

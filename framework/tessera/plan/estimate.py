@@ -588,6 +588,61 @@ def comm_per_step(
     return ops
 
 
+def minimum_wire_bytes(
+    f: ModelFacts, layout: ParallelLayout, *, seq_len: int, precision: str
+) -> tuple[float, str]:
+    """The least bytes one rank must send per step for the layout's math, with bandwidth-optimal
+    collectives (ring all-reduce 2(n-1)/n, reduce-scatter / all-gather / all-to-all (n-1)/n of the
+    buffer): the yardstick the communication benchmark divides the measured bytes by, not a prediction.
+    DP: replicated gradients (ZeRO 0, ddp) or a partitioned optimizer (ZeRO 1) need one reduce-scatter +
+    all-gather of Ψ per step; partitioned gradients (ZeRO 2) a reduce-scatter per micro-batch; partitioned
+    parameters (ZeRO 3) two gathers and a reduce-scatter per micro-batch (DeepSpeed's persistent small
+    tensors as under ZeRO 2). TP without SP: 4 all-reduces of b·s·h per layer and micro-batch + the
+    vocab-parallel embedding's forward and the LM head's input gradient. EP: dispatch + combine forward
+    and backward of the (ep-1)/ep routed tokens. PP: one activation or gradient per micro-batch and
+    boundary. Returns (bytes, formula)."""
+    L, e = layout, BYTES[precision]
+    m, t = L.grad_accum, L.tp
+    rp = largest_shard(f, L)
+    total, parts = 0.0, []
+    dp_groups = [(rp.total if L.caps.hf_module else rp.dense, L.dp, "Ψ")]
+    if not L.caps.hf_module and rp.expert:
+        dp_groups.append((rp.expert, expert_dp(L), "Ψ_experts"))
+    for psi, n, name in dp_groups:
+        if n == 1 or psi == 0:
+            continue
+        zero = 0 if L.zero_impl == "ddp" else L.zero
+        if zero < 2:
+            total += 2 * (n - 1) / n * psi * e
+            parts.append(f"2·(n-1)/n·{name}·e")
+            continue
+        # ZeRO-3 keeps DeepSpeed's persistent (small) tensors whole: those move as under ZeRO-2
+        small = 0
+        if zero == 3 and L.caps.hf_module:
+            small = min(psi, sum(x for x in hf_tensor_numels(f) if x < ZERO3_PERSISTENCE_THRESHOLD))
+        total += ((m + 1) * small + (3 * m if zero == 3 else m + 1) * (psi - small)) * (n - 1) / n * e
+        parts.append(
+            f"(m+1)·(n-1)/n·{name}·e"
+            if zero == 2
+            else f"[3m·{name}_big + (m+1)·{name}_persistent]·(n-1)/n·e"
+        )
+    layers = f.num_layers // L.pp
+    act = seq_len * L.micro_batch * f.hidden * e
+    if t > 1:
+        # per layer 2 forward + 2 backward; the vocab-parallel embedding's forward (first stage) and the LM
+        # head's input gradient (last stage)
+        edge = 1 + (1 if L.pp == 1 else 0)
+        total += (4 * layers + edge) * m * 2 * (t - 1) / t * act
+        parts.append(f"(4·L/p+{edge})·m·2(t-1)/t·s·b·h·e")
+    if L.ep > 1 and f.moe:
+        total += 4 * layers * m * f.topk * act * (L.ep - 1) / L.ep
+        parts.append("4·L/p·m·k·(ep-1)/ep·s·b·h·e")
+    if L.pp > 1:
+        total += pp_sends_per_rank(L.pp, L.vpp, m) * act / (t if L.sequence_parallel else 1)
+        parts.append("sends·s·b·h·e (each chunk boundary once forward, once backward)")
+    return total, " + ".join(parts) or "0 (one rank, nothing to send)"
+
+
 def comm_formulas(ops: list[CommOp]) -> dict[str, str]:
     """The formulas the ops carry (DDP's bucketed all-reduce), keyed ``"comm:op:group"`` for the plan."""
     return {f"comm:{o.key}": o.formula for o in ops if o.formula}

@@ -41,6 +41,10 @@ class HardwareProfile:
     inter_node_bandwidth: float
     #: fixed cost of one collective call in seconds (0 = ignore latency)
     latency_s: float = 0.0
+    #: fixed cost of one tensor- or expert-parallel collective, where it differs from ``latency_s``: those
+    #: sit between two matmuls of a layer, so each also waits out the ranks' skew (a calibrated profile
+    #: has it: ``tessera plan --calibrate`` on a TP or EP run); None = ``latency_s``
+    tp_latency_s: float | None = None
     #: dense fp32 (non-tensor-core) FLOP/s per device for fp32 runs; None = use peak_flops
     peak_flops_fp32: float | None = None
     #: host memory per node in bytes (checked for CPU offload); None = offload is not planned
@@ -54,6 +58,9 @@ class HardwareProfile:
     #: the fraction of peak FLOP/s the model's matmuls reach on this device (a calibrated profile has
     #: it: ``tessera plan --calibrate``); None = the planner's default
     efficiency: float | None = None
+    #: the same for megatron-core's modules, which run other kernels (off CUDA its local layer spec: torch
+    #: ops unfused, split matmuls under TP); None = ``efficiency``
+    megatron_efficiency: float | None = None
     #: whether data-parallel collectives run beside the backward (GPU streams, NCCL): False on CPU, where
     #: gloo's collectives and the backward share the cores, so every collective second is exposed
     comm_overlap: bool = True
@@ -67,6 +74,19 @@ class HardwareProfile:
             and self.host_link_bandwidth is not None
             and self.host_memory_bandwidth is not None
         )
+
+    def latency_for(self, group: str) -> float:
+        """Seconds per message of a collective on ``group`` ("tp" and "ep" may have their own)."""
+        if group in ("tp", "ep") and self.tp_latency_s is not None:
+            return self.tp_latency_s
+        return self.latency_s
+
+    def efficiency_for(self, hf_module: bool) -> float | None:
+        """The calibrated matmul efficiency of the HF modules (``hf_module``) or megatron-core's; None
+        where the profile has none (the planner's default applies)."""
+        if not hf_module and self.megatron_efficiency is not None:
+            return self.megatron_efficiency
+        return self.efficiency
 
     def peak_for(self, precision: str) -> float:
         """Peak FLOP/s for ``precision``: fp32 runs use the fp32 figure where the profile has one."""
@@ -86,7 +106,7 @@ _REQUIRED = (
     "inter_node_bandwidth",
 )
 _INTS = ("devices_per_node", "memory_bytes", "host_memory_bytes")
-_OPTIONAL_ZERO_OK = ("latency_s",)
+_OPTIONAL_ZERO_OK = ("latency_s", "tp_latency_s")
 _KNOWN = tuple(f.name for f in fields(HardwareProfile))
 
 

@@ -9,10 +9,12 @@ is not measured apart) and, per collective, the calls and seconds of ``comm.json
 planner's message count and its α + n·β time.
 
 ``tessera plan --calibrate RUN_DIR... --hardware X`` fits what the profile's figures cannot know:
-α (seconds per message) and β (seconds per wire byte) by least squares over every collective call the
-runs counted, the matmul efficiency (the planner's FLOPs over the measured compute time) and the
-optimizer's effective memory bandwidth (the planner's bytes over the measured optimizer time), each the
-median over the runs; it writes a new profile with them.
+α (seconds per message) and β (seconds per wire byte) by least squares over every data-parallel and
+pipeline collective call the runs counted; a TP / EP collective's own α (the median call beyond its
+bytes' time: those sit between a layer's matmuls and wait out the ranks' skew); the matmul efficiency
+(the planner's FLOPs over the measured compute time; one for the HF modules, one for megatron-core's,
+which run other kernels) and the optimizer's effective memory bandwidth (the planner's bytes over the
+measured optimizer time), each the median over the runs. It writes a new profile with them.
 """
 
 from __future__ import annotations
@@ -154,7 +156,9 @@ def calibrate(run_dirs: list[Path], hardware: HardwareProfile) -> tuple[Hardware
     from tessera.plan.time_estimate import DEFAULT_EFFICIENCY
 
     samples: list[tuple[float, float, float]] = []
-    efficiency, bandwidth = [], []
+    critical: list[tuple[float, float, float]] = []  # the TP / EP collectives, between a layer's matmuls
+    efficiency: dict[str, list[float]] = {"hf": [], "megatron": []}  # by the modules the layout runs
+    bandwidth = []
     for run_dir in run_dirs:
         recipe = run_recipe(run_dir, "--calibrate")
         cand = predicted(recipe, hardware)
@@ -167,36 +171,51 @@ def calibrate(run_dirs: list[Path], hardware: HardwareProfile) -> tuple[Hardware
                 if o["op"] == "recv":  # a receive waits for the sender's compute too: not a link time
                     continue
                 n = sizes.get(o["group"], layout.world_size)
-                samples.append((float(o["count"]), wire_factor(o["op"], n) * o["bytes"], float(o["seconds"])))
+                sample = (float(o["count"]), wire_factor(o["op"], n) * o["bytes"], float(o["seconds"]))
+                (critical if o["group"] in ("tp", "ep") else samples).append(sample)
         meas = measured_terms(run_dir)
         t = cand.time
-        used = hardware.efficiency or DEFAULT_EFFICIENCY
+        hf = layout.caps.hf_module
+        used = hardware.efficiency_for(hf) or DEFAULT_EFFICIENCY
         if meas["compute"]:
-            efficiency.append(used * t.compute_s / meas["compute"])
+            efficiency["hf" if hf else "megatron"].append(used * t.compute_s / meas["compute"])
         if meas["optimizer"] and t.optimizer_s:
             bandwidth.append(hardware.hbm_bandwidth * t.optimizer_s / meas["optimizer"])
-    if not samples or not efficiency:
+    if not (samples or critical) or not any(efficiency.values()):
         raise RecipeError(
             "the runs counted no steady steps to fit from",
             field="--calibrate",
             value=", ".join(map(str, run_dirs)),
             fix=f"give runs of more than {WARMUP_STEPS} steps",
         )
-    alpha, beta = _fit_alpha_beta(samples)
+    alpha, beta = _fit_alpha_beta(samples or critical)
+    # a TP / EP collective's own α: what its calls took beyond their bytes' time (median per message)
+    tp_alpha = (
+        max(0.0, statistics.median((sec - beta * wire) / msgs for msgs, wire, sec in critical))
+        if critical and samples
+        else None
+    )
+    # each kind of module its own efficiency; a kind no run measured takes the other's
+    eff = {k: statistics.median(v) for k, v in efficiency.items() if v}
+    hf_eff = eff.get("hf", eff.get("megatron"))
     fitted = replace(
         hardware,
         name=f"{hardware.name}-calibrated",
         latency_s=alpha,
+        tp_latency_s=tp_alpha,
         intra_node_bandwidth=1.0 / beta if beta > 0 else hardware.intra_node_bandwidth,
-        efficiency=statistics.median(efficiency),
+        efficiency=hf_eff,
+        megatron_efficiency=eff.get("megatron", hf_eff),
         hbm_bandwidth=statistics.median(bandwidth) if bandwidth else hardware.hbm_bandwidth,
     )
     report = {
         "runs": [str(d) for d in run_dirs],
-        "messages_fitted": len(samples),
+        "messages_fitted": len(samples) + len(critical),
         "latency_s": alpha,
+        "tp_latency_s": tp_alpha,
+        "tp_messages_fitted": len(critical),
         "seconds_per_wire_byte": beta,
-        "efficiency_per_run": efficiency,
+        "efficiency_per_run": efficiency,  # by module kind: "hf", "megatron"
         "optimizer_bandwidth_per_run": bandwidth,
     }
     return fitted, report
@@ -209,7 +228,8 @@ def write_profile(profile: HardwareProfile, path: Path, report: dict[str, Any]) 
         f"# {profile.name}: calibrated by `tessera plan --calibrate` from {len(report['runs'])} run(s):",
         *(f"#   {r}" for r in report["runs"]),
         f"# latency_s (alpha) and intra_node_bandwidth (1/beta): least squares over {report['messages_fitted']} "
-        "counted collective calls; efficiency: planner FLOPs / measured compute time; hbm_bandwidth: the",
+        "counted collective calls (tp_latency_s: the median TP / EP call beyond its bytes); efficiency (HF modules) and megatron_efficiency: planner FLOPs / measured",
+        "# compute time; hbm_bandwidth: the",
         "# optimizer's effective bandwidth (planner bytes / measured optimizer time). Medians over the runs.",
     ]
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,507 @@
+"""`make bench`: Tessera's benchmark suite on this machine, every figure a ratio measured side by side.
+
+1. overhead     `tessera run` vs a hand-written DeepSpeed script (ZeRO-2) and a hand-written megatron-core
+                script (TP2), each launched the same way (the deepspeed launcher, cores bound per rank), on
+                the tiny Llama and a ~30M one, alternating tessera / raw / raw / tessera: the median steady
+                step period (wall clock between consecutive step ends, so the loop's own work counts) and
+                the time to first step (rank process start, and command start, to the end of step 1).
+2. comm         per layout (ZeRO 0-3, ddp, megatron TP2, PP2, EP2): the bytes each rank sent per step
+                (counted collectives x the algorithm's wire factor) / the theoretical minimum of the
+                layout (`plan.estimate.minimum_wire_bytes`), and the share of the step in collectives.
+3. memory       the same runs: model-state bytes, one micro-batch's activation bytes and peak memory per
+                rank / the planner's figures (plan.json).
+4. checkpoint   tools/bench/checkpoint_io.py: save / load of a ~1 GB checkpoint vs a plain fsync'd write /
+                read of the same bytes; HF -> megatron TP2 conversion vs reading the weights, peak RSS.
+5. scaling      step time at 1 and 2 ranks (same global batch) for ddp, ZeRO-3 and megatron TP2 (TP1 at
+                one rank), against the ideal halving.
+6. calibration  `tessera plan --calibrate` on the ZeRO-2 and TP2 runs, then the predicted step of every
+                layout / its measured median (the planner's 25 % acceptance; ddp and PP2 held out).
+
+Writes bench-results/<item>.json, bench-results/suite.json, bench-results/results.md, bench-results/
+suite.png, and the results section of README.md (between the bench-results markers).
+
+    python tools/bench/suite.py [--only overhead,comm,...] [--quick] [--out bench-results] [--no-readme]
+
+The GPU benchmark is tools/bench/gpu.sh (one H200), run apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+ITEMS = ("overhead", "comm", "memory", "checkpoint", "scaling", "calibration")
+README_BEGIN, README_END = "<!-- bench-results:begin -->", "<!-- bench-results:end -->"
+#: every run: no W&B, no eval, no checkpoint (the checkpoint benchmark measures those apart)
+QUIET = [
+    "tracking.wandb.mode=disabled",
+    "checkpoint.at_end=false",
+    "checkpoint.every=0",
+    "train.eval_every=0",
+]
+LAYOUTS: dict[str, tuple[str, list[str]]] = {  # name -> (recipe, overrides), the tiny models on 2 ranks
+    "zero0": ("tiny-llama-cpu.yaml", ["parallel.zero=0"]),
+    "zero1": ("tiny-llama-cpu.yaml", ["parallel.zero=1"]),
+    "zero2": ("tiny-llama-cpu.yaml", []),
+    "zero3": ("tiny-llama-cpu.yaml", ["parallel.zero=3"]),
+    "ddp": ("tiny-llama-cpu-ddp.yaml", []),
+    "tp2": ("tiny-llama-cpu-mcore-tp2.yaml", []),
+    "pp2": ("tiny-llama-cpu-mcore-pp2.yaml", []),
+    "ep2": ("tiny-mixtral-cpu-mcore-ep2.yaml", []),
+}
+#: scaling: the 2-rank layout and the same engine on one rank
+SCALING = {"ddp": [], "zero3": [], "tp2": ["parallel.tp=1"]}
+#: overhead pairs: (model, layout, raw script); the ~30M model makes fewer, longer steps
+OVERHEAD = [
+    ("tiny", "zero2", "raw_deepspeed.py"),
+    ("tiny", "tp2", "raw_megatron.py"),
+    ("30m", "zero2", "raw_deepspeed.py"),
+    ("30m", "tp2", "raw_megatron.py"),
+]
+CALIBRATE_ON, CHECKED = ("zero2", "tp2"), ("zero2", "ddp", "tp2", "pp2")
+
+
+@dataclass
+class Steps:
+    """One run's per-step records (rank 0) and when its command started."""
+
+    records: list[dict[str, Any]]
+    launched: float
+    run_dir: Path | None = None
+
+    def periods(self, warmup: int) -> list[float]:
+        """Wall-clock seconds between consecutive step ends after ``warmup`` steps."""
+        wall = [r["wall_time"] for r in self.records if r["step"] > warmup]
+        return [b - a for a, b in itertools.pairwise(wall)]
+
+    def median_step(self, warmup: int) -> float:
+        return statistics.median(r["step_time_s"] for r in self.records if r["step"] > warmup)
+
+    @property
+    def ttfs_process(self) -> float:
+        return float(self.records[0]["time_to_first_step_s"])
+
+    @property
+    def ttfs_command(self) -> float:
+        return float(self.records[0]["wall_time"]) - self.launched
+
+
+def _say(msg: str) -> None:
+    from rich.console import Console
+
+    Console(stderr=True).print(f"[bold cyan]bench[/] {msg}", highlight=False)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _recipe(model: str, recipe: str, work: Path) -> Path:
+    """The recipe file, or for the ~30M model the same recipe with configs/models/llama-30m.yaml on top."""
+    if model == "tiny":
+        return REPO / "recipes" / recipe
+    path = work / f"{model}-{recipe}"
+    path.write_text(
+        f"include:\n  - {REPO / 'recipes' / recipe}\n  - {REPO / 'configs/models/llama-30m.yaml'}\n"
+    )
+    return path
+
+
+def _check(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+    with log.open("w") as out:
+        rc = subprocess.run(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env).returncode
+    if rc != 0:
+        tail = "\n".join(log.read_text().splitlines()[-15:])
+        raise SystemExit(f"bench: `{' '.join(cmd)}` exited {rc}; the end of {log}:\n{tail}")
+
+
+def tessera_run(recipe: Path, overrides: list[str], steps: int, out: Path) -> Steps:
+    """`tessera run` as a user types it; returns rank 0's metrics and the launch time."""
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [
+        str(BIN / "tessera"),
+        "run",
+        str(recipe),
+        *overrides,
+        *QUIET,
+        f"train.steps={steps}",
+        f"run.out_dir={out}",
+    ]
+    t0 = time.time()
+    _check(cmd, out.with_suffix(".log"))
+    from tessera.rundir import RunDir
+
+    return Steps(RunDir(out).read_metrics(), t0, out)
+
+
+def raw_run(script: str, recipe: Path, overrides: list[str], steps: int, out: Path, world: int = 2) -> Steps:
+    """A hand-written script, launched as `tessera run` launches its ranks (deepspeed, cores bound)."""
+    from tessera.comm.shm import release_shared_memory
+
+    port, jsonl = _free_port(), out.with_suffix(".jsonl")
+    jsonl.unlink(missing_ok=True)
+    cmd = [str(BIN / "deepspeed"), "--num_gpus", str(world), "--bind_cores_to_rank", "--master_addr", "127.0.0.1",
+           "--master_port", str(port), str(REPO / "tools/bench" / script), "--recipe", str(recipe), *overrides,
+           "--steps", str(steps), "--out", str(jsonl)]  # fmt: skip
+    env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
+    t0 = time.time()
+    try:
+        _check(cmd, out.with_suffix(".log"), env)
+    finally:
+        release_shared_memory("127.0.0.1", port)
+    return Steps([json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()], t0)
+
+
+# ---- 1. overhead ----------------------------------------------------------------------------------------
+
+
+def bench_overhead(work: Path, quick: bool) -> dict[str, Any]:
+    rows = []
+    for model, layout, script in OVERHEAD:
+        recipe_name, overrides = LAYOUTS[layout]
+        recipe = _recipe(model, recipe_name, work)
+        if model == "tiny":
+            steps, warmup = (30, 5) if quick else (60, 10)
+        else:  # ~5 s steps: a smaller global batch keeps the pair under a few minutes
+            steps, warmup = (6, 2) if quick else (10, 3)
+            overrides = [*overrides, "parallel.global_batch=8", "parallel.micro_batch=4"]
+        runs: dict[str, list[Steps]] = {"tessera": [], "raw": []}
+        for k, who in enumerate(("tessera", "raw", "raw", "tessera")):  # ABBA: drift hits both alike
+            _say(f"overhead {model} {layout}: {who} ({k + 1}/4)")
+            out = work / f"overhead-{model}-{layout}-{who}-{k}"
+            if who == "tessera":
+                runs[who].append(tessera_run(recipe, overrides, steps, out))
+            else:
+                runs[who].append(raw_run(script, recipe, overrides, steps, out))
+        period = {w: statistics.median(p for r in rs for p in r.periods(warmup)) for w, rs in runs.items()}
+        proc = {w: statistics.median(r.ttfs_process for r in rs) for w, rs in runs.items()}
+        cmd = {w: statistics.median(r.ttfs_command for r in rs) for w, rs in runs.items()}
+        rows.append({
+            "model": model, "layout": layout, "raw_script": f"tools/bench/{script}", "steps": steps,
+            "warmup_steps": warmup, "tokens_per_step": runs["tessera"][0].records[-1]["tokens"],
+            "median_step_period_s": period, "step_ratio": period["tessera"] / period["raw"],
+            "time_to_first_step_process_s": proc, "ttfs_process_ratio": proc["tessera"] / proc["raw"],
+            "time_to_first_step_command_s": cmd, "ttfs_command_ratio": cmd["tessera"] / cmd["raw"],
+            "loss_at_last_step": {w: rs[0].records[-1]["loss"] for w, rs in runs.items()},
+        })  # fmt: skip
+    return {"targets": {"step_ratio": 1.03, "ttfs_ratio": 1.2}, "pairs": rows}
+
+
+# ---- 2-3. communication and memory of every layout, 5. scaling -------------------------------------------
+
+
+def _group_sizes(layout: Any) -> dict[str, int]:
+    from tessera.plan.estimate import expert_dp
+
+    return {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "edp": expert_dp(layout),
+            "embd": 2, "world": layout.world_size}  # fmt: skip
+
+
+def comm_of(run_dir: Path, warmup: int) -> dict[str, Any]:
+    """Measured wire bytes per step of the busiest rank vs the layout's theoretical minimum."""
+    from tessera.models.hf import load_hf_config
+    from tessera.plan.estimate import minimum_wire_bytes, model_facts, wire_factor
+    from tessera.plan.layout import layout_from_recipe
+    from tessera.rundir import RunDir, read_jsonl
+
+    rd = RunDir(run_dir)
+    recipe = _recipe_of(run_dir)
+    layout = layout_from_recipe(recipe)
+    f = model_facts(load_hf_config(recipe.model, vocab_size=recipe.data.vocab_size))
+    least, formula = minimum_wire_bytes(
+        f, layout, seq_len=recipe.data.seq_len, precision=recipe.train.precision
+    )
+    sizes = _group_sizes(layout)
+    wire: dict[int, dict[int, float]] = {}  # rank -> step -> bytes sent
+    payload: dict[int, dict[int, float]] = {}
+    for line in read_jsonl(rd.comm):
+        if line.get("phase") != "step" or line["step"] <= warmup:
+            continue
+        for o in line["ops"]:
+            n = sizes.get(o["group"], layout.world_size)
+            w = wire.setdefault(line["rank"], {})
+            w[line["step"]] = w.get(line["step"], 0.0) + wire_factor(o["op"], n) * o["bytes"]
+            p = payload.setdefault(line["rank"], {})
+            p[line["step"]] = p.get(line["step"], 0.0) + o["bytes"]
+    per_rank = {r: statistics.median(s.values()) for r, s in wire.items()}
+    busiest = max(per_rank, key=per_rank.__getitem__)
+    steady = [r for r in rd.read_metrics() if r["step"] > warmup]
+    plan = json.loads(rd.plan.read_text())["chosen"]
+    return {
+        "layout": plan["layout"],
+        "wire_bytes_per_step": per_rank[busiest],
+        "busiest_rank": busiest,
+        "payload_bytes_per_step": statistics.median(payload[busiest].values()),
+        "planned_payload_bytes_per_step": sum(plan["comm_bytes_per_step"].values()),
+        "minimum_wire_bytes_per_step": least,
+        "minimum_formula": formula,
+        "ratio_to_minimum": per_rank[busiest] / least if least else None,
+        "comm_time_fraction": statistics.median(r["comm_time_s"] / r["step_time_s"] for r in steady),
+        "median_step_s": statistics.median(r["step_time_s"] for r in steady),
+    }
+
+
+def _recipe_of(run_dir: Path) -> Any:
+    import yaml
+
+    from tessera.config.loader import validate_recipe
+    from tessera.rundir import RunDir
+
+    return validate_recipe(yaml.safe_load(RunDir(run_dir).recipe.read_text()))
+
+
+def memory_of(run_dir: Path) -> dict[str, Any]:
+    """Measured bytes per rank / the planner's, for model states, activations and peak: the planner sizes
+    the stage that needs the most (pipelines: first or last), so the ranks of that stage are compared."""
+    from tessera.plan.hardware import load_hardware
+    from tessera.plan.layout import layout_from_recipe
+    from tessera.plan.measured import predicted
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    recipe = _recipe_of(run_dir)
+    layout = layout_from_recipe(recipe)
+    mem = predicted(recipe, load_hardware("cpu-2core")).memory
+    pp = {"only": None, "first": 0, "last": layout.pp - 1}[mem.stage]
+    ranks = [r for r in range(layout.world_size) if pp is None or layout.coords(r)["pp"] == pp]
+    states = max(sum(summary["model_state_bytes_per_rank"][r].values()) for r in ranks)
+    acts = max(summary["activation_bytes_per_rank"][r] for r in ranks)
+    peak = max(summary["peak_memory_bytes_per_rank"][r] for r in ranks)
+    planned_states = mem.params + mem.grads + mem.optimizer
+    return {
+        "stage": mem.stage, "ranks": ranks,
+        "model_state_bytes": states, "planned_model_state_bytes": planned_states,
+        "model_state_ratio": states / planned_states,
+        "activation_bytes": acts, "planned_activation_bytes": mem.activations_per_micro_batch,
+        "activation_ratio": acts / mem.activations_per_micro_batch,
+        "peak_bytes": peak, "planned_peak_bytes": mem.total, "peak_ratio": peak / mem.total,
+    }  # fmt: skip
+
+
+def bench_layouts(
+    work: Path, quick: bool, scaling: bool
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    steps, warmup = (20, 5) if quick else (40, 5)
+    comm, memory, scale = {}, {}, {}
+    for name, (recipe, overrides) in LAYOUTS.items():
+        _say(f"layout {name}: tessera run, 2 ranks")
+        two = tessera_run(REPO / "recipes" / recipe, overrides, steps, work / f"layout-{name}")
+        comm[name] = comm_of(two.run_dir, warmup)
+        memory[name] = memory_of(two.run_dir)
+        if scaling and name in SCALING:
+            _say(f"scaling {name}: the same global batch on 1 rank")
+            one = tessera_run(REPO / "recipes" / recipe, [*overrides, *SCALING[name], "run.world_size=1"],
+                              steps, work / f"scaling-{name}-1rank")  # fmt: skip
+            t1, t2 = one.median_step(warmup), two.median_step(warmup)
+            scale[name] = {"step_s_1_rank": t1, "step_s_2_ranks": t2, "speedup": t1 / t2, "ideal_speedup": 2.0,
+                           "efficiency": t1 / (2 * t2)}  # fmt: skip
+    runs = {name: str(work / f"layout-{name}") for name in LAYOUTS}
+    return {"steps": steps, "warmup_steps": warmup, "layouts": comm, "runs": runs}, {"layouts": memory}, scale
+
+
+# ---- 6. calibration -------------------------------------------------------------------------------------
+
+
+def bench_calibration(work: Path) -> dict[str, Any]:
+    from tessera.plan.hardware import load_hardware
+    from tessera.plan.measured import calibrate, compare_to_run
+
+    base = load_hardware("cpu-2core")
+    fitted, report = calibrate([work / f"layout-{n}" for n in CALIBRATE_ON], base)
+    rows = {}
+    for name in CHECKED:
+        t = compare_to_run(work / f"layout-{name}", fitted)["terms"]["step"]
+        stock = compare_to_run(work / f"layout-{name}", base)["terms"]["step"]
+        rows[name] = {"held_out": name not in CALIBRATE_ON, "predicted_s": t["predicted_s"],
+                      "measured_s": t["measured_s"], "ratio": t["predicted_s"] / t["measured_s"],
+                      "stock_profile_ratio": stock["predicted_s"] / stock["measured_s"]}  # fmt: skip
+    fit = {k: v for k, v in report.items() if k != "runs"}
+    return {"calibrated_on": list(CALIBRATE_ON), "fit": fit, "acceptance": 0.25, "layouts": rows}
+
+
+# ---- output --------------------------------------------------------------------------------------------
+
+
+def machine() -> dict[str, Any]:
+    import importlib.metadata as md
+
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor())  # fmt: skip
+    mem = next(int(ln.split()[1]) * 1024 for ln in Path("/proc/meminfo").read_text().splitlines()
+               if ln.startswith("MemTotal"))  # fmt: skip
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    return {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem / 2**30, 1), "python": platform.python_version(),
+        "versions": {p: md.version(p) for p in ("torch", "deepspeed", "megatron-core", "transformers")},
+        "commit": commit.stdout.strip(),
+    }  # fmt: skip
+
+
+def _f(x: float | None, fmt: str = ".3f") -> str:
+    return "—" if x is None else format(x, fmt)
+
+
+def markdown(res: dict[str, Any]) -> str:
+    m = res["machine"]
+    v = ", ".join(f"{k} {x}" for k, x in m["versions"].items())
+    out = [f"Measured {m['date']} on {m['cpu']} ({m['cores']} cores, {m['memory_gib']} GiB), Python "
+           f"{m['python']}, {v}, commit {m['commit']}. Rerun: `make bench` (this section is rewritten).", ""]  # fmt: skip
+    if "overhead" in res:
+        out += ["**1. Overhead** — `tessera run` / the hand-written script, same launcher, recipe, weights and "
+                "batches (median step period after warm-up; time to first step from the rank process's "
+                "start and from the command's). Target ≤ 1.03 per step, ≤ 1.2 to first step.", "",
+                "| model | layout | raw script | step ms raw / tessera | step ratio | first step s (process) | "
+                "ratio | first step s (command) | ratio |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+        for r in res["overhead"]["pairs"]:
+            p, q, c = (
+                r["median_step_period_s"],
+                r["time_to_first_step_process_s"],
+                r["time_to_first_step_command_s"],
+            )
+            out.append(f"| {r['model']} | {r['layout']} | `{Path(r['raw_script']).name}` | {p['raw'] * 1e3:.1f} / "
+                       f"{p['tessera'] * 1e3:.1f} | {r['step_ratio']:.3f} | {q['raw']:.1f} / {q['tessera']:.1f} | "
+                       f"{r['ttfs_process_ratio']:.2f} | {c['raw']:.1f} / {c['tessera']:.1f} | "
+                       f"{r['ttfs_command_ratio']:.2f} |")  # fmt: skip
+        out.append("")
+    if "comm" in res:
+        out += ["**2. Communication** — bytes the busiest rank sends per step (counted collectives × the "
+                "algorithm's wire factor) / the layout's theoretical minimum (bandwidth-optimal collectives, "
+                "`minimum_wire_bytes`), and the step's share in collectives (median).", "",
+                "| layout | sent MB/step | minimum MB | sent / minimum | minimum | comm share of step |",
+                "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+        for name, r in res["comm"]["layouts"].items():
+            out.append(f"| {name} | {r['wire_bytes_per_step'] / 1e6:.3f} | {r['minimum_wire_bytes_per_step'] / 1e6:.3f} "
+                       f"| {_f(r['ratio_to_minimum'], '.2f')} | {r['minimum_formula']} | {r['comm_time_fraction']:.0%} |")  # fmt: skip
+        out.append("")
+    if "memory" in res:
+        out += ["**3. Memory** — measured / planned per rank (the largest rank): model states, one micro-batch's "
+                "activations (saved-tensor hooks), peak (on CPU the process RSS, ~0.45 GB of it libraries).", "",
+                "| layout | model states | activations | peak |", "| --- | --- | --- | --- |"]  # fmt: skip
+        for name, r in res["memory"]["layouts"].items():
+            out.append(
+                f"| {name} | {r['model_state_ratio']:.3f} | {r['activation_ratio']:.3f} | {r['peak_ratio']:.1f} |"
+            )
+        out.append("")
+    if res.get("checkpoint"):
+        c = res["checkpoint"]
+        out += [
+            "**4. Checkpoint I/O** — `tools/bench/checkpoint_io.py`:",
+            "",
+            "```",
+            *c.get("table", []),
+            "```",
+            "",
+        ]
+    if "scaling" in res:
+        out += ["**5. Scaling** — median step at 1 and 2 ranks, same global batch (1 rank runs 2 threads on the "
+                "same 2 cores, so this is distributed vs threaded on one machine); ideal speedup 2.", "",
+                "| layout | 1 rank ms | 2 ranks ms | speedup | efficiency |", "| --- | --- | --- | --- | --- |"]  # fmt: skip
+        for name, r in res["scaling"].items():
+            out.append(f"| {name} | {r['step_s_1_rank'] * 1e3:.1f} | {r['step_s_2_ranks'] * 1e3:.1f} | "
+                       f"{r['speedup']:.2f} | {r['efficiency']:.2f} |")  # fmt: skip
+        out.append("")
+    if "calibration" in res:
+        c = res["calibration"]
+        fit = c["fit"]
+        out += [f"**6. Step time predicted / measured** — `cpu-2core` calibrated on {', '.join(c['calibrated_on'])} "
+                f"(α {fit['latency_s'] * 1e3:.2f} ms/message, {1 / fit['seconds_per_wire_byte'] / 1e9 if fit['seconds_per_wire_byte'] else 0:.2f} GB/s); "
+                "acceptance within 25 %.", "",
+                "| layout | held out | predicted ms | measured ms | predicted / measured | stock profile |",
+                "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+        for name, r in c["layouts"].items():
+            out.append(f"| {name} | {'yes' if r['held_out'] else 'no'} | {r['predicted_s'] * 1e3:.1f} | "
+                       f"{r['measured_s'] * 1e3:.1f} | {r['ratio']:.2f} | {r['stock_profile_ratio']:.2f} |")  # fmt: skip
+        out.append("")
+    return "\n".join(out)
+
+
+def update_readme(section: str) -> None:
+    readme = REPO / "README.md"
+    text = readme.read_text()
+    if README_BEGIN not in text:
+        raise SystemExit(f"bench: README.md has no {README_BEGIN} marker; add the results section first")
+    head, rest = text.split(README_BEGIN, 1)
+    tail = rest.split(README_END, 1)[1]
+    readme.write_text(f"{head}{README_BEGIN}\n{section}\n{README_END}{tail}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", default=",".join(ITEMS), help="comma-separated items: " + ", ".join(ITEMS))
+    ap.add_argument("--quick", action="store_true", help="fewer steps (a check that the suite runs)")
+    ap.add_argument("--out", default=str(REPO / "bench-results"))
+    ap.add_argument("--work", default=None, help="where the runs go (default: a temporary directory)")
+    ap.add_argument("--no-readme", action="store_true", help="do not rewrite README.md's results section")
+    args = ap.parse_args()
+    only = [x.strip() for x in args.only.split(",") if x.strip()]
+    bad = [x for x in only if x not in ITEMS]
+    if bad:
+        ap.error(f"--only {','.join(bad)}: not a benchmark; choose from {', '.join(ITEMS)}")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(
+        args.work
+        or tempfile.mkdtemp(prefix="tessera-bench-", dir=REPO / "runs" if (REPO / "runs").is_dir() else None)
+    )
+    work.mkdir(parents=True, exist_ok=True)
+    res: dict[str, Any] = {"machine": machine()}
+    t0 = time.time()
+    if "overhead" in only:
+        res["overhead"] = bench_overhead(work, args.quick)
+    if {"comm", "memory", "scaling", "calibration"} & set(only):
+        comm, memory, scale = bench_layouts(work, args.quick, "scaling" in only)
+        if "comm" in only:
+            res["comm"] = comm
+        if "memory" in only:
+            res["memory"] = memory
+        if "scaling" in only:
+            res["scaling"] = scale
+        if "calibration" in only:
+            res["calibration"] = bench_calibration(work)
+    if "checkpoint" in only:
+        _say("checkpoint I/O (tools/bench/checkpoint_io.py)")
+        _check(
+            [sys.executable, str(REPO / "tools/bench/checkpoint_io.py"), "--out", str(out)],
+            work / "checkpoint.log",
+        )
+        res["checkpoint"] = json.loads((out / "checkpoint_io.json").read_text())
+    res["seconds"] = time.time() - t0
+    for item in ITEMS:
+        if item in res and item != "checkpoint":
+            (out / f"{item}.json").write_text(json.dumps(res[item], indent=2))
+    (out / "suite.json").write_text(json.dumps(res, indent=2))
+    section = markdown(res)
+    (out / "results.md").write_text(section + "\n")
+    from suite_plot import plot_suite
+
+    plot_suite(res, out / "suite.png")
+    if not args.no_readme:
+        update_readme(section)
+    print(section)
+    print(
+        f"wrote {out}/ (suite.json, results.md, suite.png) in {res['seconds'] / 60:.1f} min; runs in {work}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""The benchmark suite's figure: one panel per measured item, each ratio beside its target or ideal."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def _bars(
+    ax: Any, labels: list[str], values: list[float], target: float, target_label: str, ylabel: str
+) -> None:
+    xs = range(len(labels))
+    ax.bar(xs, values, color="#4c72b0", width=0.6)
+    ax.axhline(target, color="#c44e52", linestyle="--", linewidth=1.2, label=target_label)
+    for x, v in zip(xs, values, strict=True):
+        ax.annotate(f"{v:.2f}", (x, v), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(xs), labels, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=8, loc="upper left")
+    ax.grid(axis="y", alpha=0.3)
+
+
+def plot_suite(res: dict[str, Any], path: Path) -> None:
+    """Overhead, bytes sent vs the minimum, memory vs the plan, scaling, step time vs the planner."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [k for k in ("overhead", "comm", "memory", "scaling", "calibration") if res.get(k)]
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.2), squeeze=False)
+    for ax, key in zip(axes[0], panels, strict=True):
+        if key == "overhead":
+            rows = res[key]["pairs"]
+            _bars(ax, [f"{r['model']} {r['layout']}" for r in rows], [r["step_ratio"] for r in rows], 1.03,
+                  "target 1.03", "step period, tessera / raw script")  # fmt: skip
+            ax.set_title("1. Overhead over the raw engines")
+            ax.set_ylim(0.9, max(1.1, *(r["step_ratio"] for r in rows)) * 1.05)
+        elif key == "comm":
+            rows = res[key]["layouts"]
+            _bars(ax, list(rows), [r["ratio_to_minimum"] or 0.0 for r in rows.values()], 1.0,
+                  "theoretical minimum", "bytes sent per step / minimum")  # fmt: skip
+            ax.set_title("2. Communication volume")
+        elif key == "memory":
+            rows = res[key]["layouts"]
+            xs = list(range(len(rows)))
+            for i, (k, lab) in enumerate(
+                (("model_state_ratio", "model states"), ("activation_ratio", "activations"))
+            ):
+                ax.bar(
+                    [x + (i - 0.5) * 0.35 for x in xs], [r[k] for r in rows.values()], width=0.35, label=lab
+                )
+            ax.axhline(1.0, color="#c44e52", linestyle="--", linewidth=1.2, label="planner")
+            ax.set_xticks(xs, list(rows), rotation=30, ha="right", fontsize=8)
+            ax.set_ylabel("measured bytes per rank / planned")
+            ax.set_ylim(0.8, 1.2)
+            ax.legend(fontsize=8, loc="upper left")
+            ax.grid(axis="y", alpha=0.3)
+            ax.set_title("3. Memory against the planner")
+        elif key == "scaling":
+            rows = res[key]
+            _bars(ax, list(rows), [r["speedup"] for r in rows.values()], 2.0, "ideal (2 ranks)",
+                  "speedup, 1 rank / 2 ranks step time")  # fmt: skip
+            ax.set_ylim(0, 2.4)
+            ax.set_title("5. Scaling 1 → 2 ranks")
+        else:
+            rows = res[key]["layouts"]
+            labels = [f"{k}{' (held out)' if r['held_out'] else ''}" for k, r in rows.items()]
+            _bars(
+                ax, labels, [r["ratio"] for r in rows.values()], 1.0, "measured", "predicted / measured step"
+            )
+            ax.axhspan(0.75, 1.25, color="#55a868", alpha=0.15, label="±25 %")
+            ax.legend(fontsize=8, loc="upper left")
+            ax.set_title("6. Planner step time, calibrated")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
