@@ -36,13 +36,26 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
 
 
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file's bytes, read in chunks so large files never sit in memory."""
+def sha256_file(path: Path, *, sync: bool = False) -> str:
+    """Hex sha256 of a file's bytes, read in chunks so large files never sit in memory. ``sync``: also
+    flush the file's data to disk (a file written through the page cache - ``torch.save``, safetensors -
+    is durable only after an fsync)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
+        if sync:
+            os.fsync(f.fileno())
     return h.hexdigest()
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (a rename into it, a new file) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def sha256_bytes(data: bytes) -> str:

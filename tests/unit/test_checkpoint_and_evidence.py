@@ -394,3 +394,31 @@ def test_convert_refuses_a_damaged_source_and_a_used_output(tmp_path):
     with pytest.raises(RecipeError, match="not an empty directory"):
         convert_to_hf(p, out)
     assert (out / "keep.txt").read_text() == "mine"
+
+
+def test_first_nonfinite_finds_nan_and_inf_but_not_large_finite_values():
+    """The fast path (a finite sum) never hides a bad value, and a sum that overflows is not one."""
+    from tessera.engines.base import first_nonfinite
+
+    big = torch.full((10,), 3e38)  # finite, but its fp32 sum overflows to inf
+    assert first_nonfinite([("big", big), ("ok", torch.ones(4, dtype=torch.bfloat16))]) is None
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        t = torch.randn(1000)
+        t[777] = bad
+        assert first_nonfinite([("fine", torch.zeros(3)), ("t", t)]) == "t"
+    pair = torch.tensor([float("inf"), float("-inf")])  # sums to NaN: still found
+    assert first_nonfinite([("pair", pair), ("ints", torch.arange(3))]) == "pair"
+
+
+def test_checkpoint_files_are_shared_out_by_bytes(tmp_path):
+    from tessera.checkpoint.manager import CheckpointManager
+
+    sizes = {"a": 900, "b": 500, "c": 400, "d": 100, "e": 10}
+    for name, n in sizes.items():
+        (tmp_path / name).write_bytes(b"x" * n)
+    shares = [
+        CheckpointManager(tmp_path, keep=1, rank=r, world_size=2)._share(tmp_path, list(sizes))
+        for r in (0, 1)
+    ]
+    assert sorted(shares[0] + shares[1]) == sorted(sizes)  # every file once
+    assert shares == [["a", "d"], ["b", "c", "e"]]  # 1000 and 910 bytes (round robin: 1310 and 600)

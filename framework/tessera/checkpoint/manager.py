@@ -6,10 +6,12 @@ Protocol of one save (all ranks take part):
    a checkpoint is never written from non-finite state;
 2. every rank writes its shard (the engine's format) and its RNG state (safetensors) into
    ``.tmp-step_NNNNNN/``; rank 0 adds the manifest;
-3. the ranks hash the files between them; rank 0 writes ``meta.json`` (format v2: engine, sharding,
+3. the ranks hash and fsync the files between them (balanced by bytes), so the data is on disk before
+   anything names it; rank 0 writes ``meta.json`` (format v2: engine, sharding,
    layout, precision, HF model config, tokenizer hash, step, the layout-free sampler position, and the
    sha256 and size of every file), then renames the directory to ``step_NNNNNN`` (atomic on one file
-   system), rewrites ``latest`` via a temporary file + ``os.replace``, and prunes to the last ``keep``.
+   system; the directories fsynced), rewrites ``latest`` via a temporary file + ``os.replace``, and prunes
+   to the last ``keep``.
 
 A crash anywhere before the rename leaves ``latest`` pointing at the previous complete checkpoint; a stray
 ``.tmp-*`` directory is removed by the next save. Loading verifies every file against ``meta.json`` before
@@ -32,7 +34,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tessera.atomic import sha256_file, write_json_atomic, write_text_atomic
+from tessera.atomic import fsync_dir, sha256_file, write_json_atomic, write_text_atomic
 from tessera.comm.groups import all_gather_object, any_rank, barrier, multi_rank
 from tessera.errors import CheckpointError, TrainingDiverged
 from tessera.rundir import RunDir
@@ -299,8 +301,9 @@ class CheckpointManager:
             write_json_atomic(tmp / MANIFEST, manifest)
         barrier()
         files = checkpoint_files(tmp)
+        # each rank hashes and fsyncs its share (balanced by bytes): the data is on disk before the rename
         mine = {
-            f: (sha256_file(tmp / f), (tmp / f).stat().st_size) for f in files[self.rank :: self.world_size]
+            f: (sha256_file(tmp / f, sync=True), (tmp / f).stat().st_size) for f in self._share(tmp, files)
         }
         hashed = {k: v for part in all_gather_object(mine) for k, v in part.items()}
         if self.rank == 0:
@@ -314,6 +317,7 @@ class CheckpointManager:
                 "files": [{"path": f, "bytes": hashed[f][1], "sha256": hashed[f][0]} for f in files],
             }
             write_json_atomic(tmp / META, meta)
+            fsync_dir(tmp)
             if final.exists():  # re-saving a step (e.g. after a resume): swap, never a half state
                 trash = self.root / f".tmp-old-{name}"
                 os.rename(final, trash)
@@ -321,10 +325,24 @@ class CheckpointManager:
                 shutil.rmtree(trash, ignore_errors=True)
             else:
                 os.rename(tmp, final)
+            fsync_dir(self.root)  # the rename is durable before `latest` names it
             write_text_atomic(self.root / LATEST, name + "\n")
+            fsync_dir(self.root)
             self._prune()
         barrier()
         return final
+
+    def _share(self, root: Path, files: list[str]) -> list[str]:
+        """This rank's files to hash: largest first to the rank with the fewest bytes so far (every rank
+        computes the same split from the same sizes)."""
+        load = [0] * self.world_size
+        share: list[str] = []
+        for f in sorted(files, key=lambda f: (-(root / f).stat().st_size, f)):
+            r = load.index(min(load))
+            load[r] += (root / f).stat().st_size
+            if r == self.rank:
+                share.append(f)
+        return share
 
     def check_finite(self, engine: Any, step: int) -> None:
         """Refuse to save non-finite state: every rank checks its parameters and optimizer tensors, and

@@ -622,9 +622,7 @@ def minimum_wire_bytes(
             small = min(psi, sum(x for x in hf_tensor_numels(f) if x < ZERO3_PERSISTENCE_THRESHOLD))
         total += ((m + 1) * small + (3 * m if zero == 3 else m + 1) * (psi - small)) * (n - 1) / n * e
         parts.append(
-            f"(m+1)·(n-1)/n·{name}·e"
-            if zero == 2
-            else f"[3m·{name}_big + (m+1)·{name}_persistent]·(n-1)/n·e"
+            f"(m+1)·(n-1)/n·{name}·e" if zero == 2 else f"[3m·{name}_big + (m+1)·{name}_persistent]·(n-1)/n·e"
         )
     layers = f.num_layers // L.pp
     act = seq_len * L.micro_batch * f.hidden * e
