@@ -32,7 +32,7 @@ demo: setup
 	$(BIN)/tessera compare recipes/tiny-llama-cpu.yaml --out runs/demo-$$(date +%Y%m%d-%H%M%S)
 
 bench: setup
-	$(BIN)/python tools/bench/bench_zero_vs_raw.py
+	$(BIN)/python tools/bench/suite.py
 
 clean:
 	rm -rf $(VENV) runs .cache .pytest_cache .ruff_cache

@@ -181,7 +181,7 @@ def bench_overhead(work: Path, quick: bool) -> dict[str, Any]:
         if model == "tiny":
             steps, warmup = (30, 5) if quick else (60, 10)
         else:  # ~5 s steps: a smaller global batch keeps the pair under a few minutes
-            steps, warmup = (6, 2) if quick else (10, 3)
+            steps, warmup = (6, 2) if quick else (8, 3)
             overrides = [*overrides, "parallel.global_batch=8", "parallel.micro_batch=4"]
         runs: dict[str, list[Steps]] = {"tessera": [], "raw": []}
         for k, who in enumerate(("tessera", "raw", "raw", "tessera")):  # ABBA: drift hits both alike
