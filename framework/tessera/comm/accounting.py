@@ -135,19 +135,6 @@ class CommCounter:
         self._step = defaultdict(_Agg)
         return out
 
-    def paused(self):
-        """Context manager: ops issued inside are not counted (Tessera's own bookkeeping of the tally)."""
-        counter = self
-
-        class _Pause:
-            def __enter__(self):
-                counter._local.depth = getattr(counter._local, "depth", 0) + 1
-
-            def __exit__(self, *exc: Any) -> None:
-                counter._local.depth -= 1
-
-        return _Pause()
-
 
 _COUNTER: CommCounter | None = None
 
