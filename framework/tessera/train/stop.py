@@ -46,6 +46,14 @@ class StopRules(Callback):
         self.compute: list[list[float]] = []
         self.warned = -(10**9)
         self.preempt_file = ctx.run_dir / ctx.run_dir.PREEMPT
+        self.store = None
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            self.store = dist.distributed_c10d._get_default_store()
+            # this run's own keys: processes that run several runs (the tests) share one store, and every
+            # rank counts each of its runs once, so all ranks derive the same generation
+            self.generation = (self.store.add("tessera/stop/runs", 1) - 1) // ctx.world
 
     def _flags(self, ctx: RunContext, rec: dict[str, Any]) -> tuple[list[int], dict[str, str]]:
         import statistics
@@ -116,12 +124,10 @@ class StopRules(Callback):
         every rank has read by then (it waited for all keys of the step between)."""
         import json
 
-        import torch.distributed as dist
-
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
+        store = self.store
+        if store is None:
             return [mine]
-        store = dist.distributed_c10d._get_default_store()
-        key = "tessera/stop/{step}/{rank}"
+        key = f"tessera/stop/{self.generation}/{{step}}/{{rank}}"
         store.set(key.format(step=step, rank=ctx.rank), json.dumps(mine))
         keys = [key.format(step=step, rank=r) for r in range(ctx.world)]
         store.wait(keys)
