@@ -254,8 +254,9 @@ def _plan_calibrate(args: argparse.Namespace) -> int:
             else ""
         )
         + ", "
-        f"{fitted.intra_node_bandwidth / 1e9:.2f} GB/s, matmul efficiency {fitted.efficiency:.3f} (HF modules) / "
-        f"{fitted.megatron_efficiency:.3f} (megatron-core), "
+        f"{fitted.intra_node_bandwidth / 1e9:.2f} GB/s, efficiency "
+        + ", ".join(f"{e} {v:.3f}" for e, v in (fitted.engine_efficiency or {}).items())
+        + ", "
         f"optimizer bandwidth {fitted.hbm_bandwidth / 1e9:.2f} GB/s, from {report['messages_fitted']} "
         f"collective calls of {len(runs)} run(s) -> {out}"
     )

@@ -127,6 +127,11 @@ def _check_plan_against_the_run(out, tmp_path) -> None:
     assert p.returncode == 0 and "latency" in p.stdout, p.stderr[-2000:]
     hw = load_hardware(profile)
     assert hw.name == "cpu-2core-calibrated" and hw.efficiency and not hw.comm_overlap and hw.latency_s >= 0
+    assert list(hw.engine_efficiency or {}) == ["deepspeed"] and hw.tp_latency_s is None  # no TP / EP run
+    from tessera.plan.measured import compare_to_run
+
+    step = compare_to_run(out, hw)["terms"]["step"]  # in sample: the fit reproduces the run's own step
+    assert 0.75 <= step["predicted_s"] / step["measured_s"] <= 1.25, step
     p = tessera("plan", RECIPE, "--measured", str(out), "--hardware", str(profile))
     assert p.returncode == 0 and "compute" in p.stdout, p.stderr[-2000:]
     p = tessera("plan", "--calibrate", str(tmp_path), "--hardware", "cpu-2core")

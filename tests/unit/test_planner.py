@@ -718,19 +718,29 @@ def test_a_profile_without_comm_overlap_exposes_every_dp_second(tmp_path):
         load_hardware(tmp_path / "p.yaml")
 
 
-def test_megatron_layouts_take_the_megatron_efficiency_of_a_calibrated_profile():
-    """megatron-core's modules run other kernels than HF's: a calibrated profile has one efficiency each."""
+def test_each_engine_takes_its_own_efficiency_from_a_calibrated_profile(tmp_path):
+    """An engine's own work per step (hooks, bucket copies, unfused kernels) counts in its compute time: a
+    calibrated profile has one efficiency per engine it measured, the others use ``efficiency``."""
     import dataclasses
 
     f = _tiny_llama_facts()
-    cpu = dataclasses.replace(load_hardware("cpu-2core"), efficiency=0.2, megatron_efficiency=0.05)
+    cpu = dataclasses.replace(
+        load_hardware("cpu-2core"), efficiency=0.2, engine_efficiency={"megatron": 0.05, "ddp": 0.4}
+    )
 
     def compute(**kw) -> float:  # the same global batch of 8 rows on 2 ranks
         lay = _layout(world_size=2, micro_batch=4, **kw)
         return step_time(f, lay, seq_len=64, precision="fp32", recompute="none", hardware=cpu).compute_s
 
-    ddp = compute(engine="ddp")
-    assert compute(engine="megatron", pp=2, grad_accum=2) == pytest.approx(4 * ddp, rel=1e-12)
-    assert compute(engine="deepspeed", zero=2) == pytest.approx(ddp, rel=1e-12)
-    only_hf = dataclasses.replace(cpu, megatron_efficiency=None)
-    assert only_hf.efficiency_for(hf_module=False) == only_hf.efficiency_for(hf_module=True) == 0.2
+    ds = compute(engine="deepspeed", zero=2)
+    assert compute(engine="megatron", pp=2, grad_accum=2) == pytest.approx(4 * ds, rel=1e-12)
+    assert compute(engine="ddp") == pytest.approx(ds / 2, rel=1e-12)
+    (tmp_path / "p.yaml").write_text(
+        (REPO / "configs/hardware/cpu-2core.yaml").read_text() + "engine_efficiency: {megatron: 0.05}\n"
+    )
+    assert load_hardware(tmp_path / "p.yaml").efficiency_for("megatron") == 0.05
+    (tmp_path / "p.yaml").write_text(
+        (REPO / "configs/hardware/cpu-2core.yaml").read_text() + "engine_efficiency: {fsdp: 0.05}\n"
+    )
+    with pytest.raises(RecipeError, match="engine names"):
+        load_hardware(tmp_path / "p.yaml")

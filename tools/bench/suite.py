@@ -74,7 +74,8 @@ OVERHEAD = [
     ("30m", "zero2", "raw_deepspeed.py"),
     ("30m", "tp2", "raw_megatron.py"),
 ]
-CALIBRATE_ON, CHECKED = ("zero2", "tp2"), ("zero2", "ddp", "tp2", "pp2")
+#: the planner's acceptance layouts, each predicted by a profile calibrated on the rest of the pool
+POOL, CHECKED = ("zero2", "ddp", "tp2", "pp2", "ep2"), ("zero2", "ddp", "tp2", "pp2")
 
 
 @dataclass
@@ -133,8 +134,15 @@ def _check(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> None
         raise SystemExit(f"bench: `{' '.join(cmd)}` exited {rc}; the end of {log}:\n{tail}")
 
 
+REUSE = False  # --reuse: keep a finished run of an earlier suite in --work (re-analysing without re-running)
+
+
 def tessera_run(recipe: Path, overrides: list[str], steps: int, out: Path) -> Steps:
     """`tessera run` as a user types it; returns rank 0's metrics and the launch time."""
+    from tessera.rundir import RunDir
+
+    if REUSE and (out / "summary.json").is_file():
+        return Steps(RunDir(out).read_metrics(), float("nan"), out)
     shutil.rmtree(out, ignore_errors=True)
     cmd = [
         str(BIN / "tessera"),
@@ -147,8 +155,6 @@ def tessera_run(recipe: Path, overrides: list[str], steps: int, out: Path) -> St
     ]
     t0 = time.time()
     _check(cmd, out.with_suffix(".log"))
-    from tessera.rundir import RunDir
-
     return Steps(RunDir(out).read_metrics(), t0, out)
 
 
@@ -320,20 +326,30 @@ def bench_layouts(
 
 
 def bench_calibration(work: Path) -> dict[str, Any]:
+    """Leave one out: for each acceptance layout, `cpu-2core` calibrated on the other runs of the pool
+    predicts its step; and the profile calibrated on the whole pool, in sample."""
     from tessera.plan.hardware import load_hardware
     from tessera.plan.measured import calibrate, compare_to_run
 
     base = load_hardware("cpu-2core")
-    fitted, report = calibrate([work / f"layout-{n}" for n in CALIBRATE_ON], base)
+    run = {n: work / f"layout-{n}" for n in POOL}
+    whole, report = calibrate([run[n] for n in POOL], base)
     rows = {}
     for name in CHECKED:
-        t = compare_to_run(work / f"layout-{name}", fitted)["terms"]["step"]
-        stock = compare_to_run(work / f"layout-{name}", base)["terms"]["step"]
-        rows[name] = {"held_out": name not in CALIBRATE_ON, "predicted_s": t["predicted_s"],
-                      "measured_s": t["measured_s"], "ratio": t["predicted_s"] / t["measured_s"],
-                      "stock_profile_ratio": stock["predicted_s"] / stock["measured_s"]}  # fmt: skip
+        held, _ = calibrate([run[n] for n in POOL if n != name], base)
+        out = compare_to_run(run[name], held)["terms"]["step"]
+        ins = compare_to_run(run[name], whole)["terms"]["step"]
+        stock = compare_to_run(run[name], base)["terms"]["step"]
+        rows[name] = {
+            "calibrated_on": [n for n in POOL if n != name], "measured_s": out["measured_s"],
+            "held_out_predicted_s": out["predicted_s"], "held_out_ratio": out["predicted_s"] / out["measured_s"],
+            "in_sample_ratio": ins["predicted_s"] / ins["measured_s"],
+            "stock_profile_ratio": stock["predicted_s"] / stock["measured_s"],
+        }  # fmt: skip
     fit = {k: v for k, v in report.items() if k != "runs"}
-    return {"calibrated_on": list(CALIBRATE_ON), "fit": fit, "acceptance": 0.25, "layouts": rows}
+    profile = {"latency_s": whole.latency_s, "tp_latency_s": whole.tp_latency_s,
+               "bandwidth": whole.intra_node_bandwidth, "engine_efficiency": whole.engine_efficiency}  # fmt: skip
+    return {"pool": list(POOL), "profile": profile, "fit": fit, "acceptance": 0.25, "layouts": rows}
 
 
 # ---- output --------------------------------------------------------------------------------------------
@@ -364,6 +380,9 @@ def markdown(res: dict[str, Any]) -> str:
     v = ", ".join(f"{k} {x}" for k, x in m["versions"].items())
     out = [f"Measured {m['date']} on {m['cpu']} ({m['cores']} cores, {m['memory_gib']} GiB), Python "
            f"{m['python']}, {v}, commit {m['commit']}. Rerun: `make bench` (this section is rewritten).", ""]  # fmt: skip
+    if m.get("rerun"):
+        r = m["rerun"]
+        out[0] += f" Re-run {r['date']} (commit {r['commit']}): {', '.join(r['items'])}."
     if "overhead" in res:
         out += ["**1. Overhead** — `tessera run` / the hand-written script, same launcher, recipe, weights and "
                 "batches (median step period after warm-up; time to first step from the rank process's "
@@ -419,16 +438,18 @@ def markdown(res: dict[str, Any]) -> str:
                        f"{r['speedup']:.2f} | {r['efficiency']:.2f} |")  # fmt: skip
         out.append("")
     if "calibration" in res:
-        c = res["calibration"]
-        fit = c["fit"]
-        out += [f"**6. Step time predicted / measured** — `cpu-2core` calibrated on {', '.join(c['calibrated_on'])} "
-                f"(α {fit['latency_s'] * 1e3:.2f} ms/message, {1 / fit['seconds_per_wire_byte'] / 1e9 if fit['seconds_per_wire_byte'] else 0:.2f} GB/s); "
-                "acceptance within 25 %.", "",
-                "| layout | held out | predicted ms | measured ms | predicted / measured | stock profile |",
-                "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+        c, p = res["calibration"], res["calibration"]["profile"]
+        eff = ", ".join(f"{k} {v:.3f}" for k, v in p["engine_efficiency"].items())
+        out += [f"**6. Step time predicted / measured** — each layout predicted by `cpu-2core` calibrated on the "
+                f"other runs of {', '.join(c['pool'])} (`tessera plan --calibrate`; leave one out), and in sample by "
+                f"the profile calibrated on all of them (α {p['latency_s'] * 1e3:.2f} ms per message, TP / EP "
+                f"{(p['tp_latency_s'] or 0) * 1e3:.2f} ms, {p['bandwidth'] / 1e9:.2f} GB/s, efficiency {eff}). "
+                "Acceptance: within 25 %.", "",
+                "| layout | measured ms | held out: predicted ms | held out: predicted / measured | in sample | "
+                "stock `cpu-2core` |", "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
         for name, r in c["layouts"].items():
-            out.append(f"| {name} | {'yes' if r['held_out'] else 'no'} | {r['predicted_s'] * 1e3:.1f} | "
-                       f"{r['measured_s'] * 1e3:.1f} | {r['ratio']:.2f} | {r['stock_profile_ratio']:.2f} |")  # fmt: skip
+            out.append(f"| {name} | {r['measured_s'] * 1e3:.1f} | {r['held_out_predicted_s'] * 1e3:.1f} | "
+                       f"{r['held_out_ratio']:.2f} | {r['in_sample_ratio']:.2f} | {r['stock_profile_ratio']:.2f} |")  # fmt: skip
         out.append("")
     return "\n".join(out)
 
@@ -450,7 +471,10 @@ def main() -> int:
     ap.add_argument("--out", default=str(REPO / "bench-results"))
     ap.add_argument("--work", default=None, help="where the runs go (default: a temporary directory)")
     ap.add_argument("--no-readme", action="store_true", help="do not rewrite README.md's results section")
+    ap.add_argument("--reuse", action="store_true", help="with --work: analyse the layout runs already there")
     args = ap.parse_args()
+    global REUSE
+    REUSE = args.reuse
     only = [x.strip() for x in args.only.split(",") if x.strip()]
     bad = [x for x in only if x not in ITEMS]
     if bad:
@@ -464,6 +488,16 @@ def main() -> int:
     )
     work.mkdir(parents=True, exist_ok=True)
     res: dict[str, Any] = {"machine": machine()}
+    if set(only) != set(ITEMS) and (out / "suite.json").is_file():  # a part: keep the other items' results
+        old = json.loads((out / "suite.json").read_text())
+        now = res["machine"]
+        res = {
+            **old,
+            "machine": {
+                **old["machine"],
+                "rerun": {"items": only, "date": now["date"], "commit": now["commit"]},
+            },
+        }
     t0 = time.time()
     if "overhead" in only:
         res["overhead"] = bench_overhead(work, args.quick)

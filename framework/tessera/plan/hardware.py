@@ -58,9 +58,10 @@ class HardwareProfile:
     #: the fraction of peak FLOP/s the model's matmuls reach on this device (a calibrated profile has
     #: it: ``tessera plan --calibrate``); None = the planner's default
     efficiency: float | None = None
-    #: the same for megatron-core's modules, which run other kernels (off CUDA its local layer spec: torch
-    #: ops unfused, split matmuls under TP); None = ``efficiency``
-    megatron_efficiency: float | None = None
+    #: the same per engine, where a calibration measured it (``deepspeed``, ``ddp``, ``megatron``): each
+    #: engine's own work per step - DeepSpeed's hooks and bucket copies, megatron-core's kernels (off CUDA
+    #: its local spec's unfused ops) - counts in its compute time; an engine not listed uses ``efficiency``
+    engine_efficiency: dict[str, float] | None = None
     #: whether data-parallel collectives run beside the backward (GPU streams, NCCL): False on CPU, where
     #: gloo's collectives and the backward share the cores, so every collective second is exposed
     comm_overlap: bool = True
@@ -81,12 +82,10 @@ class HardwareProfile:
             return self.tp_latency_s
         return self.latency_s
 
-    def efficiency_for(self, hf_module: bool) -> float | None:
-        """The calibrated matmul efficiency of the HF modules (``hf_module``) or megatron-core's; None
-        where the profile has none (the planner's default applies)."""
-        if not hf_module and self.megatron_efficiency is not None:
-            return self.megatron_efficiency
-        return self.efficiency
+    def efficiency_for(self, engine: str) -> float | None:
+        """The calibrated efficiency of ``engine`` (else the profile's ``efficiency``); None where the
+        profile has none (the planner's default applies)."""
+        return (self.engine_efficiency or {}).get(engine, self.efficiency)
 
     def peak_for(self, precision: str) -> float:
         """Peak FLOP/s for ``precision``: fp32 runs use the fp32 figure where the profile has one."""
@@ -191,6 +190,17 @@ def load_hardware(path: str | Path) -> HardwareProfile:
             continue
         if key == "name":
             kw[key] = str(value)
+        elif key == "engine_efficiency":
+            from tessera.engines.registry import ENGINE_NAMES
+
+            if not isinstance(value, dict) or any(k not in ENGINE_NAMES for k in value):
+                raise RecipeError(
+                    f"{p}: must map engine names to efficiencies",
+                    field=key,
+                    value=value,
+                    fix="engine_efficiency: {" + ", ".join(f"{e}: 0.1" for e in ENGINE_NAMES) + "}",
+                )
+            kw[key] = {k: _number(p, f"{key}.{k}", v) for k, v in value.items()}
         elif key == "comm_overlap":
             if not isinstance(value, bool):
                 raise RecipeError(

@@ -9,12 +9,13 @@ is not measured apart) and, per collective, the calls and seconds of ``comm.json
 planner's message count and its α + n·β time.
 
 ``tessera plan --calibrate RUN_DIR... --hardware X`` fits what the profile's figures cannot know:
-α (seconds per message) and β (seconds per wire byte) by least squares over every data-parallel and
-pipeline collective call the runs counted; a TP / EP collective's own α (the median call beyond its
-bytes' time: those sit between a layer's matmuls and wait out the ranks' skew); the matmul efficiency
-(the planner's FLOPs over the measured compute time; one for the HF modules, one for megatron-core's,
-which run other kernels) and the optimizer's effective memory bandwidth (the planner's bytes over the
-measured optimizer time), each the median over the runs. It writes a new profile with them.
+α (seconds per message) and β (seconds per wire byte) by least squares over the data-parallel and
+pipeline collectives the runs counted (per op and group, the median step); each engine's efficiency (the planner's FLOPs over the
+measured compute time: an engine's own work per step - hooks, bucket copies, unfused kernels - counts
+there); a TP / EP collective's own α (the step time of such runs beyond the rest of the prediction, per
+message: those sit between a layer's matmuls, so they cost the ranks' skew too); and the optimizer's
+effective memory bandwidth (the planner's bytes over the measured optimizer time), each the median over
+the runs. It writes a new profile with them.
 """
 
 from __future__ import annotations
@@ -142,80 +143,124 @@ def _fit_alpha_beta(samples: list[tuple[float, float, float]]) -> tuple[float, f
     a = np.array([[m, w] for m, w, _ in samples], dtype=float)
     y = np.array([s for _, _, s in samples], dtype=float)
     (alpha, beta), *_ = np.linalg.lstsq(a, y, rcond=None)
-    if beta <= 0:  # no bandwidth signal (tiny messages only): all latency
-        alpha, beta = float(y.sum() / a[:, 0].sum()), 0.0
-    if alpha <= 0:
-        alpha, beta = 0.0, float((a[:, 1] @ y) / (a[:, 1] @ a[:, 1]))
+    if alpha < 0 or beta < 0:
+        # non-negative least squares: the optimum lies on a boundary - all latency or all bandwidth,
+        # whichever fits the calls better (a few calls of two sizes can make the free fit negative)
+        fits = [(float(y.sum() / a[:, 0].sum()), 0.0), (0.0, float((a[:, 1] @ y) / (a[:, 1] @ a[:, 1])))]
+        alpha, beta = min(fits, key=lambda f: float(np.sum((a @ np.array(f) - y) ** 2)))
     return float(alpha), float(beta)
 
 
+def _tp_only_efficiency(
+    runs: list[tuple[Path, Any, dict[str, float | None], float]], known: dict[str, float], hw: HardwareProfile
+) -> dict[str, float]:
+    """The efficiency of an engine measured only in runs with TP / EP collectives, whose compute time
+    also holds those collectives' disturbance: with two or more such runs, step = compute at efficiency 1
+    / e + messages x α_TP + the rest, solved for 1/e and α_TP by least squares; with one, its measured
+    compute (the disturbance then stays in the efficiency)."""
+    import numpy as np
+
+    from tessera.plan.time_estimate import DEFAULT_EFFICIENCY
+
+    out: dict[str, float] = {}
+    by_engine: dict[str, list[tuple[Path, Any, dict[str, float | None], float]]] = {}
+    for run in runs:
+        if run[3] and run[1].layout.engine not in known:
+            by_engine.setdefault(run[1].layout.engine, []).append(run)
+    for engine, mine in by_engine.items():
+        one = replace(hw, engine_efficiency={**known, engine: 1.0}, tp_latency_s=0.0)
+        rows, y = [], []
+        for run_dir, _, meas, critical in mine:
+            t = predicted(run_recipe(run_dir, "--calibrate"), one).time
+            rows.append([t.compute_s / (1 - t.bubble_s / max(t.step_s, 1e-12)), critical])
+            y.append(float(meas["step"] or 0.0) - (t.step_s - t.compute_s - t.bubble_s))
+        inv = 0.0
+        if len(mine) >= 2:
+            (inv, alpha), *_ = np.linalg.lstsq(np.array(rows), np.array(y), rcond=None)
+            inv = inv if alpha >= 0 else 0.0
+        if inv > 0:
+            out[engine] = float(1.0 / inv)
+        else:  # one run, or no solution: its measured compute
+            _, cand, meas, _ = mine[0]
+            used = hw.efficiency_for(engine) or DEFAULT_EFFICIENCY
+            out[engine] = used * cand.time.compute_s / float(meas["compute"] or cand.time.compute_s)
+    return out
+
+
 def calibrate(run_dirs: list[Path], hardware: HardwareProfile) -> tuple[HardwareProfile, dict[str, Any]]:
-    """A profile with α, β, the matmul efficiency and the optimizer's bandwidth fitted from the runs (see
-    the module doc); returns it and what each figure was fitted from."""
+    """A profile with α, β, each engine's efficiency, a TP / EP collective's own α and the optimizer's
+    bandwidth fitted from the runs (see the module doc); returns it and what each figure was fitted from.
+
+    In order: α and β by least squares over the data-parallel and pipeline collectives (per op and group,
+    rank 0's median step); the optimizer's
+    bandwidth; each engine's efficiency (planner FLOPs / measured compute) from its runs without TP / EP
+    collectives where it has any (else :func:`_tp_only_efficiency`); then the TP / EP α: what the step of a run with
+    them took beyond the rest of the prediction, per TP / EP message (median over those runs). A TP
+    collective sits between two matmuls of a layer, so besides its own time it costs the ranks' skew and
+    the disturbance of the computation around it; only the step as a whole measures that."""
     from tessera.plan.estimate import wire_factor
     from tessera.plan.time_estimate import DEFAULT_EFFICIENCY
 
     samples: list[tuple[float, float, float]] = []
-    critical: list[tuple[float, float, float]] = []  # the TP / EP collectives, between a layer's matmuls
-    efficiency: dict[str, list[float]] = {"hf": [], "megatron": []}  # by the modules the layout runs
+    runs: list[
+        tuple[Path, Any, dict[str, float | None], float]
+    ] = []  # (dir, candidate, measured, TP/EP msgs)
     bandwidth = []
     for run_dir in run_dirs:
-        recipe = run_recipe(run_dir, "--calibrate")
-        cand = predicted(recipe, hardware)
-        layout = cand.layout
+        cand = predicted(run_recipe(run_dir, "--calibrate"), hardware)
         sizes = {o.group: o.group_size for o in cand.comm_ops}
-        for line in read_jsonl(RunDir(run_dir).comm):
-            if line.get("phase") != "step" or line["step"] <= WARMUP_STEPS:
+        # per op:group, rank 0's median step (a call that waited out another rank's checkpoint or
+        # straggling is no link time); a receive waits for the sender's compute too; TP / EP: fitted below
+        for key, o in measured_ops(run_dir).items():
+            op, group = key.split(":", 1)
+            if op == "recv" or group in ("tp", "ep") or not o["calls"]:
                 continue
-            for o in line["ops"]:
-                if o["op"] == "recv":  # a receive waits for the sender's compute too: not a link time
-                    continue
-                n = sizes.get(o["group"], layout.world_size)
-                sample = (float(o["count"]), wire_factor(o["op"], n) * o["bytes"], float(o["seconds"]))
-                (critical if o["group"] in ("tp", "ep") else samples).append(sample)
+            n = sizes.get(group, cand.layout.world_size)
+            samples.append((o["calls"], wire_factor(op, n) * o["bytes"], o["seconds"]))
         meas = measured_terms(run_dir)
-        t = cand.time
-        hf = layout.caps.hf_module
-        used = hardware.efficiency_for(hf) or DEFAULT_EFFICIENCY
-        if meas["compute"]:
-            efficiency["hf" if hf else "megatron"].append(used * t.compute_s / meas["compute"])
-        if meas["optimizer"] and t.optimizer_s:
-            bandwidth.append(hardware.hbm_bandwidth * t.optimizer_s / meas["optimizer"])
-    if not (samples or critical) or not any(efficiency.values()):
+        critical = sum(o.calls * o.messages for o in cand.comm_ops if o.group in ("tp", "ep"))
+        runs.append((run_dir, cand, meas, critical))
+        if meas["optimizer"] and cand.time.optimizer_s:
+            bandwidth.append(hardware.hbm_bandwidth * cand.time.optimizer_s / meas["optimizer"])
+    if not runs or not any(m["compute"] for _, _, m, _ in runs):
         raise RecipeError(
             "the runs counted no steady steps to fit from",
             field="--calibrate",
             value=", ".join(map(str, run_dirs)),
             fix=f"give runs of more than {WARMUP_STEPS} steps",
         )
-    alpha, beta = _fit_alpha_beta(samples or critical)
-    # a TP / EP collective's own α: what its calls took beyond their bytes' time (median per message)
-    tp_alpha = (
-        max(0.0, statistics.median((sec - beta * wire) / msgs for msgs, wire, sec in critical))
-        if critical and samples
-        else None
-    )
-    # each kind of module its own efficiency; a kind no run measured takes the other's
-    eff = {k: statistics.median(v) for k, v in efficiency.items() if v}
-    hf_eff = eff.get("hf", eff.get("megatron"))
+    alpha, beta = _fit_alpha_beta(samples) if samples else (hardware.latency_s, 0.0)
+    efficiency: dict[str, list[float]] = {}
+    for _, cand, meas, critical in runs:  # from the runs without TP / EP collectives
+        if meas["compute"] and not critical:
+            used = hardware.efficiency_for(cand.layout.engine) or DEFAULT_EFFICIENCY
+            efficiency.setdefault(cand.layout.engine, []).append(used * cand.time.compute_s / meas["compute"])
+    engines = {k: statistics.median(v) for k, v in efficiency.items()}
+    engines.update(_tp_only_efficiency(runs, engines, hardware))
     fitted = replace(
         hardware,
         name=f"{hardware.name}-calibrated",
         latency_s=alpha,
-        tp_latency_s=tp_alpha,
+        tp_latency_s=0.0,
         intra_node_bandwidth=1.0 / beta if beta > 0 else hardware.intra_node_bandwidth,
-        efficiency=hf_eff,
-        megatron_efficiency=eff.get("megatron", hf_eff),
+        efficiency=statistics.median(engines.values()),
+        engine_efficiency=engines,
         hbm_bandwidth=statistics.median(bandwidth) if bandwidth else hardware.hbm_bandwidth,
     )
+    residual = []
+    for run_dir, _, meas, critical in runs:
+        if critical and meas["step"]:
+            rest = predicted_terms(predicted(run_recipe(run_dir, "--calibrate"), fitted))["step"]
+            residual.append(max(0.0, (meas["step"] - rest) / critical))
+    fitted = replace(fitted, tp_latency_s=statistics.median(residual) if residual else None)
     report = {
         "runs": [str(d) for d in run_dirs],
-        "messages_fitted": len(samples) + len(critical),
+        "messages_fitted": len(samples),
         "latency_s": alpha,
-        "tp_latency_s": tp_alpha,
-        "tp_messages_fitted": len(critical),
+        "tp_latency_s": fitted.tp_latency_s,
+        "tp_latency_per_run": residual,
         "seconds_per_wire_byte": beta,
-        "efficiency_per_run": efficiency,  # by module kind: "hf", "megatron"
+        "efficiency_per_run": efficiency,  # by engine
         "optimizer_bandwidth_per_run": bandwidth,
     }
     return fitted, report
@@ -228,9 +273,11 @@ def write_profile(profile: HardwareProfile, path: Path, report: dict[str, Any]) 
         f"# {profile.name}: calibrated by `tessera plan --calibrate` from {len(report['runs'])} run(s):",
         *(f"#   {r}" for r in report["runs"]),
         f"# latency_s (alpha) and intra_node_bandwidth (1/beta): least squares over {report['messages_fitted']} "
-        "counted collective calls (tp_latency_s: the median TP / EP call beyond its bytes); efficiency (HF modules) and megatron_efficiency: planner FLOPs / measured",
-        "# compute time; hbm_bandwidth: the",
-        "# optimizer's effective bandwidth (planner bytes / measured optimizer time). Medians over the runs.",
+        "counted data-parallel / pipeline calls;",
+        "# engine_efficiency: planner FLOPs / measured compute time per engine (efficiency: their median);",
+        "# tp_latency_s: the step time of TP / EP runs beyond the rest of the prediction, per TP / EP message;",
+        "# hbm_bandwidth: the optimizer's effective bandwidth (planner bytes / measured optimizer time).",
+        "# Medians over the runs.",
     ]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(head) + "\n" + yaml.safe_dump(data, sort_keys=False))

@@ -115,7 +115,7 @@ def step_time(
     grad reduction into the backward and prefetch ZeRO-3 gathers; torch DDP's buckets are timed like
     ZeRO-0's all-reduce, over the last backward), only what exceeds it is exposed; on a profile without
     ``comm_overlap`` (CPU: gloo and the backward share the cores) all of it is. The profile's calibrated
-    efficiency of the layout's modules (HF's or megatron-core's) replaces the default one.
+    efficiency of the layout's engine replaces the default one.
     The optimizer reads and writes 28 bytes per parameter of its shard at device-memory bandwidth (with
     offload: at the host's share of host-memory bandwidth, plus the PCIe transfers of grads and params).
     MFU = model FLOPs per step / (step time x peak x world), PaLM's definition (no recompute FLOPs)."""
@@ -125,7 +125,7 @@ def step_time(
     model_flops = flops_per_token(f, seq_len) * tokens
     hw_flops = (flops_per_token(f, seq_len) + recompute_flops_per_token(f, seq_len, recompute)) * tokens
     peak = hw.peak_for(precision)
-    compute = hw_flops / L.world_size / (peak * (hw.efficiency_for(L.caps.hf_module) or efficiency))
+    compute = hw_flops / L.world_size / (peak * (hw.efficiency_for(L.engine) or efficiency))
 
     def secs(o: CommOp) -> float:
         return op_seconds(o, hw)
