@@ -134,14 +134,15 @@ def _check(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> None
         raise SystemExit(f"bench: `{' '.join(cmd)}` exited {rc}; the end of {log}:\n{tail}")
 
 
-REUSE = False  # --reuse: keep a finished run of an earlier suite in --work (re-analysing without re-running)
+REUSE = False  # --reuse: keep the layout runs of an earlier suite in --work (re-analysing, not re-running)
 
 
-def tessera_run(recipe: Path, overrides: list[str], steps: int, out: Path) -> Steps:
-    """`tessera run` as a user types it; returns rank 0's metrics and the launch time."""
+def tessera_run(recipe: Path, overrides: list[str], steps: int, out: Path, *, reuse: bool = False) -> Steps:
+    """`tessera run` as a user types it; returns rank 0's metrics and the launch time (``reuse``: a finished
+    run already in ``out`` instead)."""
     from tessera.rundir import RunDir
 
-    if REUSE and (out / "summary.json").is_file():
+    if reuse and (out / "summary.json").is_file():
         return Steps(RunDir(out).read_metrics(), float("nan"), out)
     shutil.rmtree(out, ignore_errors=True)
     cmd = [
@@ -308,13 +309,13 @@ def bench_layouts(
     comm, memory, scale = {}, {}, {}
     for name, (recipe, overrides) in LAYOUTS.items():
         _say(f"layout {name}: tessera run, 2 ranks")
-        two = tessera_run(REPO / "recipes" / recipe, overrides, steps, work / f"layout-{name}")
+        two = tessera_run(REPO / "recipes" / recipe, overrides, steps, work / f"layout-{name}", reuse=REUSE)
         comm[name] = comm_of(two.run_dir, warmup)
         memory[name] = memory_of(two.run_dir)
         if scaling and name in SCALING:
             _say(f"scaling {name}: the same global batch on 1 rank")
             one = tessera_run(REPO / "recipes" / recipe, [*overrides, *SCALING[name], "run.world_size=1"],
-                              steps, work / f"scaling-{name}-1rank")  # fmt: skip
+                              steps, work / f"scaling-{name}-1rank", reuse=REUSE)  # fmt: skip
             t1, t2 = one.median_step(warmup), two.median_step(warmup)
             scale[name] = {"step_s_1_rank": t1, "step_s_2_ranks": t2, "speedup": t1 / t2, "ideal_speedup": 2.0,
                            "efficiency": t1 / (2 * t2)}  # fmt: skip
