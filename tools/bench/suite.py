@@ -61,6 +61,10 @@ LAYOUTS: dict[str, tuple[str, list[str]]] = {  # name -> (recipe, overrides), th
     "zero2": ("tiny-llama-cpu.yaml", []),
     "zero3": ("tiny-llama-cpu.yaml", ["parallel.zero=3"]),
     "ddp": ("tiny-llama-cpu-ddp.yaml", []),
+    "ddp_mb8": (
+        "tiny-llama-cpu-ddp.yaml",
+        ["parallel.micro_batch=8"],
+    ),  # the same global batch, no accumulation
     "tp2": ("tiny-llama-cpu-mcore-tp2.yaml", []),
     "pp2": ("tiny-llama-cpu-mcore-pp2.yaml", []),
     "ep2": ("tiny-mixtral-cpu-mcore-ep2.yaml", []),
@@ -74,8 +78,10 @@ OVERHEAD = [
     ("30m", "zero2", "raw_deepspeed.py"),
     ("30m", "tp2", "raw_megatron.py"),
 ]
-#: the planner's acceptance layouts, each predicted by a profile calibrated on the rest of the pool
-POOL, CHECKED = ("zero2", "ddp", "tp2", "pp2", "ep2"), ("zero2", "ddp", "tp2", "pp2")
+#: the planner's acceptance layouts, each predicted by a profile calibrated on the rest of the pool (which
+#: holds another layout of each engine, so that no engine's efficiency is missing when one is held out)
+POOL = ("zero1", "zero2", "ddp", "ddp_mb8", "tp2", "pp2", "ep2")
+CHECKED = ("zero2", "ddp", "tp2", "pp2")
 
 
 @dataclass
