@@ -233,10 +233,11 @@ def comm_of(run_dir: Path, warmup: int) -> dict[str, Any]:
     from tessera.models.hf import load_hf_config
     from tessera.plan.estimate import minimum_wire_bytes, model_facts, wire_factor
     from tessera.plan.layout import layout_from_recipe
+    from tessera.plan.measured import run_recipe
     from tessera.rundir import RunDir, read_jsonl
 
     rd = RunDir(run_dir)
-    recipe = _recipe_of(run_dir)
+    recipe = run_recipe(run_dir)
     layout = layout_from_recipe(recipe)
     f = model_facts(load_hf_config(recipe.model, vocab_size=recipe.data.vocab_size))
     least, formula = minimum_wire_bytes(
@@ -272,24 +273,15 @@ def comm_of(run_dir: Path, warmup: int) -> dict[str, Any]:
     }
 
 
-def _recipe_of(run_dir: Path) -> Any:
-    import yaml
-
-    from tessera.config.loader import validate_recipe
-    from tessera.rundir import RunDir
-
-    return validate_recipe(yaml.safe_load(RunDir(run_dir).recipe.read_text()))
-
-
 def memory_of(run_dir: Path) -> dict[str, Any]:
     """Measured bytes per rank / the planner's, for model states, activations and peak: the planner sizes
     the stage that needs the most (pipelines: first or last), so the ranks of that stage are compared."""
     from tessera.plan.hardware import load_hardware
     from tessera.plan.layout import layout_from_recipe
-    from tessera.plan.measured import predicted
+    from tessera.plan.measured import predicted, run_recipe
 
     summary = json.loads((run_dir / "summary.json").read_text())
-    recipe = _recipe_of(run_dir)
+    recipe = run_recipe(run_dir)
     layout = layout_from_recipe(recipe)
     mem = predicted(recipe, load_hardware("cpu-2core")).memory
     pp = {"only": None, "first": 0, "last": layout.pp - 1}[mem.stage]

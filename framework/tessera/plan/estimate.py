@@ -347,7 +347,7 @@ def memory_per_rank(
         rp = rank_params(f, tp=t, pp=L.pp, ep=L.ep, etp=L.etp, first=first, last=last)
         dense, expert = (rp.total, 0) if hf_module else (rp.dense, rp.expert)
         # ZeRO-3 keeps the HF module's small tensors whole (megatron-core's fused tensors are not counted)
-        small = sum(x for x in hf_tensor_numels(f) if x < ZERO3_PERSISTENCE_THRESHOLD) if hf_module else 0
+        small = persistent_numel(f) if hf_module else 0
         st = _state_bytes(L, dense, precision, persistent=small)
         if expert:
             for k, v in model_state_bytes(expert, expert_dp(L), L.zero, precision).items():
@@ -494,6 +494,12 @@ def hf_tensor_numels(f: ModelFacts) -> list[int]:
     return out + ([] if f.tied else [f.vocab_size * h])
 
 
+def persistent_numel(f: ModelFacts) -> int:
+    """Elements of the HF module's tensors DeepSpeed ZeRO-3 keeps whole on every rank (under
+    ``stage3_param_persistence_threshold``)."""
+    return sum(x for x in hf_tensor_numels(f) if x < ZERO3_PERSISTENCE_THRESHOLD)
+
+
 def comm_per_step(
     f: ModelFacts, layout: ParallelLayout, *, seq_len: int, precision: str, backend: str = "nccl"
 ) -> list[CommOp]:
@@ -552,7 +558,7 @@ def comm_per_step(
         else:
             # persistent (small) tensors are whole on every rank: one all-gather after the update;
             # the others are gathered for every forward and backward
-            small = sum(x for x in hf_tensor_numels(f) if x < ZERO3_PERSISTENCE_THRESHOLD) if hf_module else 0
+            small = persistent_numel(f) if hf_module else 0
             big_b = e * max(psi - small, 0)
             if small:
                 ops.append(CommOp("all_gather", name, e * small, 1, n, span, "none"))
@@ -619,7 +625,7 @@ def minimum_wire_bytes(
         # ZeRO-3 keeps DeepSpeed's persistent (small) tensors whole: those move as under ZeRO-2
         small = 0
         if zero == 3 and L.caps.hf_module:
-            small = min(psi, sum(x for x in hf_tensor_numels(f) if x < ZERO3_PERSISTENCE_THRESHOLD))
+            small = min(psi, persistent_numel(f))
         total += ((m + 1) * small + (3 * m if zero == 3 else m + 1) * (psi - small)) * (n - 1) / n * e
         parts.append(
             f"(m+1)·(n-1)/n·{name}·e" if zero == 2 else f"[3m·{name}_big + (m+1)·{name}_persistent]·(n-1)/n·e"

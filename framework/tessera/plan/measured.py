@@ -152,7 +152,7 @@ def _fit_alpha_beta(samples: list[tuple[float, float, float]]) -> tuple[float, f
 
 
 def _tp_only_efficiency(
-    runs: list[tuple[Path, Any, dict[str, float | None], float]], known: dict[str, float], hw: HardwareProfile
+    runs: list[tuple[Any, Any, dict[str, float | None], float]], known: dict[str, float], hw: HardwareProfile
 ) -> dict[str, float]:
     """The efficiency of an engine measured only in runs with TP / EP collectives, whose compute time
     also holds those collectives' disturbance: with two or more such runs, step = compute at efficiency 1
@@ -163,15 +163,15 @@ def _tp_only_efficiency(
     from tessera.plan.time_estimate import DEFAULT_EFFICIENCY
 
     out: dict[str, float] = {}
-    by_engine: dict[str, list[tuple[Path, Any, dict[str, float | None], float]]] = {}
+    by_engine: dict[str, list[tuple[Any, Any, dict[str, float | None], float]]] = {}
     for run in runs:
         if run[3] and run[1].layout.engine not in known:
             by_engine.setdefault(run[1].layout.engine, []).append(run)
     for engine, mine in by_engine.items():
         one = replace(hw, engine_efficiency={**known, engine: 1.0}, tp_latency_s=0.0)
         rows, y = [], []
-        for run_dir, _, meas, critical in mine:
-            t = predicted(run_recipe(run_dir, "--calibrate"), one).time
+        for recipe, _, meas, critical in mine:
+            t = predicted(recipe, one).time
             rows.append([t.compute_s / (1 - t.bubble_s / max(t.step_s, 1e-12)), critical])
             y.append(float(meas["step"] or 0.0) - (t.step_s - t.compute_s - t.bubble_s))
         inv = 0.0
@@ -207,7 +207,8 @@ def calibrate(run_dirs: list[Path], hardware: HardwareProfile) -> tuple[Hardware
     ] = []  # (dir, candidate, measured, TP/EP msgs)
     bandwidth = []
     for run_dir in run_dirs:
-        cand = predicted(run_recipe(run_dir, "--calibrate"), hardware)
+        recipe = run_recipe(run_dir, "--calibrate")
+        cand = predicted(recipe, hardware)
         sizes = {o.group: o.group_size for o in cand.comm_ops}
         # per op:group, rank 0's median step (a call that waited out another rank's checkpoint or
         # straggling is no link time); a receive waits for the sender's compute too; TP / EP: fitted below
@@ -219,7 +220,7 @@ def calibrate(run_dirs: list[Path], hardware: HardwareProfile) -> tuple[Hardware
             samples.append((o["calls"], wire_factor(op, n) * o["bytes"], o["seconds"]))
         meas = measured_terms(run_dir)
         critical = sum(o.calls * o.messages for o in cand.comm_ops if o.group in ("tp", "ep"))
-        runs.append((run_dir, cand, meas, critical))
+        runs.append((recipe, cand, meas, critical))
         if meas["optimizer"] and cand.time.optimizer_s:
             bandwidth.append(hardware.hbm_bandwidth * cand.time.optimizer_s / meas["optimizer"])
     if not runs or not any(m["compute"] for _, _, m, _ in runs):
@@ -248,9 +249,9 @@ def calibrate(run_dirs: list[Path], hardware: HardwareProfile) -> tuple[Hardware
         hbm_bandwidth=statistics.median(bandwidth) if bandwidth else hardware.hbm_bandwidth,
     )
     residual = []
-    for run_dir, _, meas, critical in runs:
+    for recipe, _, meas, critical in runs:
         if critical and meas["step"]:
-            rest = predicted_terms(predicted(run_recipe(run_dir, "--calibrate"), fitted))["step"]
+            rest = predicted_terms(predicted(recipe, fitted))["step"]
             residual.append(max(0.0, (meas["step"] - rest) / critical))
     fitted = replace(fitted, tp_latency_s=statistics.median(residual) if residual else None)
     report = {
