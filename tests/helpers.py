@@ -300,7 +300,7 @@ def forge_checksum(ckpt: Path, rel: str) -> None:
     import json
 
     from tessera.atomic import sha256_file
-    from tessera.checkpoint.manager import META
+    from tessera.checkpoint.index import META
 
     meta = json.loads((ckpt / META).read_text())
     for f in meta["files"]:
@@ -365,7 +365,8 @@ def assert_nan_stop(run_dir: Path, records: list[dict], ref: list[dict]) -> None
     """A run with a NaN gradient injected at step 3 (checkpoints every 2 steps): every rank exits with
     DIVERGED naming the gradient norm (NaN, or Inf where DeepSpeed calls it an overflow), steps 1-2 are recorded (and equal the reference), step 3 is not,
     and ``latest`` is step 2, whose tensors are all finite."""
-    from tessera.checkpoint.manager import CheckpointManager, step_dir_name
+    from tessera.checkpoint.index import step_dir_name
+    from tessera.checkpoint.manager import CheckpointManager
     from tessera.rundir import ExitCode
 
     rd = RunDir(run_dir)
@@ -395,7 +396,8 @@ def assert_damage_is_refused(run_dir: Path, tmp_path: Path) -> None:
 
     import pytest
 
-    from tessera.checkpoint.manager import CheckpointManager, read_meta, verify_or_raise
+    from tessera.checkpoint.index import read_meta, verify_or_raise
+    from tessera.checkpoint.manager import CheckpointManager
     from tessera.errors import CheckpointError
 
     src = CheckpointManager(RunDir(run_dir).checkpoints, keep=2, rank=0, world_size=1).latest()
@@ -470,7 +472,7 @@ def assert_hf_export_replays_the_run(run_dir: Path, ckpt_step: int, out: Path, *
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tessera.checkpoint.manager import step_dir_name
+    from tessera.checkpoint.index import step_dir_name
 
     rd = RunDir(run_dir)
     src = rd.checkpoints / step_dir_name(ckpt_step)
@@ -500,7 +502,7 @@ def relayout(src: Path, dst: Path, overrides: list[str], *, at_step: int | None 
     step's checkpoint (later ones are dropped), so one uninterrupted run is also the source."""
     import shutil
 
-    from tessera.checkpoint.manager import LATEST, step_dir_name
+    from tessera.checkpoint.index import LATEST, step_dir_name
 
     shutil.copytree(src, dst)
     rd = RunDir(dst)

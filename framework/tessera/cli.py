@@ -101,9 +101,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from tessera.config.loader import load_recipe
+    from tessera.device import resolve_device
     from tessera.plan.hardware import load_hardware
     from tessera.plan.search import DEFAULT_HARDWARE, plan_recipe
-    from tessera.train.worker import resolve_device
 
     if args.calibrate:
         return _plan_calibrate(args)
@@ -309,7 +309,7 @@ def _convert_to_layout(args: argparse.Namespace) -> int:
         source_recipe,
         write_conversion_record,
     )
-    from tessera.checkpoint.manager import verify_or_raise
+    from tessera.checkpoint.index import verify_or_raise
     from tessera.launch.launcher import build_command
     from tessera.train.worker import prepare_run_dir
 

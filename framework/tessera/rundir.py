@@ -62,6 +62,10 @@ ORDERLY_EXITS = (
 NOT_RESTARTED = (ExitCode.USER_ERROR, *ORDERLY_EXITS[1:], ExitCode.INTERRUPTED)
 
 
+#: the worker's flag to wait for ``RunDir.PREPARED`` (``tessera run`` launches, then prepares the run dir)
+WAIT_FLAG = "--wait-prepared"
+
+
 class RunDir:
     """One run directory. Paths are properties; the JSON / JSONL files have readers and writers here."""
 
@@ -81,6 +85,9 @@ class RunDir:
     LOCK = "run.lock"  # held (flock) by the `tessera run` using the directory; names its pid
     FAULTS_FIRED = "faults.fired"  # one marker per injected fault that fired (each fires once per run dir)
     PREEMPT = "preempt.request"  # written by tessera run on SIGTERM / SIGINT; every rank checks per step
+    PREPARED = (
+        "logs/prepared"  # written by tessera run once the run dir is ready; ranks started early wait for it
+    )
     PLOTS = ("loss.png", "step_time.png", "memory.png")
 
     def __init__(self, path: str | Path) -> None:

@@ -26,7 +26,9 @@ from helpers import (
     train_runs,
 )
 
-from tessera.checkpoint.manager import LATEST, CheckpointManager, checkpoint_files, read_meta, step_dir_name
+from tessera.checkpoint.index import LATEST, checkpoint_files, read_meta, step_dir_name
+
+from tessera.checkpoint.manager import CheckpointManager
 from tessera.models.families import FAMILIES, FAMILY_NAMES
 from tessera.rundir import ExitCode, RunDir
 

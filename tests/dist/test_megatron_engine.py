@@ -22,7 +22,7 @@ from helpers import (
     train_runs,
 )
 
-from tessera.checkpoint.manager import read_meta, step_dir_name
+from tessera.checkpoint.index import read_meta, step_dir_name
 from tessera.rundir import ExitCode, RunDir
 
 pytestmark = pytest.mark.slow

@@ -25,7 +25,7 @@ from helpers import (
     train_runs,
 )
 
-from tessera.checkpoint.manager import read_meta, step_dir_name, verify_checkpoint
+from tessera.checkpoint.index import read_meta, step_dir_name, verify_checkpoint
 from tessera.checkpoint.reshard import layout_tag
 from tessera.checkpoint.verify import compare, open_side
 from tessera.rundir import RunDir

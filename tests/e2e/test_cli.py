@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO, free_port, read_metrics
-from tessera.checkpoint.manager import LATEST, MANIFEST, step_dir_name
+from tessera.checkpoint.index import LATEST, MANIFEST, step_dir_name
 from tessera.rundir import ExitCode, RunDir
 
 TESSERA = [sys.executable, "-m", "tessera.cli"]

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from helpers import REPO, read_metrics
-from tessera.checkpoint.manager import CheckpointManager, step_dir_name
+from tessera.checkpoint.index import step_dir_name
+from tessera.checkpoint.manager import CheckpointManager
 from tessera.checkpoint.reader import read_hf_moment, read_hf_state
 from tessera.rundir import ExitCode, RunDir
 

@@ -11,15 +11,8 @@ import pytest
 import torch
 
 from helpers import PicklePayload, forge_checksum
-from tessera.checkpoint.manager import (
-    LATEST,
-    MANIFEST,
-    CheckpointManager,
-    read_meta,
-    rng_file_name,
-    step_dir_name,
-    verify_or_raise,
-)
+from tessera.checkpoint.index import LATEST, MANIFEST, read_meta, step_dir_name, verify_or_raise
+from tessera.checkpoint.manager import CheckpointManager, rng_file_name
 from tessera.errors import CheckpointError, RecipeError, TrainingDiverged
 from tessera.rundir import RunDir
 from tessera.tensorfile import load_tensors, save_tensors

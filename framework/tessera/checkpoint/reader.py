@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from tessera.checkpoint.manager import FORMAT_VERSION, verify_or_raise
+from tessera.checkpoint.index import FORMAT_VERSION, verify_or_raise
 from tessera.errors import CheckpointError
 
 _EXPERTS = "mlp.experts.experts."

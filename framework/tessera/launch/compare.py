@@ -208,7 +208,8 @@ def compare_existing(runs: list[str], *, acceptance_file: str | None, out: str |
     import yaml
 
     from tessera.config.schema import AcceptanceSection
-    from tessera.train.worker import load_run_recipe, resolve_device
+    from tessera.device import resolve_device
+    from tessera.train.worker import load_run_recipe
 
     if len(runs) < 2:
         raise TesseraError(

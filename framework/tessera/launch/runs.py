@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from tessera.errors import RecipeError, TesseraError
-from tessera.rundir import ORDERLY_EXITS, ExitCode, RunDir
+from tessera.rundir import ORDERLY_EXITS, WAIT_FLAG, ExitCode, RunDir
 
 
 def _console():
@@ -19,17 +20,47 @@ def _console():
     return Console()
 
 
-def validate(path: str, overrides: list[str]):
-    """Everything about the recipe that can be checked before launch, cheaply (the data files are checked
-    where they are read: by ``load_corpus`` on a dry run, by ``prepare_run_dir`` otherwise); returns
-    (resolved, layout, device)."""
+def check_recipe(path: str, overrides: list[str]):
+    """The checks that need no model library (torch, transformers): the recipe's schema and overrides,
+    the device, the precision, the engine of a DeepSpeed JSON and the layout's arithmetic (world size,
+    batch). ``tessera run`` launches the ranks after these and runs :func:`check_model` while they start.
+    Returns (resolved, device)."""
     from tessera.config.loader import load_recipe
-    from tessera.plan.layout import layout_from_recipe
-    from tessera.train.worker import resolve_device
+    from tessera.device import resolve_device
+    from tessera.engines.registry import capabilities
+    from tessera.plan.layout import batch_split
 
     resolved = load_recipe(path, overrides)
-    device = resolve_device(resolved.recipe.run.device)
-    if resolved.recipe.parallel.auto:  # the planner's layout, written into the recipe the ranks read
+    recipe = resolved.recipe
+    device = resolve_device(recipe.run.device)
+    if recipe.train.precision == "fp16" and device == "cpu":
+        raise RecipeError(
+            "fp16 does not exist on the CPU",
+            field="train.precision",
+            value="fp16",
+            fix="use train.precision: bf16 or fp32 on CPU",
+        )
+    engine = recipe.parallel.engine
+    if recipe.parallel.deepspeed_config and "deepspeed" not in capabilities(engine).zero_impls:
+        raise RecipeError(
+            f"engine '{engine}' does not run DeepSpeed, so a DeepSpeed JSON would be ignored",
+            field="parallel.deepspeed_config",
+            value=recipe.parallel.deepspeed_config,
+            fix="remove parallel.deepspeed_config, or use parallel.engine: deepspeed",
+        )
+    if not recipe.parallel.auto:  # the planner's layout is checked by the planner
+        batch_split(recipe)
+    return resolved, device
+
+
+def check_model(resolved, device: str):
+    """The checks that read the model's config (transformers) or build the DeepSpeed config: the
+    planner's layout for ``parallel: auto`` (written into the recipe the ranks read), the layout against
+    the model (heads, layers, experts per rank), the user's DeepSpeed JSON, the vocabulary, the router.
+    Returns the layout."""
+    from tessera.plan.layout import layout_from_recipe
+
+    if resolved.recipe.parallel.auto:
         from tessera.plan.search import apply_plan, hardware_for, plan_recipe
 
         r = resolved.recipe
@@ -38,24 +69,9 @@ def validate(path: str, overrides: list[str]):
         resolved.plan = plan.to_json()
     recipe = resolved.recipe
     layout = layout_from_recipe(recipe)
-    if recipe.train.precision == "fp16" and device == "cpu":
-        raise RecipeError(
-            "fp16 does not exist on the CPU",
-            field="train.precision",
-            value="fp16",
-            fix="use train.precision: bf16 or fp32 on CPU",
-        )
-    from tessera.engines.registry import capabilities
     from tessera.engines.zero import build_ds_config
 
-    if recipe.parallel.deepspeed_config and "deepspeed" not in capabilities(layout.engine).zero_impls:
-        raise RecipeError(
-            f"engine '{layout.engine}' does not run DeepSpeed, so a DeepSpeed JSON would be ignored",
-            field="parallel.deepspeed_config",
-            value=recipe.parallel.deepspeed_config,
-            fix="remove parallel.deepspeed_config, or use parallel.engine: deepspeed",
-        )
-    build_ds_config(recipe, layout, device=device)  # user JSON conflicts are errors before launch
+    build_ds_config(recipe, layout, device=device)  # user JSON conflicts are errors before the first step
     from tessera.models.hf import check_vocab, load_hf_config
 
     cfg = load_hf_config(recipe.model)
@@ -71,7 +87,15 @@ def validate(path: str, overrides: list[str]):
                 value=recipe.model.moe_aux_loss_coeff,
                 fix="remove model.moe_aux_loss_coeff (or set it to 0) for a dense model",
             )
-    return resolved, layout, device
+    return layout
+
+
+def validate(path: str, overrides: list[str]):
+    """Everything about the recipe that can be checked before launch, cheaply (the data files are checked
+    where they are read: by ``load_corpus`` on a dry run, by ``prepare_run_dir`` otherwise); returns
+    (resolved, layout, device)."""
+    resolved, device = check_recipe(path, overrides)
+    return resolved, check_model(resolved, device), device
 
 
 def run_dir_of(recipe, recipe_path: str) -> Path:
@@ -88,6 +112,7 @@ def supervise_ranks(
     what: str,
     grace_s: float = 120.0,
     watchdog: Any = None,
+    prepare: Callable[[], None] | None = None,
 ) -> tuple[int, Any]:
     """Start the ranks and wait. A stop every rank agreed on (a stop rule, a preemption) ends with its
     own code and the diagnosis rank 0 printed; a failed rank is named with its last log lines. The exit
@@ -95,7 +120,9 @@ def supervise_ranks(
     otherwise), never the launcher's raw status. Returns (code, the failure or None)."""
     from tessera.launch.launcher import run_and_monitor
 
-    rc, failure = run_and_monitor(cmd, env, rd.path, world, grace_s=grace_s, watchdog=watchdog)
+    rc, failure = run_and_monitor(
+        cmd, env, rd.path, world, grace_s=grace_s, watchdog=watchdog, prepare=prepare
+    )
     if failure is not None and failure.code in ORDERLY_EXITS[1:] and failure.code != ExitCode.DIVERGED:
         code = ExitCode(failure.code)
         hint = " (continue with --resume)" if code in (ExitCode.PREEMPTED, ExitCode.TIME_LIMIT) else ""
@@ -119,15 +146,23 @@ def supervise_ranks(
     return rc, None
 
 
-def check_resumable(
-    ckpts, layout, run_dir: Path, *, same_layout: bool, resume_from: str | None = None
-) -> None:
-    """Before launch: the checkpoint ``--resume`` would read exists and every file matches its checksum
-    (the ranks verify again before loading); a layout change is announced (the ranks reshard it), or
-    refused with ``same_layout``."""
-    from tessera.train.worker import check_resume_layout
-
-    latest = ckpts.pick(resume_from)
+def resume_point(index, run_dir: Path, *, resume: bool, resume_from: str | None, same_layout: bool,
+                 strict: bool) -> Path | None:  # fmt: skip
+    """Before launch: the checkpoint ``--resume`` reads (it must exist), or for a fresh run a directory
+    without checkpoints (a fresh run would mix with them)."""
+    if not resume:
+        if same_layout or strict:
+            flag = "--same-layout" if same_layout else "--strict"
+            raise TesseraError(f"{flag} only applies to --resume", field=flag, value=True, fix="add --resume")
+        if index.complete():
+            raise TesseraError(
+                "this run directory already holds checkpoints; a fresh run would mix with them",
+                field="run.out_dir",
+                value=str(run_dir),
+                fix="pass --resume to continue it, or set run.out_dir (or run.name) to a new directory",
+            )
+        return None
+    latest = index.pick(resume_from)
     if latest is None:
         raise TesseraError(
             "--resume found no complete checkpoint",
@@ -135,7 +170,14 @@ def check_resumable(
             value=str(run_dir),
             fix="run without --resume to start fresh",
         )
-    meta = ckpts.verify(latest, any_world=not same_layout)
+    return latest
+
+
+def announce_reshard(meta: dict[str, Any], latest: Path, layout, *, same_layout: bool) -> None:
+    """A layout change between the checkpoint ``--resume`` reads (``meta``) and this run is announced
+    (the ranks reshard it), or refused with ``same_layout``."""
+    from tessera.train.worker import check_resume_layout
+
     diff = check_resume_layout(meta, layout, latest, same_layout=same_layout)
     if diff:
         print(
@@ -173,14 +215,18 @@ def start_run(
     launch_record: dict[str, Any] | None = None,
     resume_from: str | None = None,
 ) -> tuple[int, RunDir]:
-    """``tessera run``: validate, prepare the run directory (recipe, data, plan, launch record), start
-    the ranks and wait. ``launch_record``: extra keys of launch.json (``tessera compare`` records its
-    pre-registration hash there, which the manifest copies). Returns the exit code and the run dir."""
-    from tessera.checkpoint.manager import CheckpointManager
+    """``tessera run``: check the recipe, start the ranks and wait. The checks that need no model library
+    come first (:func:`check_recipe`, the run directory); then the launcher starts, and while it and the
+    ranks import their libraries this process checks the model (:func:`check_model`), the checkpoint a
+    resume reads, and prepares the run directory (recipe, data, plan, launch record); the ranks wait for
+    that (``--wait-prepared``), and a check that fails there stops them before they read anything.
+    ``launch_record``: extra keys of launch.json (``tessera compare`` records its pre-registration hash
+    there, which the manifest copies). Returns the exit code and the run dir."""
+    from tessera.checkpoint.index import CheckpointIndex
     from tessera.launch.launcher import build_command
-    from tessera.train.worker import prepare_run_dir
 
-    resolved, layout, device = validate(recipe_path, overrides)
+    resolved, device = check_recipe(recipe_path, overrides)
+    layout = check_model(resolved, device) if dry_run else None  # a dry run checks all before the command
     recipe = resolved.recipe
     run_dir = run_dir_of(recipe, recipe_path).resolve()
     rd = RunDir(run_dir)
@@ -194,11 +240,12 @@ def start_run(
         if resume_from
         else ()
     )
-    cmd, env = build_command(recipe, run_dir, resume=resume, device=device, worker_args=flags)
+    first = (*flags, WAIT_FLAG)  # the first launch's ranks wait for prepare() below
+    cmd, env = build_command(recipe, run_dir, resume=resume, device=device, worker_args=first)
     con = _console()
     env_txt = " ".join(f"{k}={v}" for k, v in env.items())
     printable = (env_txt + " " if env_txt else "") + shlex.join(cmd)
-    if dry_run:
+    if layout is not None:
         from tessera.data import load_corpus
 
         load_corpus(recipe.data, root=Path.cwd())  # missing files / empty globs fail here
@@ -220,29 +267,28 @@ def start_run(
         if stale:
             print(f"tessera: warning: {stale}", file=sys.stderr)
             release_killed_run(rd)
-        ckpts = CheckpointManager(
-            rd.checkpoints, keep=recipe.checkpoint.keep, rank=0, world_size=layout.world_size
+        index = CheckpointIndex(rd.checkpoints, world_size=recipe.run.world_size)
+        chosen = resume_point(
+            index, run_dir, resume=resume, resume_from=resume_from, same_layout=same_layout, strict=strict
         )
-        if resume:
-            check_resumable(ckpts, layout, run_dir, same_layout=same_layout, resume_from=resume_from)
-        elif same_layout or strict:
-            flag = "--same-layout" if same_layout else "--strict"
-            raise TesseraError(f"{flag} only applies to --resume", field=flag, value=True, fix="add --resume")
-        if not resume and ckpts.complete():
-            raise TesseraError(
-                "this run directory already holds checkpoints; a fresh run would mix with them",
-                field="run.out_dir",
-                value=str(run_dir),
-                fix="pass --resume to continue it, or set run.out_dir (or run.name) to a new directory",
-            )
-        with con.status("preparing data (tokenizer + packing, cached by content hash)"):
-            data = prepare_run_dir(recipe, rd, root=Path.cwd())
-        rd.write_json(RunDir.PLAN, plan_record(resolved, layout, device))
-        con.print(f"data: {len(data)} samples x {recipe.data.seq_len} tokens, vocab {data.vocab_size}")
+        # every file of it matches its checksum before anything launches (the ranks verify again)
+        meta = index.verify(chosen, any_world=not same_layout) if chosen is not None else None
         launch = {"command": printable, "argv": sys.argv, "resume": resume, **(launch_record or {})}
-        rd.write_json(RunDir.LAUNCH, launch)
-        con.print(f"[bold]launch[/] {printable}")
-        return _supervise(recipe, rd, ckpts, cmd, env, device=device, flags=flags, launch=launch), rd
+
+        def prepare() -> None:  # beside the launcher: the ranks wait for it (--wait-prepared)
+            from tessera.train.worker import prepare_run_dir
+
+            layout = check_model(resolved, device)
+            if meta is not None:
+                announce_reshard(meta, chosen, layout, same_layout=same_layout)
+            with con.status("preparing data (tokenizer + packing, cached by content hash)"):
+                data = prepare_run_dir(resolved.recipe, rd, root=Path.cwd())
+            rd.write_json(RunDir.PLAN, plan_record(resolved, layout, device))
+            con.print(f"data: {len(data)} samples x {recipe.data.seq_len} tokens, vocab {data.vocab_size}")
+            rd.write_json(RunDir.LAUNCH, launch)
+            con.print(f"[bold]launch[/] {printable}")
+
+        return _supervise(recipe, rd, cmd, env, prepare, device=device, flags=flags, launch=launch), rd
 
 
 def release_killed_run(rd: RunDir) -> None:
@@ -265,9 +311,9 @@ def release_killed_run(rd: RunDir) -> None:
 def _supervise(
     recipe: Any,
     rd: RunDir,
-    ckpts: Any,
     cmd: list[str],
     env: dict[str, str],
+    prepare: Callable[[], None],
     *,
     device: str,
     flags: tuple[str, ...],
@@ -275,9 +321,11 @@ def _supervise(
 ) -> int:
     """Run the ranks under the hang watchdog; after a fault (a rank lost, crashed or hung; not bad input,
     not a stop rule or preemption) restart from the latest complete, verified checkpoint, at most
-    ``run.restarts`` times, recording each restart (reason, failed rank, step, checkpoint, time lost)."""
+    ``run.restarts`` times, recording each restart (reason, failed rank, step, checkpoint, time lost).
+    ``prepare``: what the first launch's ranks wait for (see :func:`start_run`)."""
     import time
 
+    from tessera.checkpoint.manager import CheckpointManager
     from tessera.errors import CheckpointError
     from tessera.launch.launcher import build_command
     from tessera.launch.watchdog import HangWatchdog
@@ -285,12 +333,14 @@ def _supervise(
 
     world = recipe.run.world_size
 
-    def once(c: list[str], e: dict[str, str]) -> tuple[int, Any]:
+    def once(c: list[str], e: dict[str, str], prep: Callable[[], None] | None = None) -> tuple[int, Any]:
         timeout = recipe.stop.hang_timeout_s
         dog = HangWatchdog(rd, world, timeout) if timeout else None
-        return supervise_ranks(c, e, rd, world, what="run", grace_s=recipe.run.preempt_grace_s, watchdog=dog)
+        grace = recipe.run.preempt_grace_s
+        return supervise_ranks(c, e, rd, world, what="run", grace_s=grace, watchdog=dog, prepare=prep)
 
-    code, failure = once(cmd, env)
+    code, failure = once(cmd, env, prepare)
+    ckpts = CheckpointManager(rd.checkpoints, keep=recipe.checkpoint.keep, rank=0, world_size=world)
     for attempt in range(1, recipe.run.restarts + 1):
         if code == 0 or code in NOT_RESTARTED:
             break

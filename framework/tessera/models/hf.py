@@ -28,6 +28,7 @@ __all__ = [
 
 def load_hf_config(section: ModelSection, *, vocab_size: int | None = None):
     """The ``transformers`` config of the recipe's model; ``vocab_size`` fills a missing one."""
+    from huggingface_hub.errors import StrictDataclassError  # transformers' config validation
     from transformers import AutoConfig
 
     if section.hf_config is not None:
@@ -38,9 +39,10 @@ def load_hf_config(section: ModelSection, *, vocab_size: int | None = None):
             cfg_dict["vocab_size"] = vocab_size
         try:
             cfg = AutoConfig.for_model(model_type, **cfg_dict)
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, StrictDataclassError) as e:
+            why = e.__cause__ if isinstance(e, StrictDataclassError) and e.__cause__ else e
             raise RecipeError(
-                f"transformers rejects this config: {e}",
+                f"transformers rejects this config: {why}",
                 field="model.hf_config",
                 value=model_type,
                 fix="fix the named key of model.hf_config",
@@ -61,11 +63,12 @@ def load_hf_config(section: ModelSection, *, vocab_size: int | None = None):
 
 def read_dir_config(path: Path) -> Any:
     """The HF config of a local directory (or config.json); an unreadable one names the path."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
     try:
         return AutoConfig.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, StrictDataclassError) as e:
         raise RecipeError(
             f"cannot read an HF config there: {e}",
             field="model.path",

@@ -226,10 +226,10 @@ def check_capabilities(
         )
 
 
-def layout_from_recipe(recipe: Recipe) -> ParallelLayout:
-    """Derive and validate the layout of ``recipe``; user mistakes raise LayoutError / RecipeError."""
+def batch_split(recipe: Recipe) -> tuple[int, int, int, int]:
+    """The part of the layout that needs no model, checked: the engine's capabilities, the world size
+    against tp x pp, the batch arithmetic. Returns (dp, micro_batch, grad_accum, global_batch)."""
     p, ws = recipe.parallel, recipe.run.world_size
-    caps = capabilities(p.engine)
     check_capabilities(
         p.engine,
         tp=p.tp,
@@ -276,6 +276,14 @@ def layout_from_recipe(recipe: Recipe) -> ParallelLayout:
             ga = gb // (mb * dp)
         else:
             ga = p.grad_accum
+    return dp, mb, ga, gb
+
+
+def layout_from_recipe(recipe: Recipe) -> ParallelLayout:
+    """Derive and validate the layout of ``recipe``; user mistakes raise LayoutError / RecipeError."""
+    p, ws = recipe.parallel, recipe.run.world_size
+    caps = capabilities(p.engine)
+    dp, mb, ga, gb = batch_split(recipe)
     shape = None
     if not caps.hf_module:  # megatron-core's GPTModel, built from the HF config by the family's adapter
         from tessera.models.hf import load_hf_config

@@ -18,6 +18,7 @@ import json
 import os
 import signal
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,9 +32,10 @@ from tessera.checkpoint.convert import is_hf_dir
 from tessera.checkpoint.reshard import layout_tag
 from tessera.config.loader import recipe_hash, validate_recipe
 from tessera.config.schema import Recipe
+from tessera.device import resolve_device
 from tessera.errors import CheckpointError, RunStopped, TesseraError, TrainingDiverged
 from tessera.plan.layout import ParallelLayout
-from tessera.rundir import ORDERLY_EXITS, ExitCode, RunDir
+from tessera.rundir import ORDERLY_EXITS, WAIT_FLAG, ExitCode, RunDir
 from tessera.train.loop import RunContext, TrainingLoop
 from tessera.train.resharding import dist_checkpointing_reshards, import_reshard, stage_on_rank0
 
@@ -51,19 +53,20 @@ class Start:
     resume_from: Path | None = None  # --resume-from: this checkpoint instead of the latest
     convert_from: Path | None = None
     verify: bool = True
+    wait_prepared: bool = False  # tessera run launched this rank before preparing the run directory
 
 
-def resolve_device(requested: str) -> str:
-    if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise TesseraError(
-            "no CUDA device is visible",
-            field="run.device",
-            value=requested,
-            fix="use run.device: cpu or auto",
-        )
-    return requested
+def wait_prepared(run_dir: RunDir) -> None:
+    """Wait for ``tessera run`` to finish preparing the run directory (it launches the ranks first, so
+    that their start overlaps its checks; :func:`tessera.launch.runs.start_run`). Meanwhile this rank
+    imports what every engine initialises with. No time limit: if ``tessera run`` stops the ranks or
+    dies, the rank ends (SIGTERM, or the supervisor guard)."""
+    import deepspeed  # noqa: F401  (torch.distributed is initialised through it, whatever the engine)
+    import transformers.modeling_utils  # noqa: F401  (every engine builds or reads an HF model)
+
+    marker = run_dir / RunDir.PREPARED
+    while not marker.is_file():
+        time.sleep(0.02)
 
 
 def load_run_recipe(run_dir: RunDir) -> Recipe:
@@ -238,6 +241,8 @@ def setup(run_dir: RunDir, start: Start, heartbeat: Any = None) -> tuple[RunCont
     from tessera.engines.registry import engine_class
     from tessera.train.faults import fault_from_env
 
+    if start.wait_prepared:
+        wait_prepared(run_dir)
     recipe = load_run_recipe(run_dir)
     rank, local_rank, world = _rank_env()
     device = resolve_device(recipe.run.device)
@@ -538,6 +543,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-verify", action="store_true", help="do not verify a resharded checkpoint")
     ap.add_argument("--strict", action="store_true", help="refuse to resume when the manifest changed")
     ap.add_argument("--resume-from", default=None, help="resume from this checkpoint, not the latest")
+    ap.add_argument(WAIT_FLAG, action="store_true", help="wait for tessera run to prepare the run dir")
     ap.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     args = ap.parse_args(argv)
     start = Start(
@@ -547,6 +553,7 @@ def main(argv: list[str] | None = None) -> None:
         resume_from=Path(args.resume_from) if args.resume_from else None,
         convert_from=Path(args.convert_from) if args.convert_from else None,
         verify=not args.no_verify,
+        wait_prepared=args.wait_prepared,
     )
     exit_process(run_rank(args.run_dir, start))
 
