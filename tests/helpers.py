@@ -62,7 +62,7 @@ def _rank_main(rank: int, world: int, port: int, runs: list[RunSpec]) -> None:
 def prepare_run(run_dir: Path, overrides: list[str], recipe: Path = DEFAULT_RECIPE):
     """Resolve the recipe with overrides, write it into run_dir and warm the data cache (as the CLI does)."""
     from tessera.config.loader import load_recipe
-    from tessera.train.worker import prepare_run_dir
+    from tessera.train.prepare import prepare_run_dir
 
     r = load_recipe(recipe, [*TEST_OVERRIDES, *overrides]).recipe
     prepare_run_dir(r, run_dir, root=REPO)

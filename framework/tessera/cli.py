@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera.errors import RecipeError, TesseraError
-from tessera.launch.runs import plan_record, start_run, supervise_ranks, validate
+from tessera.launch.runs import start_run, supervise_ranks, validate
 from tessera.rundir import ExitCode, RunDir
 
 
@@ -311,7 +311,7 @@ def _convert_to_layout(args: argparse.Namespace) -> int:
     )
     from tessera.checkpoint.index import verify_or_raise
     from tessera.launch.launcher import build_command
-    from tessera.train.worker import prepare_run_dir
+    from tessera.train.prepare import plan_record, prepare_run_dir
 
     out = Path(args.out).resolve()
     _check_out(out)

@@ -62,8 +62,9 @@ ORDERLY_EXITS = (
 NOT_RESTARTED = (ExitCode.USER_ERROR, *ORDERLY_EXITS[1:], ExitCode.INTERRUPTED)
 
 
-#: the worker's flag to wait for ``RunDir.PREPARED`` (``tessera run`` launches, then prepares the run dir)
-WAIT_FLAG = "--wait-prepared"
+#: the worker's flag for a ``tessera run`` launch: rank 0 prepares the run dir (model checks, data, plan),
+#: the other ranks wait for ``RunDir.PREPARED`` (:mod:`tessera.train.prepare`)
+PREPARE_FLAG = "--prepare"
 
 
 class RunDir:
@@ -85,9 +86,7 @@ class RunDir:
     LOCK = "run.lock"  # held (flock) by the `tessera run` using the directory; names its pid
     FAULTS_FIRED = "faults.fired"  # one marker per injected fault that fired (each fires once per run dir)
     PREEMPT = "preempt.request"  # written by tessera run on SIGTERM / SIGINT; every rank checks per step
-    PREPARED = (
-        "logs/prepared"  # written by tessera run once the run dir is ready; ranks started early wait for it
-    )
+    PREPARED = "logs/prepared"  # rank 0 prepared the run dir (--prepare); the other ranks wait for it
     PLOTS = ("loss.png", "step_time.png", "memory.png")
 
     def __init__(self, path: str | Path) -> None:

@@ -211,6 +211,28 @@ def test_sigkill_of_one_rank_fails_fast_and_names_it(tmp_path):
     assert not Path(f"/proc/{rank0}").exists() or "Z" in Path(f"/proc/{rank0}/stat").read_text().split()[2]
 
 
+@pytest.mark.slow
+def test_a_model_config_transformers_refuses_is_rank0s_clear_error(tmp_path):
+    """The model checks run on rank 0 of the launch (`tessera run` never imports transformers): a config
+    that transformers refuses exits 2 with the reason and the field, no traceback, every rank gone and
+    nothing prepared (no data record, no plan, no `logs/prepared`)."""
+    out = tmp_path / "bad"
+    p = tessera("run", RECIPE, "model.hf_config.num_attention_heads=5", f"run.out_dir={out}",
+                f"run.master_port={free_port()}", "tracking.wandb.mode=disabled")  # fmt: skip
+    assert p.returncode == ExitCode.USER_ERROR, p.stdout[-3000:] + p.stderr[-3000:]
+    err = [ln for ln in p.stderr.splitlines() if "error:" in ln and "rank 0" in ln]
+    assert err and "model.hf_config" in err[0] and "number of attention heads (5)" in err[0], p.stderr[-3000:]
+    assert "Traceback" not in p.stdout + p.stderr
+    rd = RunDir(out)
+    assert rd.rank_exit(0) == ExitCode.USER_ERROR
+    for rank in (0, 1):
+        pid = rd.rank_pid(rank)
+        assert pid is not None and (
+            not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+        )
+    assert not rd.data.exists() and not rd.plan.exists() and not (rd / RunDir.PREPARED).exists()
+
+
 def test_plan_json_contract_and_known_8b_answer():
     p = tessera("plan", "recipes/llama3-8b-pretrain-h100x8-zero3.yaml", "--world-size", "8", "--json")
     assert p.returncode == 0, p.stderr

@@ -114,7 +114,7 @@ class MegatronEngine:
         if device == "cuda":
             chunks = [c.cuda() for c in chunks]
         self.dp_group = ps.get_data_parallel_group()
-        self.uses_deepspeed = layout.zero_impl == "deepspeed"
+        self.uses_deepspeed = layout.uses_deepspeed
         self.ds: DeepSpeedRunner | None = None
         if self.uses_deepspeed:
             self._init_deepspeed(chunks[0], recipe, device)

@@ -209,7 +209,7 @@ def compare_existing(runs: list[str], *, acceptance_file: str | None, out: str |
 
     from tessera.config.schema import AcceptanceSection
     from tessera.device import resolve_device
-    from tessera.train.worker import load_run_recipe
+    from tessera.train.prepare import load_run_recipe
 
     if len(runs) < 2:
         raise TesseraError(

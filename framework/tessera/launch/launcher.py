@@ -16,12 +16,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tessera.atomic import write_text_atomic
 from tessera.comm.shm import release_shared_memory
 from tessera.config.schema import Recipe
 from tessera.errors import LayoutError, RecipeError
@@ -353,18 +351,13 @@ def run_and_monitor(
     *,
     grace_s: float = 120.0,
     watchdog: object | None = None,
-    prepare: Callable[[], None] | None = None,
 ) -> tuple[int, RankFailure | None]:
     """Run the launcher; returns (exit code, the failed rank if one failed). ``grace_s``: how long a
     preemption may take before the ranks are stopped; ``watchdog``: a hang watchdog whose ``check()``
-    returns a :class:`RankFailure` (code HUNG) when a rank stopped making progress; ``prepare``: work
-    done here while the launcher and the ranks start, which ranks started with ``--wait-prepared`` wait
-    for (:data:`RunDir.PREPARED` is written when it returned; when it raises, the ranks are stopped and
-    the error propagates). Afterwards the run's shared-memory segments are released, however it ended."""
+    returns a :class:`RankFailure` (code HUNG) when a rank stopped making progress. Afterwards the run's
+    shared-memory segments are released, however it ended."""
     try:
-        return _run_and_monitor(
-            cmd, env_add, run_dir, world, grace_s=grace_s, watchdog=watchdog, prepare=prepare
-        )
+        return _run_and_monitor(cmd, env_add, run_dir, world, grace_s=grace_s, watchdog=watchdog)
     finally:
         where = rendezvous_of(cmd)
         if where is not None:
@@ -379,7 +372,6 @@ def _run_and_monitor(
     *,
     grace_s: float,
     watchdog: object | None,
-    prepare: Callable[[], None] | None,
 ) -> tuple[int, RankFailure | None]:
     from tessera.train.guard import SUPERVISOR_ENV, supervisor_token
 
@@ -396,13 +388,6 @@ def _run_and_monitor(
     failed_at = 0.0
     signals = _Signals(rd)
     try:
-        if prepare is not None:
-            try:
-                prepare()
-            except BaseException:
-                _stop_group(proc, pids)
-                raise
-            write_text_atomic(rd / RunDir.PREPARED, f"{os.getpid()}\n")
         while True:
             rc = proc.poll()
             if len(signals.times) >= 2:

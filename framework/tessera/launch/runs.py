@@ -1,17 +1,17 @@
-"""Starting runs from the command line's side: validate a recipe before launch, prepare its run
-directory, start the ranks through the launcher and wait (``tessera run``, ``tessera convert --to ENGINE``
-and each run of ``tessera compare`` go through here)."""
+"""Starting runs from the command line's side: check a recipe before launch, write its run directory's
+recipe and launch record, start the ranks through the launcher and wait (``tessera run``, ``tessera
+convert --to ENGINE`` and each run of ``tessera compare`` go through here); rank 0 of a ``tessera run``
+launch prepares the rest (:mod:`tessera.train.prepare`)."""
 
 from __future__ import annotations
 
 import shlex
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from tessera.errors import RecipeError, TesseraError
-from tessera.rundir import ORDERLY_EXITS, WAIT_FLAG, ExitCode, RunDir
+from tessera.rundir import ORDERLY_EXITS, PREPARE_FLAG, ExitCode, RunDir
 
 
 def _console():
@@ -23,8 +23,8 @@ def _console():
 def check_recipe(path: str, overrides: list[str]):
     """The checks that need no model library (torch, transformers): the recipe's schema and overrides,
     the device, the precision, the engine of a DeepSpeed JSON and the layout's arithmetic (world size,
-    batch). ``tessera run`` launches the ranks after these and runs :func:`check_model` while they start.
-    Returns (resolved, device)."""
+    batch). ``tessera run`` launches the ranks after these; its rank 0 checks the model
+    (:mod:`tessera.train.prepare`). Returns (resolved, device)."""
     from tessera.config.loader import load_recipe
     from tessera.device import resolve_device
     from tessera.engines.registry import capabilities
@@ -53,47 +53,12 @@ def check_recipe(path: str, overrides: list[str]):
     return resolved, device
 
 
-def check_model(resolved, device: str):
-    """The checks that read the model's config (transformers) or build the DeepSpeed config: the
-    planner's layout for ``parallel: auto`` (written into the recipe the ranks read), the layout against
-    the model (heads, layers, experts per rank), the user's DeepSpeed JSON, the vocabulary, the router.
-    Returns the layout."""
-    from tessera.plan.layout import layout_from_recipe
-
-    if resolved.recipe.parallel.auto:
-        from tessera.plan.search import apply_plan, hardware_for, plan_recipe
-
-        r = resolved.recipe
-        plan = plan_recipe(r, world_size=r.run.world_size, hardware=hardware_for(r, device=device))
-        resolved.recipe = apply_plan(r, plan)
-        resolved.plan = plan.to_json()
-    recipe = resolved.recipe
-    layout = layout_from_recipe(recipe)
-    from tessera.engines.zero import build_ds_config
-
-    build_ds_config(recipe, layout, device=device)  # user JSON conflicts are errors before the first step
-    from tessera.models.hf import check_vocab, load_hf_config
-
-    cfg = load_hf_config(recipe.model)
-    if recipe.data.tokenizer == "bpe":
-        check_vocab(cfg, recipe.data.vocab_size)
-    if recipe.model.moe_aux_loss_coeff:
-        from tessera.models.families import family_of
-
-        if not family_of(cfg.model_type).facts(cfg)["topk"]:
-            raise RecipeError(
-                f"a load-balancing loss needs a router, and this {cfg.model_type} model has no experts",
-                field="model.moe_aux_loss_coeff",
-                value=recipe.model.moe_aux_loss_coeff,
-                fix="remove model.moe_aux_loss_coeff (or set it to 0) for a dense model",
-            )
-    return layout
-
-
 def validate(path: str, overrides: list[str]):
     """Everything about the recipe that can be checked before launch, cheaply (the data files are checked
     where they are read: by ``load_corpus`` on a dry run, by ``prepare_run_dir`` otherwise); returns
     (resolved, layout, device)."""
+    from tessera.train.prepare import check_model
+
     resolved, device = check_recipe(path, overrides)
     return resolved, check_model(resolved, device), device
 
@@ -112,7 +77,6 @@ def supervise_ranks(
     what: str,
     grace_s: float = 120.0,
     watchdog: Any = None,
-    prepare: Callable[[], None] | None = None,
 ) -> tuple[int, Any]:
     """Start the ranks and wait. A stop every rank agreed on (a stop rule, a preemption) ends with its
     own code and the diagnosis rank 0 printed; a failed rank is named with its last log lines. The exit
@@ -120,20 +84,19 @@ def supervise_ranks(
     otherwise), never the launcher's raw status. Returns (code, the failure or None)."""
     from tessera.launch.launcher import run_and_monitor
 
-    rc, failure = run_and_monitor(
-        cmd, env, rd.path, world, grace_s=grace_s, watchdog=watchdog, prepare=prepare
-    )
+    rc, failure = run_and_monitor(cmd, env, rd.path, world, grace_s=grace_s, watchdog=watchdog)
     if failure is not None and failure.code in ORDERLY_EXITS[1:] and failure.code != ExitCode.DIVERGED:
         code = ExitCode(failure.code)
         hint = " (continue with --resume)" if code in (ExitCode.PREEMPTED, ExitCode.TIME_LIMIT) else ""
         print(f"tessera: {what} stopped: {code.name}{hint}", file=sys.stderr)
         return int(code), failure
     if failure is not None:
-        _console().print(
-            f"[bold red]rank {failure.rank} {failure.how}[/]; last log lines ({rd.rank_file(failure.rank, 'log')}):"
-        )
-        for line in failure.log_tail:
-            print(f"  | {line}")
+        if not (failure.rank == 0 and failure.code == ExitCode.USER_ERROR):  # rank 0's error is on screen
+            _console().print(
+                f"[bold red]rank {failure.rank} {failure.how}[/]; last log lines ({rd.rank_file(failure.rank, 'log')}):"
+            )
+            for line in failure.log_tail:
+                print(f"  | {line}")
         code = failure.code if failure.code not in (None, ExitCode.TERMINATED) else ExitCode.FAILED
         print(
             f"tessera: {what} failed: rank {failure.rank} {failure.how} (exit code {int(code)})",
@@ -173,37 +136,6 @@ def resume_point(index, run_dir: Path, *, resume: bool, resume_from: str | None,
     return latest
 
 
-def announce_reshard(meta: dict[str, Any], latest: Path, layout, *, same_layout: bool) -> None:
-    """A layout change between the checkpoint ``--resume`` reads (``meta``) and this run is announced
-    (the ranks reshard it), or refused with ``same_layout``."""
-    from tessera.train.worker import check_resume_layout
-
-    diff = check_resume_layout(meta, layout, latest, same_layout=same_layout)
-    if diff:
-        print(
-            f"tessera: {latest.name} was written with "
-            + ", ".join(f"{k}={a}" for k, a, _ in diff)
-            + "; resharding it to "
-            + ", ".join(f"{k}={b}" for k, _, b in diff)
-            + " before the first step (--same-layout refuses instead)",
-            file=sys.stderr,
-        )
-
-
-def plan_record(resolved, layout, device: str) -> dict[str, Any]:
-    """plan.json: the planner's full answer for ``parallel: auto``; otherwise the estimates of the
-    recipe's own layout (what the run should cost, against which comm.jsonl is read)."""
-    if resolved.plan is not None:
-        return {"source": "planner", **resolved.plan}
-    from tessera.plan.search import estimate_layout, hardware_for
-
-    hw = hardware_for(resolved.recipe, device=device)
-    return {
-        "source": "recipe",
-        "chosen": estimate_layout(resolved.recipe, layout, hardware=hw, recompute=layout.recompute).to_json(),
-    }
-
-
 def start_run(
     recipe_path: str,
     overrides: list[str],
@@ -215,18 +147,18 @@ def start_run(
     launch_record: dict[str, Any] | None = None,
     resume_from: str | None = None,
 ) -> tuple[int, RunDir]:
-    """``tessera run``: check the recipe, start the ranks and wait. The checks that need no model library
-    come first (:func:`check_recipe`, the run directory); then the launcher starts, and while it and the
-    ranks import their libraries this process checks the model (:func:`check_model`), the checkpoint a
-    resume reads, and prepares the run directory (recipe, data, plan, launch record); the ranks wait for
-    that (``--wait-prepared``), and a check that fails there stops them before they read anything.
+    """``tessera run``: check the recipe, start the ranks and wait. This process runs the checks that need
+    no model library (:func:`check_recipe`, the run directory, the checksums of the checkpoint a resume
+    reads), writes the recipe and the launch record, and starts the launcher; rank 0 checks the model and
+    prepares the data and the plan while the other ranks start (:mod:`tessera.train.prepare`), so that
+    torch and transformers are imported by the ranks only. A dry run does every check here.
     ``launch_record``: extra keys of launch.json (``tessera compare`` records its pre-registration hash
     there, which the manifest copies). Returns the exit code and the run dir."""
     from tessera.checkpoint.index import CheckpointIndex
     from tessera.launch.launcher import build_command
+    from tessera.train.prepare import write_recipe
 
     resolved, device = check_recipe(recipe_path, overrides)
-    layout = check_model(resolved, device) if dry_run else None  # a dry run checks all before the command
     recipe = resolved.recipe
     run_dir = run_dir_of(recipe, recipe_path).resolve()
     rd = RunDir(run_dir)
@@ -240,21 +172,24 @@ def start_run(
         if resume_from
         else ()
     )
-    first = (*flags, WAIT_FLAG)  # the first launch's ranks wait for prepare() below
-    cmd, env = build_command(recipe, run_dir, resume=resume, device=device, worker_args=first)
     con = _console()
-    env_txt = " ".join(f"{k}={v}" for k, v in env.items())
-    printable = (env_txt + " " if env_txt else "") + shlex.join(cmd)
-    if layout is not None:
+    if dry_run:
         from tessera.data import load_corpus
+        from tessera.train.prepare import check_model
 
+        layout = check_model(resolved, device)  # for parallel: auto, resolved.recipe is the planned one
+        cmd, env = build_command(resolved.recipe, run_dir, resume=resume, device=device, worker_args=flags)
         load_corpus(recipe.data, root=Path.cwd())  # missing files / empty globs fail here
         con.print(f"[bold]layout[/]  {layout.describe()}")
         con.print(f"[bold]device[/]  {device}")
         con.print(f"[bold]run dir[/] {run_dir}")
         con.print("[bold]command[/]")
-        print(printable)
+        print(_printable(cmd, env))
         return 0, rd
+    cmd, env = build_command(
+        recipe, run_dir, resume=resume, device=device, worker_args=(*flags, PREPARE_FLAG)
+    )
+    printable = _printable(cmd, env)
     if run_dir.exists() and not run_dir.is_dir():
         raise TesseraError(
             "the run directory is an existing file",
@@ -271,24 +206,21 @@ def start_run(
         chosen = resume_point(
             index, run_dir, resume=resume, resume_from=resume_from, same_layout=same_layout, strict=strict
         )
-        # every file of it matches its checksum before anything launches (the ranks verify again)
-        meta = index.verify(chosen, any_world=not same_layout) if chosen is not None else None
+        if (
+            chosen is not None
+        ):  # every file matches its checksum before anything launches (ranks verify again)
+            index.verify(chosen, any_world=not same_layout)
+        write_recipe(recipe, rd)
         launch = {"command": printable, "argv": sys.argv, "resume": resume, **(launch_record or {})}
+        rd.write_json(RunDir.LAUNCH, launch)
+        con.print(f"[bold]launch[/] {printable}")
+        return _supervise(recipe, rd, cmd, env, device=device, flags=flags, launch=launch), rd
 
-        def prepare() -> None:  # beside the launcher: the ranks wait for it (--wait-prepared)
-            from tessera.train.worker import prepare_run_dir
 
-            layout = check_model(resolved, device)
-            if meta is not None:
-                announce_reshard(meta, chosen, layout, same_layout=same_layout)
-            with con.status("preparing data (tokenizer + packing, cached by content hash)"):
-                data = prepare_run_dir(resolved.recipe, rd, root=Path.cwd())
-            rd.write_json(RunDir.PLAN, plan_record(resolved, layout, device))
-            con.print(f"data: {len(data)} samples x {recipe.data.seq_len} tokens, vocab {data.vocab_size}")
-            rd.write_json(RunDir.LAUNCH, launch)
-            con.print(f"[bold]launch[/] {printable}")
-
-        return _supervise(recipe, rd, cmd, env, prepare, device=device, flags=flags, launch=launch), rd
+def _printable(cmd: list[str], env: dict[str, str]) -> str:
+    """The launch command as a shell line, with its environment additions in front."""
+    env_txt = " ".join(f"{k}={v}" for k, v in env.items())
+    return (env_txt + " " if env_txt else "") + shlex.join(cmd)
 
 
 def release_killed_run(rd: RunDir) -> None:
@@ -313,7 +245,6 @@ def _supervise(
     rd: RunDir,
     cmd: list[str],
     env: dict[str, str],
-    prepare: Callable[[], None],
     *,
     device: str,
     flags: tuple[str, ...],
@@ -322,10 +253,11 @@ def _supervise(
     """Run the ranks under the hang watchdog; after a fault (a rank lost, crashed or hung; not bad input,
     not a stop rule or preemption) restart from the latest complete, verified checkpoint, at most
     ``run.restarts`` times, recording each restart (reason, failed rank, step, checkpoint, time lost).
-    ``prepare``: what the first launch's ranks wait for (see :func:`start_run`)."""
+    Every launch's rank 0 prepares the run dir again (the data and the model checks are cached or cheap
+    by then), so a restart after a failure while preparing starts from the same point."""
     import time
 
-    from tessera.checkpoint.manager import CheckpointManager
+    from tessera.checkpoint.index import CheckpointIndex
     from tessera.errors import CheckpointError
     from tessera.launch.launcher import build_command
     from tessera.launch.watchdog import HangWatchdog
@@ -333,14 +265,14 @@ def _supervise(
 
     world = recipe.run.world_size
 
-    def once(c: list[str], e: dict[str, str], prep: Callable[[], None] | None = None) -> tuple[int, Any]:
+    def once(c: list[str], e: dict[str, str]) -> tuple[int, Any]:
         timeout = recipe.stop.hang_timeout_s
         dog = HangWatchdog(rd, world, timeout) if timeout else None
         grace = recipe.run.preempt_grace_s
-        return supervise_ranks(c, e, rd, world, what="run", grace_s=grace, watchdog=dog, prepare=prep)
+        return supervise_ranks(c, e, rd, world, what="run", grace_s=grace, watchdog=dog)
 
-    code, failure = once(cmd, env, prepare)
-    ckpts = CheckpointManager(rd.checkpoints, keep=recipe.checkpoint.keep, rank=0, world_size=world)
+    code, failure = once(cmd, env)
+    ckpts = CheckpointIndex(rd.checkpoints, world_size=world)
     for attempt in range(1, recipe.run.restarts + 1):
         if code == 0 or code in NOT_RESTARTED:
             break
@@ -376,7 +308,7 @@ def _supervise(
         )
         resume = latest is not None
         rd.write_json(RunDir.LAUNCH, {**launch, "resume": resume, "restart": record})
-        again = _without_resume_from(flags)  # a restart continues from the latest, not a chosen step
+        again = (*_without_resume_from(flags), PREPARE_FLAG)  # from the latest, not a chosen step
         cmd, env = build_command(recipe, rd.path, resume=resume, device=device, worker_args=again)
         code, failure = once(cmd, env)
     if failure is not None and code not in NOT_RESTARTED:  # the ranks wrote no summary: say why here

@@ -107,6 +107,12 @@ class ParallelLayout:
             )
 
     @property
+    def uses_deepspeed(self) -> bool:
+        """DeepSpeed shards this layout's data-parallel state (every ``deepspeed`` engine layout; a
+        ``megatron`` one with ``zero_impl: deepspeed``); the others never import it."""
+        return self.zero_impl == "deepspeed"
+
+    @property
     def caps(self) -> Capabilities:
         """What this layout's engine can run (its entry in the capability table)."""
         return capabilities(self.engine)

@@ -18,7 +18,6 @@ import json
 import os
 import signal
 import sys
-import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,17 +25,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import yaml
 
 from tessera.checkpoint.convert import is_hf_dir
 from tessera.checkpoint.reshard import layout_tag
-from tessera.config.loader import recipe_hash, validate_recipe
+from tessera.config.loader import recipe_hash
 from tessera.config.schema import Recipe
 from tessera.device import resolve_device
 from tessera.errors import CheckpointError, RunStopped, TesseraError, TrainingDiverged
 from tessera.plan.layout import ParallelLayout
-from tessera.rundir import ORDERLY_EXITS, WAIT_FLAG, ExitCode, RunDir
+from tessera.rundir import ORDERLY_EXITS, PREPARE_FLAG, ExitCode, RunDir
 from tessera.train.loop import RunContext, TrainingLoop
+from tessera.train.prepare import load_run_recipe
 from tessera.train.resharding import dist_checkpointing_reshards, import_reshard, stage_on_rank0
 
 
@@ -53,38 +52,7 @@ class Start:
     resume_from: Path | None = None  # --resume-from: this checkpoint instead of the latest
     convert_from: Path | None = None
     verify: bool = True
-    wait_prepared: bool = False  # tessera run launched this rank before preparing the run directory
-
-
-def wait_prepared(run_dir: RunDir) -> None:
-    """Wait for ``tessera run`` to finish preparing the run directory (it launches the ranks first, so
-    that their start overlaps its checks; :func:`tessera.launch.runs.start_run`). Meanwhile this rank
-    imports what every engine initialises with. No time limit: if ``tessera run`` stops the ranks or
-    dies, the rank ends (SIGTERM, or the supervisor guard)."""
-    import deepspeed  # noqa: F401  (torch.distributed is initialised through it, whatever the engine)
-    import transformers.modeling_utils  # noqa: F401  (every engine builds or reads an HF model)
-
-    marker = run_dir / RunDir.PREPARED
-    while not marker.is_file():
-        time.sleep(0.02)
-
-
-def load_run_recipe(run_dir: RunDir) -> Recipe:
-    return validate_recipe(yaml.safe_load(run_dir.recipe.read_text()))
-
-
-def prepare_run_dir(recipe: Recipe, run_dir: Path | RunDir, *, root: Path):
-    """What every launch does before any rank starts: the resolved recipe and the prepared data
-    (tokenised and cached once, here; data errors surface before launch). Returns the data."""
-    from tessera.atomic import write_text_atomic
-    from tessera.data import prepare_data
-
-    rd = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
-    rd.path.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(rd.recipe, yaml.safe_dump(recipe.to_dict(), sort_keys=False))
-    data = prepare_data(recipe.data, root=root)
-    rd.write_json(RunDir.DATA, data.record())
-    return data
+    prepare: bool = False  # a tessera run launch: rank 0 prepares the run dir, the others wait for it
 
 
 def _rank_env() -> tuple[int, int, int]:
@@ -98,13 +66,17 @@ def _rank_env() -> tuple[int, int, int]:
 # ---- set up --------------------------------------------------------------------------------------------
 
 
-def _init_distributed(device: str) -> None:
-    import deepspeed
+def _init_distributed(device: str, layout: ParallelLayout) -> None:
+    """torch.distributed on gloo (CPU) or NCCL (CUDA), through DeepSpeed where it shards the layout (its
+    comm layer then owns the group), directly otherwise: a rank that never uses DeepSpeed does not
+    import it (~1.3 s of its start on two cores). The timeout bounds a hang on a dead peer."""
+    backend, timeout = ("nccl" if device == "cuda" else "gloo"), datetime.timedelta(minutes=5)
+    if layout.uses_deepspeed:
+        import deepspeed
 
-    # DS picks gloo for the CPU accelerator and nccl for CUDA; the timeout bounds a hang on a dead peer
-    deepspeed.init_distributed(
-        dist_backend="nccl" if device == "cuda" else "gloo", timeout=datetime.timedelta(minutes=5)
-    )
+        deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
+    elif not dist.is_initialized():  # the test harness keeps one group across runs
+        dist.init_process_group(backend=backend, timeout=timeout)
 
 
 def _layout(recipe: Recipe, world: int) -> ParallelLayout:
@@ -122,8 +94,8 @@ def _layout(recipe: Recipe, world: int) -> ParallelLayout:
 
 
 def _load_data(run_dir: RunDir, recipe: Recipe):
-    """`tessera run` prepared the data once before launch; without it, every rank prepares (the data
-    cache's lock lets one build while the others wait)."""
+    """Rank 0 of a `tessera run` launch prepared the data (data.json); without it, every rank prepares (the
+    data cache's lock lets one build while the others wait)."""
     from tessera.data import load_prepared, prepare_data
 
     if run_dir.data.is_file():
@@ -145,7 +117,18 @@ def _resume_point(
             fix="run without --resume to start fresh",
         )
     meta = ckpt.verify(latest, any_world=not same_layout)
-    return latest, meta, bool(check_resume_layout(meta, layout, latest, same_layout=same_layout))
+    diff = check_resume_layout(meta, layout, latest, same_layout=same_layout)
+    if diff and ckpt.rank == 0:
+        print(
+            f"tessera: {latest.name} was written with "
+            + ", ".join(f"{k}={a}" for k, a, _ in diff)
+            + "; resharding it to "
+            + ", ".join(f"{k}={b}" for k, _, b in diff)
+            + " before the first step (--same-layout refuses instead)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return latest, meta, bool(diff)
 
 
 def check_resume_layout(
@@ -241,10 +224,16 @@ def setup(run_dir: RunDir, start: Start, heartbeat: Any = None) -> tuple[RunCont
     from tessera.engines.registry import engine_class
     from tessera.train.faults import fault_from_env
 
-    if start.wait_prepared:
-        wait_prepared(run_dir)
-    recipe = load_run_recipe(run_dir)
     rank, local_rank, world = _rank_env()
+    prepared = None
+    if start.prepare:  # a tessera run launch: rank 0 prepares the run dir while the others wait
+        from tessera.train.prepare import prepare_as_rank0, wait_prepared
+
+        if rank == 0:
+            prepared = prepare_as_rank0(run_dir)
+        else:
+            wait_prepared(run_dir)
+    recipe = load_run_recipe(run_dir)
     device = resolve_device(recipe.run.device)
     if device == "cuda":
         torch.cuda.set_device(local_rank)
@@ -252,7 +241,7 @@ def setup(run_dir: RunDir, start: Start, heartbeat: Any = None) -> tuple[RunCont
     fault = fault_from_env()
     # count every collective from here on, before DeepSpeed / megatron-core bind torch.distributed names
     counter = install(group_namer(layout))
-    _init_distributed(device)
+    _init_distributed(device, layout)
     ckpt = CheckpointManager(run_dir.checkpoints, keep=recipe.checkpoint.keep, rank=rank, world_size=world)
     resume_from, reshard = None, False
     if start.resume:
@@ -268,7 +257,7 @@ def setup(run_dir: RunDir, start: Start, heartbeat: Any = None) -> tuple[RunCont
     if reshard and not dist_checkpointing_reshards(resume_from[1], layout):  # type: ignore[index]
         stage_dir = stage_on_rank0(resume_from[0], run_dir)  # type: ignore[index]
 
-    data = _load_data(run_dir, recipe)
+    data = prepared if prepared is not None else _load_data(run_dir, recipe)
     source = ModelSource.of(recipe, vocab_size=data.vocab_size, weights=src if hf_source else stage_dir)
     engine = engine_class(layout.engine)(source, recipe, layout, device=device)
     counter.namer = group_namer(layout, engine.named_groups())
@@ -543,7 +532,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-verify", action="store_true", help="do not verify a resharded checkpoint")
     ap.add_argument("--strict", action="store_true", help="refuse to resume when the manifest changed")
     ap.add_argument("--resume-from", default=None, help="resume from this checkpoint, not the latest")
-    ap.add_argument(WAIT_FLAG, action="store_true", help="wait for tessera run to prepare the run dir")
+    ap.add_argument(PREPARE_FLAG, action="store_true", help="rank 0 prepares the run dir, the others wait")
     ap.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     args = ap.parse_args(argv)
     start = Start(
@@ -553,7 +542,7 @@ def main(argv: list[str] | None = None) -> None:
         resume_from=Path(args.resume_from) if args.resume_from else None,
         convert_from=Path(args.convert_from) if args.convert_from else None,
         verify=not args.no_verify,
-        wait_prepared=args.wait_prepared,
+        prepare=args.prepare,
     )
     exit_process(run_rank(args.run_dir, start))
 

@@ -1,0 +1,137 @@
+"""Preparing a run directory for its ranks: the checks that read the model's config, the data (tokenised
+once), the plan record.
+
+``tessera run`` checks what needs no model library (:func:`tessera.launch.runs.check_recipe`), writes the
+recipe and launches at once; its ranks start with :data:`~tessera.rundir.PREPARE_FLAG`, and rank 0 does
+the rest here (:func:`prepare_as_rank0`) while the others import their libraries and wait for
+:data:`RunDir.PREPARED`. torch and transformers are then imported once per rank and never by the command
+line process, whose import on a small machine would take the cores the launcher and the ranks start on.
+A check that fails here is a rank's bad-input exit (code 2, the message on the console), and the launcher
+stops the other ranks. ``tessera convert --to`` and ``--dry-run`` run the same checks in the command line
+process (:func:`tessera.launch.runs.validate`).
+
+Nothing here imports torch at module level: the command line imports this module.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tessera.config.schema import Recipe
+from tessera.errors import RecipeError
+from tessera.rundir import RunDir
+
+
+def check_model(resolved: Any, device: str) -> Any:
+    """The checks that read the model's config (transformers) or build the DeepSpeed config: the
+    planner's layout for ``parallel: auto`` (written into ``resolved``: its recipe and plan), the layout
+    against the model (heads, layers, experts per rank), the user's DeepSpeed JSON, the vocabulary, the
+    router. ``resolved``: a :class:`tessera.config.loader.ResolvedRecipe`. Returns the layout."""
+    from tessera.plan.layout import layout_from_recipe
+
+    if resolved.recipe.parallel.auto:
+        from tessera.plan.search import apply_plan, hardware_for, plan_recipe
+
+        r = resolved.recipe
+        plan = plan_recipe(r, world_size=r.run.world_size, hardware=hardware_for(r, device=device))
+        resolved.recipe = apply_plan(r, plan)
+        resolved.plan = plan.to_json()
+    recipe = resolved.recipe
+    layout = layout_from_recipe(recipe)
+    from tessera.engines.zero import build_ds_config
+
+    build_ds_config(recipe, layout, device=device)  # user JSON conflicts are errors before the first step
+    from tessera.models.hf import check_vocab, load_hf_config
+
+    cfg = load_hf_config(recipe.model)
+    if recipe.data.tokenizer == "bpe":
+        check_vocab(cfg, recipe.data.vocab_size)
+    if recipe.model.moe_aux_loss_coeff:
+        from tessera.models.families import family_of
+
+        if not family_of(cfg.model_type).facts(cfg)["topk"]:
+            raise RecipeError(
+                f"a load-balancing loss needs a router, and this {cfg.model_type} model has no experts",
+                field="model.moe_aux_loss_coeff",
+                value=recipe.model.moe_aux_loss_coeff,
+                fix="remove model.moe_aux_loss_coeff (or set it to 0) for a dense model",
+            )
+    return layout
+
+
+def plan_record(resolved: Any, layout: Any, device: str) -> dict[str, Any]:
+    """plan.json: the planner's full answer for ``parallel: auto``; otherwise the estimates of the
+    recipe's own layout (what the run should cost, against which comm.jsonl is read)."""
+    if resolved.plan is not None:
+        return {"source": "planner", **resolved.plan}
+    from tessera.plan.search import estimate_layout, hardware_for
+
+    hw = hardware_for(resolved.recipe, device=device)
+    return {
+        "source": "recipe",
+        "chosen": estimate_layout(resolved.recipe, layout, hardware=hw, recompute=layout.recompute).to_json(),
+    }
+
+
+def write_recipe(recipe: Recipe, run_dir: RunDir) -> None:
+    """recipe.resolved.yaml, the recipe every rank reads (atomically: a rank never sees half of it)."""
+    from tessera.atomic import write_text_atomic
+
+    run_dir.path.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(run_dir.recipe, yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+
+
+def prepare_run_dir(recipe: Recipe, run_dir: Path | RunDir, *, root: Path):
+    """The resolved recipe and the prepared data (tokenised and cached once, here, for every rank).
+    Returns the data."""
+    from tessera.data import prepare_data
+
+    rd = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
+    write_recipe(recipe, rd)
+    data = prepare_data(recipe.data, root=root)
+    rd.write_json(RunDir.DATA, data.record())
+    return data
+
+
+def load_run_recipe(run_dir: RunDir) -> Recipe:
+    """The run's recipe.resolved.yaml, validated."""
+    from tessera.config.loader import validate_recipe
+
+    return validate_recipe(yaml.safe_load(run_dir.recipe.read_text()))
+
+
+def prepare_as_rank0(run_dir: RunDir):
+    """Rank 0 of a ``tessera run`` launch: the planner's layout for ``parallel: auto`` (the recipe is
+    rewritten with it), the model checks, the data, plan.json; then :data:`RunDir.PREPARED` releases the
+    other ranks. Returns the data."""
+    from tessera.config.loader import ResolvedRecipe
+    from tessera.device import resolve_device
+
+    resolved = ResolvedRecipe(load_run_recipe(run_dir))
+    device = resolve_device(resolved.recipe.run.device)
+    layout = check_model(resolved, device)
+    data = prepare_run_dir(resolved.recipe, run_dir, root=Path.cwd())
+    run_dir.write_json(RunDir.PLAN, plan_record(resolved, layout, device))
+    seq_len = resolved.recipe.data.seq_len
+    print(f"data: {len(data)} samples x {seq_len} tokens, vocab {data.vocab_size}", flush=True)
+    run_dir.write_json(RunDir.PREPARED, {"by": "rank 0", "at": time.time()})
+    return data
+
+
+def wait_prepared(run_dir: RunDir) -> None:
+    """A rank other than 0 of a ``tessera run`` launch: import what its engine will need (while rank 0
+    imports the same for its checks), then wait for rank 0 to prepare the run directory. No time limit:
+    if rank 0 fails, the launcher stops this rank (and if ``tessera run`` dies, the supervisor guard
+    does)."""
+    import transformers.modeling_utils  # noqa: F401  (every engine builds or reads an HF model)
+
+    if load_run_recipe(run_dir).parallel.engine == "deepspeed":
+        import deepspeed  # noqa: F401  (megatron and DDP layouts import it only to shard with it)
+
+    marker = run_dir / RunDir.PREPARED
+    while not marker.is_file():
+        time.sleep(0.02)
