@@ -2,9 +2,11 @@
 
 1. overhead     `tessera run` vs a hand-written DeepSpeed script (ZeRO-2) and a hand-written megatron-core
                 script (TP2), each launched the same way (the deepspeed launcher, cores bound per rank), on
-                the tiny Llama and a ~30M one, alternating tessera / raw / raw / tessera: the median steady
-                step period (wall clock between consecutive step ends, so the loop's own work counts) and
-                the time to first step (rank process start, and command start, to the end of step 1).
+                the tiny Llama and a ~30M one, alternating tessera / raw / raw / tessera, then raw /
+                tessera / tessera / raw (--quick: the first four): the median steady step period (wall
+                clock between consecutive step ends, so the loop's own work counts) and the time to first
+                step (rank process start, and command start, to the end of step 1), after one untimed
+                launch of each (DeepSpeed builds its CPU comm op at its first use in a venv).
 2. comm         per layout (ZeRO 0-3, ddp, megatron TP2, PP2, EP2): the bytes each rank sent per step
                 (counted collectives x the algorithm's wire factor) / the theoretical minimum of the
                 layout (`plan.estimate.minimum_wire_bytes`), and the share of the step in collectives.
@@ -206,8 +208,13 @@ def bench_overhead(work: Path, quick: bool) -> dict[str, Any]:
             steps, warmup = (6, 2) if quick else (8, 3)
             overrides = [*overrides, "parallel.global_batch=8", "parallel.micro_batch=4"]
         runs: dict[str, list[Steps]] = {"tessera": [], "raw": []}
-        for k, who in enumerate(("tessera", "raw", "raw", "tessera")):  # ABBA: drift hits both alike
-            _say(f"overhead {model} {layout}: {who} ({k + 1}/4)")
+        # ABBA BAAB: drift hits both alike; 4 launches each, for the time to first step (one sample per
+        # launch, ±0.5 s between launches here) more than for the step (tens of steps per launch)
+        abba = ("tessera", "raw", "raw", "tessera")
+        baab = ("raw", "tessera", "tessera", "raw")
+        order = abba if quick else abba + baab
+        for k, who in enumerate(order):
+            _say(f"overhead {model} {layout}: {who} ({k + 1}/{len(order)})")
             out = work / f"overhead-{model}-{layout}-{who}-{k}"
             if who == "tessera":
                 runs[who].append(tessera_run(recipe, overrides, steps, out))
