@@ -206,9 +206,8 @@ def start_run(
         chosen = resume_point(
             index, run_dir, resume=resume, resume_from=resume_from, same_layout=same_layout, strict=strict
         )
-        if (
-            chosen is not None
-        ):  # every file matches its checksum before anything launches (ranks verify again)
+        # every file of it matches its checksum before anything launches (the ranks verify again)
+        if chosen is not None:
             index.verify(chosen, any_world=not same_layout)
         write_recipe(recipe, rd)
         launch = {"command": printable, "argv": sys.argv, "resume": resume, **(launch_record or {})}
