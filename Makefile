@@ -20,6 +20,8 @@ $(STAMP): pyproject.toml
 	# torch first, by exact version, so nothing else can pull a CUDA build in its place
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[dev]"
+	# on CPU, DeepSpeed's shared-memory comm op is built now, not at the start of the first run (~90 s)
+	$(BIN)/python -m tessera.comm.shm
 	touch $(STAMP)
 
 lint: setup

@@ -219,11 +219,13 @@ def setup(run_dir: RunDir, start: Start, heartbeat: Any = None) -> tuple[RunCont
     checkpoint."""
     from tessera.checkpoint.manager import CheckpointManager
     from tessera.comm.accounting import group_namer, install
+    from tessera.comm.shm import use_venv_build_tools
     from tessera.data import StepSampler
     from tessera.engines.base import ModelSource
     from tessera.engines.registry import engine_class
     from tessera.train.faults import fault_from_env
 
+    use_venv_build_tools()  # DeepSpeed's CPU comm op as make setup built it, not rebuilt here
     rank, local_rank, world = _rank_env()
     prepared = None
     if start.prepare:  # a tessera run launch: rank 0 prepares the run dir while the others wait
