@@ -6,7 +6,7 @@
                 tessera / tessera / raw (--quick: the first four): the median steady step period (wall
                 clock between consecutive step ends, so the loop's own work counts) and the time to first
                 step (rank process start, and command start, to the end of step 1), after one untimed
-                launch of each (DeepSpeed builds its CPU comm op at its first use in a venv).
+                launch of each (the raw ranks build DeepSpeed's CPU comm op at their first use).
 2. comm         per layout (ZeRO 0-3, ddp, megatron TP2, PP2, EP2): the bytes each rank sent per step
                 (counted collectives x the algorithm's wire factor) / the theoretical minimum of the
                 layout (`plan.estimate.minimum_wire_bytes`), and the share of the step in collectives.
@@ -192,8 +192,8 @@ def raw_run(script: str, recipe: Path, overrides: list[str], steps: int, out: Pa
 
 
 def bench_overhead(work: Path, quick: bool) -> dict[str, Any]:
-    # untimed: DeepSpeed JIT-builds its CPU shared-memory comm op at its first use in a venv (~90 s here;
-    # again after another venv with the same Python built it into the shared torch_extensions cache)
+    # untimed: the raw scripts' ranks JIT-build DeepSpeed's CPU shared-memory comm op in torch's default
+    # directory at their first use (~90 s here; Tessera's ranks load the one make setup built)
     _say("overhead: one untimed launch of each side (one-time builds)")
     recipe_name, overrides = LAYOUTS["zero2"]
     tessera_run(REPO / "recipes" / recipe_name, overrides, 1, work / "overhead-warmup-tessera")
