@@ -12,6 +12,7 @@ import torch
 import yaml
 
 from helpers import REPO
+from tessera.config.loader import validate_recipe
 from tessera.config.schema import ModelSection
 from tessera.engines.registry import ENGINE_NAMES
 from tessera.errors import LayoutError, RecipeError
@@ -643,6 +644,34 @@ def test_auto_takes_recompute_only_when_the_layout_fits_only_with_it():
     recipe = load_recipe(REPO / "recipes" / "llama3-8b-pretrain-h100x8-zero3.yaml").recipe
     applied = apply_plan(recipe, tight)
     assert applied.parallel.recompute == tight.chosen.recompute and not applied.parallel.auto
+    # rank 0 goes on with `applied`; the other ranks read it back from recipe.resolved.yaml
+    assert validate_recipe(yaml.safe_load(yaml.safe_dump(applied.to_dict(), sort_keys=False))) == applied
+
+
+@pytest.mark.parametrize(
+    "engine,zero,zero_impl,deepspeed",
+    [
+        ("deepspeed", 0, "auto", True),
+        ("deepspeed", 2, "auto", True),
+        ("ddp", 0, "auto", False),
+        ("megatron", 1, "auto", False),
+        ("megatron", 2, "auto", True),
+        ("megatron", 1, "deepspeed", True),
+        ("megatron", 0, "megatron", False),
+    ],
+)
+def test_a_waiting_rank_knows_whether_deepspeed_shards_as_the_layout_will(engine, zero, zero_impl, deepspeed):
+    """The ranks that wait for rank 0's preparation import DeepSpeed when the layout will use it,
+    decided by the layout's own rule without reading the model."""
+    from tessera.config.loader import load_recipe
+    from tessera.plan.layout import layout_from_recipe, recipe_uses_deepspeed
+
+    recipe = load_recipe(
+        REPO / "recipes" / "tiny-llama-cpu.yaml",
+        [f"parallel.engine={engine}", f"parallel.zero={zero}", f"parallel.zero_impl={zero_impl}"],
+    ).recipe
+    layout = layout_from_recipe(recipe)
+    assert recipe_uses_deepspeed(recipe) is layout.uses_deepspeed is deepspeed
 
 
 @pytest.mark.parametrize("engine", ["deepspeed", "ddp"])

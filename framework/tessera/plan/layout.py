@@ -332,6 +332,16 @@ def layout_from_recipe(recipe: Recipe) -> ParallelLayout:
     return layout
 
 
+def recipe_uses_deepspeed(recipe: Recipe) -> bool:
+    """:attr:`ParallelLayout.uses_deepspeed` before the layout is derived (a rank that waits while rank 0
+    checks the model): the same rule (:func:`resolve_auto`), without reading the model. For ``parallel:
+    auto`` the planner has not chosen yet: whether DeepSpeed is one of the engine's implementations."""
+    p = recipe.parallel
+    if p.auto:
+        return "deepspeed" in capabilities(p.engine).zero_impls
+    return resolve_auto(p.engine, zero=p.zero, tp=p.tp, zero_impl=p.zero_impl)[0] == "deepspeed"
+
+
 def resolve_auto(
     engine: str,
     *,

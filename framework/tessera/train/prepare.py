@@ -104,10 +104,11 @@ def load_run_recipe(run_dir: RunDir) -> Recipe:
     return validate_recipe(yaml.safe_load(run_dir.recipe.read_text()))
 
 
-def prepare_as_rank0(run_dir: RunDir):
+def prepare_as_rank0(run_dir: RunDir) -> tuple[Recipe, Any, Any]:
     """Rank 0 of a ``tessera run`` launch: the planner's layout for ``parallel: auto`` (the recipe is
     rewritten with it), the model checks, the data, plan.json; then :data:`RunDir.PREPARED` releases the
-    other ranks. Returns the data."""
+    other ranks. Returns the recipe as written, its layout and the data, which rank 0 then uses as they
+    are (the other ranks read the recipe back)."""
     from tessera.config.loader import ResolvedRecipe
     from tessera.device import resolve_device
 
@@ -119,7 +120,7 @@ def prepare_as_rank0(run_dir: RunDir):
     seq_len = resolved.recipe.data.seq_len
     print(f"data: {len(data)} samples x {seq_len} tokens, vocab {data.vocab_size}", flush=True)
     run_dir.write_json(RunDir.PREPARED, {"by": "rank 0", "at": time.time()})
-    return data
+    return resolved.recipe, layout, data
 
 
 def wait_prepared(run_dir: RunDir) -> None:
@@ -129,8 +130,10 @@ def wait_prepared(run_dir: RunDir) -> None:
     does)."""
     import transformers.modeling_utils  # noqa: F401  (every engine builds or reads an HF model)
 
-    if load_run_recipe(run_dir).parallel.engine == "deepspeed":
-        import deepspeed  # noqa: F401  (megatron and DDP layouts import it only to shard with it)
+    from tessera.plan.layout import recipe_uses_deepspeed
+
+    if recipe_uses_deepspeed(load_run_recipe(run_dir)):
+        import deepspeed  # noqa: F401  (only the layouts DeepSpeed shards import it)
 
     marker = run_dir / RunDir.PREPARED
     while not marker.is_file():

@@ -79,10 +79,12 @@ def _init_distributed(device: str, layout: ParallelLayout) -> None:
         dist.init_process_group(backend=backend, timeout=timeout)
 
 
-def _layout(recipe: Recipe, world: int) -> ParallelLayout:
+def _layout(recipe: Recipe, world: int, layout: ParallelLayout | None = None) -> ParallelLayout:
+    """The recipe's layout (``layout``: derived already, by rank 0's preparation), checked against the
+    number of ranks the launcher started."""
     from tessera.plan.layout import layout_from_recipe
 
-    layout = layout_from_recipe(recipe)
+    layout = layout if layout is not None else layout_from_recipe(recipe)
     if layout.world_size != world:
         raise TesseraError(
             f"the launcher started {world} ranks",
@@ -227,19 +229,19 @@ def setup(run_dir: RunDir, start: Start, heartbeat: Any = None) -> tuple[RunCont
 
     use_venv_build_tools()  # DeepSpeed's CPU comm op as make setup built it, not rebuilt here
     rank, local_rank, world = _rank_env()
-    prepared = None
+    recipe, layout, data = None, None, None
     if start.prepare:  # a tessera run launch: rank 0 prepares the run dir while the others wait
         from tessera.train.prepare import prepare_as_rank0, wait_prepared
 
         if rank == 0:
-            prepared = prepare_as_rank0(run_dir)
+            recipe, layout, data = prepare_as_rank0(run_dir)
         else:
             wait_prepared(run_dir)
-    recipe = load_run_recipe(run_dir)
+    recipe = recipe if recipe is not None else load_run_recipe(run_dir)
     device = resolve_device(recipe.run.device)
     if device == "cuda":
         torch.cuda.set_device(local_rank)
-    layout = _layout(recipe, world)
+    layout = _layout(recipe, world, layout)
     fault = fault_from_env()
     # count every collective from here on, before DeepSpeed / megatron-core bind torch.distributed names
     counter = install(group_namer(layout))
@@ -259,7 +261,7 @@ def setup(run_dir: RunDir, start: Start, heartbeat: Any = None) -> tuple[RunCont
     if reshard and not dist_checkpointing_reshards(resume_from[1], layout):  # type: ignore[index]
         stage_dir = stage_on_rank0(resume_from[0], run_dir)  # type: ignore[index]
 
-    data = prepared if prepared is not None else _load_data(run_dir, recipe)
+    data = data if data is not None else _load_data(run_dir, recipe)
     source = ModelSource.of(recipe, vocab_size=data.vocab_size, weights=src if hf_source else stage_dir)
     engine = engine_class(layout.engine)(source, recipe, layout, device=device)
     counter.namer = group_namer(layout, engine.named_groups())
