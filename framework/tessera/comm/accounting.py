@@ -69,9 +69,15 @@ def _nbytes(x: Any) -> int:
     return 0
 
 
+_DTYPE_NAMES: dict[Any, str] = {}
+
+
 def _dtype(x: Any) -> str:
     if torch.is_tensor(x):
-        return str(x.dtype).replace("torch.", "")
+        name = _DTYPE_NAMES.get(x.dtype)
+        if name is None:
+            name = _DTYPE_NAMES[x.dtype] = str(x.dtype).replace("torch.", "")
+        return name
     if isinstance(x, (list, tuple)) and x:
         return _dtype(x[0])
     return "-"
@@ -99,31 +105,52 @@ class CommCounter:
     #: ops finished since the counter was installed (the heartbeat's sign of progress)
     completed: int = 0
 
-    @contextlib.contextmanager
-    def inside(self, op: str, group: Any, payload: Any) -> Iterator[None]:
-        """Mark the outermost op in progress (nested ops, e.g. all_gather_object's, keep the outer one)."""
-        if self.current is not None:
-            yield
-            return
+    def describe(self, group: Any, payload: Any) -> tuple[str, int, str]:
+        """The group's name, the payload's bytes and dtype: worked out once per call."""
         try:
-            self.current = (op, self.namer(group), _nbytes(payload), time.time())
+            name = self.namer(group)
         except Exception:  # naming must never break a collective
-            self.current = (op, "?", 0, time.time())
-        try:
-            yield
-        finally:
+            name = "?"
+        return name, _nbytes(payload), _dtype(payload)
+
+    def begin(self, op: str, group_name: str, nbytes: int) -> bool:
+        """Mark ``op`` as the one in progress, if it is the outermost (nested ops, e.g.
+        all_gather_object's, keep the outer one); True when it is (then :meth:`end` clears it)."""
+        if self.current is not None:
+            return False
+        self.current = (op, group_name, nbytes, time.time())
+        return True
+
+    def end(self, outermost: bool) -> None:
+        if outermost:
             self.current = None
             self.completed += 1
 
-    def record(self, op: str, group: Any, payload: Any, seconds: float) -> None:
-        agg = self._step[(op, self.namer(group), _dtype(payload))]
+    @contextlib.contextmanager
+    def inside(self, op: str, group: Any, payload: Any) -> Iterator[None]:
+        """:meth:`begin` ... :meth:`end` around a block (an async op's ``wait()``)."""
+        name, nbytes, _ = self.describe(group, payload)
+        outermost = self.begin(op, name, nbytes)
+        try:
+            yield
+        finally:
+            self.end(outermost)
+
+    def add(self, op: str, group_name: str, dtype: str, nbytes: int, seconds: float) -> None:
+        """One call of ``op``: its bytes and seconds into this step's tally."""
+        agg = self._step[(op, group_name, dtype)]
         agg.count += 1
-        agg.bytes += _nbytes(payload)
+        agg.bytes += nbytes
         agg.seconds += seconds
         self.total_seconds += seconds
 
+    def record(self, op: str, group: Any, payload: Any, seconds: float) -> None:
+        name, nbytes, dtype = self.describe(group, payload)
+        self.add(op, name, dtype, nbytes, seconds)
+
     def add_seconds(self, op: str, group: Any, payload: Any, seconds: float) -> None:
-        self._step[(op, self.namer(group), _dtype(payload))].seconds += seconds
+        name, _, dtype = self.describe(group, payload)
+        self._step[(op, name, dtype)].seconds += seconds
         self.total_seconds += seconds
 
     def pop_step(self) -> list[dict[str, Any]]:
@@ -172,21 +199,26 @@ def _wrap(name: str, fn: Callable[..., Any], counter: CommCounter) -> Callable[.
         return args[i] if 0 <= i < len(args) else None
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        # ~50 collectives a step on a tiny TP layout: the group, bytes and dtype are worked out once
         local = counter._local
         group = _arg(args, kwargs, "group", group_pos)
         payload = _arg(args, kwargs, key, pos) if pos >= 0 else None
+        gname, nbytes, dtype = counter.describe(group, payload)
+        outermost = counter.begin(op, gname, nbytes)  # the heartbeat says where the rank waits
         if not counter.enabled or getattr(local, "depth", 0):
-            with counter.inside(op, group, payload):  # the heartbeat still says where the rank waits
+            try:
                 return fn(*args, **kwargs)
+            finally:
+                counter.end(outermost)
         local.depth = 1
         t0 = time.perf_counter()
         try:
-            with counter.inside(op, group, payload):
-                out = fn(*args, **kwargs)
+            out = fn(*args, **kwargs)
         finally:
+            dt = time.perf_counter() - t0
             local.depth = 0
-        dt = time.perf_counter() - t0
-        counter.record(op, group, payload, dt)
+            counter.end(outermost)
+        counter.add(op, gname, dtype, nbytes, dt)
         if (
             out is not None
             and hasattr(out, "wait")
