@@ -280,8 +280,12 @@ class MegatronEngine:
             micro_batch_size=self.layout.micro_batch,
             forward_only=forward_only,
         )
-        # the loss lives on the last stage; tp ranks hold copies: count one rank per dp replica
         mine = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.layout.pp == 1:  # every rank holds its replica's loss (tp ranks the same copy): a sum
+            for d in reported:  # over dp, and no collective at all at dp = 1 (a TP layout)
+                mine += d["loss_sum"].double()
+            return float(dp_sum(mine, self.layout, self.dp_group))
+        # the loss lives on the last stage; tp ranks hold copies: count one rank per dp replica
         if (
             self.ps.is_pipeline_last_stage(ignore_virtual=True)
             and self.ps.get_tensor_model_parallel_rank() == 0
