@@ -773,3 +773,83 @@ def test_each_engine_takes_its_own_efficiency_from_a_calibrated_profile(tmp_path
     )
     with pytest.raises(RecipeError, match="engine names"):
         load_hardware(tmp_path / "p.yaml")
+
+
+def test_zero2_pays_its_gradient_hooks_on_every_micro_batch_but_the_last():
+    """DeepSpeed ZeRO 2-3 reduce every micro-batch's gradients (ZeRO 0-1 only the last one's): per
+    micro-batch before the last, the profile's seconds per tensor for the 21 tensors of the tiny llama,
+    and the gradients copied into the buckets and out (2 x 4Ψ bytes in fp32 at hbm_bandwidth)."""
+    import dataclasses
+
+    from tessera.plan.time_estimate import grad_hook_passes
+
+    f, psi = _tiny_llama_facts(), TINY_LLAMA_PSI
+    cpu = dataclasses.replace(load_hardware("cpu-2core"), grad_hook_s=1e-4)
+
+    def times(**kw):
+        lay = _layout(world_size=2, micro_batch=2, **kw)
+        return lay, step_time(f, lay, seq_len=64, precision="fp32", recompute="none", hardware=cpu)
+
+    lay, t = times(engine="deepspeed", zero=2, grad_accum=4)
+    assert grad_hook_passes(lay) == 3
+    assert t.grad_hooks_s == pytest.approx(3 * (21 * 1e-4 + 2 * 4 * psi / cpu.hbm_bandwidth), rel=1e-12)
+    assert t.step_s == pytest.approx(
+        t.compute_s + t.dp_exposed_s + t.optimizer_s + t.grad_hooks_s + t.tp_ep_s + t.pp_s, rel=1e-12
+    )
+    _, z3 = times(engine="deepspeed", zero=3, grad_accum=4)
+    assert z3.grad_hooks_s == t.grad_hooks_s
+    for kw in (
+        dict(engine="deepspeed", zero=1, grad_accum=4),  # reduces the last micro-batch only
+        dict(engine="deepspeed", zero=2, grad_accum=1),  # one micro-batch: it is the last
+        dict(engine="ddp", grad_accum=4),
+        dict(engine="megatron", zero=2, zero_impl="megatron", grad_accum=4),
+    ):
+        lay, other = times(**kw)
+        assert grad_hook_passes(lay) == 0 and other.grad_hooks_s == 0.0, kw
+
+
+def _synthetic_run(path: Path, overrides: list[str], truth) -> Path:
+    """A finished run directory whose every steady step took what the planner predicts on ``truth`` (a
+    profile standing for the machine), with no collectives counted."""
+    from tessera.config.loader import load_recipe
+    from tessera.plan.measured import predicted
+
+    recipe = load_recipe(REPO / "recipes" / "tiny-llama-cpu.yaml", overrides).recipe
+    t = predicted(recipe, truth).time
+    path.mkdir()
+    (path / "recipe.resolved.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+    rec = {"compute_time_s": t.compute_s + t.grad_hooks_s, "comm_time_s": t.dp_exposed_s}
+    rec |= {"optimizer_time_s": t.optimizer_s, "step_time_s": t.step_s}
+    lines = [json.dumps({"step": s, **rec}) for s in range(1, 13)]
+    (path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    (path / "comm.jsonl").write_text("")
+    return path
+
+
+def test_calibration_fits_zero2s_hooks_from_a_run_with_accumulation(tmp_path):
+    """The hooks are fitted apart from the efficiency when the engine has a run without them (ZeRO-1):
+    both come back from runs made on a known profile, and the ZeRO-2 layout left out of the fit is
+    predicted exactly. With ZeRO-2 runs alone the hooks stay in the efficiency (the base profile's
+    grad_hook_s is kept)."""
+    import dataclasses
+
+    from tessera.plan.measured import calibrate, compare_to_run
+
+    base = load_hardware("cpu-2core")
+    truth = dataclasses.replace(base, engine_efficiency={"deepspeed": 0.25}, grad_hook_s=2e-4)
+    runs = {
+        name: _synthetic_run(tmp_path / name, overrides, truth)
+        for name, overrides in {
+            "zero1": ["parallel.zero=1"],
+            "zero2": [],
+            "zero2_mb2": ["parallel.micro_batch=2"],
+        }.items()
+    }
+    fitted, report = calibrate([runs["zero1"], runs["zero2_mb2"]], base)
+    assert fitted.engine_efficiency == {"deepspeed": pytest.approx(0.25, rel=1e-9)}
+    assert fitted.grad_hook_s == pytest.approx(2e-4, rel=1e-6) and len(report["grad_hook_per_run"]) == 1
+    step = compare_to_run(runs["zero2"], fitted)["terms"]["step"]
+    assert step["predicted_s"] == pytest.approx(step["measured_s"], rel=1e-6)
+    alone, report = calibrate([runs["zero2"], runs["zero2_mb2"]], base)
+    assert alone.grad_hook_s is None and report["grad_hook_per_run"] == []
+    assert alone.engine_efficiency["deepspeed"] < 0.25  # the hooks' seconds counted as compute

@@ -63,6 +63,7 @@ LAYOUTS: dict[str, tuple[str, list[str]]] = {  # name -> (recipe, overrides), th
     "zero0": ("tiny-llama-cpu.yaml", ["parallel.zero=0"]),
     "zero1": ("tiny-llama-cpu.yaml", ["parallel.zero=1"]),
     "zero2": ("tiny-llama-cpu.yaml", []),
+    "zero2_mb2": ("tiny-llama-cpu.yaml", ["parallel.micro_batch=2"]),  # 4 micro-batches: 3 hook passes
     "zero3": ("tiny-llama-cpu.yaml", ["parallel.zero=3"]),
     "ddp": ("tiny-llama-cpu-ddp.yaml", []),
     "ddp_mb8": (
@@ -84,8 +85,9 @@ OVERHEAD = [
     ("30m", "tp2", "raw_megatron.py"),
 ]
 #: the planner's acceptance layouts, each predicted by a profile calibrated on the rest of the pool (which
-#: holds another layout of each engine, so that no engine's efficiency is missing when one is held out)
-POOL = ("zero1", "zero2", "ddp", "ddp_mb8", "tp2", "tp2_mb8", "pp2", "ep2")
+#: holds another layout of each engine, so that no engine's efficiency is missing when one is held out,
+#: and a second ZeRO-2 layout, whose gradient hooks on its micro-batches before the last are fitted)
+POOL = ("zero1", "zero2", "zero2_mb2", "ddp", "ddp_mb8", "tp2", "tp2_mb8", "pp2", "ep2")
 CHECKED = ("zero2", "ddp", "tp2", "pp2")
 
 
@@ -363,7 +365,8 @@ def bench_calibration(work: Path) -> dict[str, Any]:
         }  # fmt: skip
     fit = {k: v for k, v in report.items() if k != "runs"}
     profile = {"latency_s": whole.latency_s, "tp_latency_s": whole.tp_latency_s,
-               "bandwidth": whole.intra_node_bandwidth, "engine_efficiency": whole.engine_efficiency}  # fmt: skip
+               "bandwidth": whole.intra_node_bandwidth, "engine_efficiency": whole.engine_efficiency,
+               "grad_hook_s": whole.grad_hook_s}  # fmt: skip
     return {"pool": list(POOL), "profile": profile, "fit": fit, "acceptance": 0.25, "layouts": rows}
 
 
@@ -458,7 +461,9 @@ def markdown(res: dict[str, Any]) -> str:
         out += [f"**6. Step time predicted / measured** — each layout predicted by `cpu-2core` calibrated on the "
                 f"other runs of {', '.join(c['pool'])} (`tessera plan --calibrate`; leave one out), and in sample by "
                 f"the profile calibrated on all of them (α {p['latency_s'] * 1e3:.2f} ms per message, TP / EP "
-                f"{(p['tp_latency_s'] or 0) * 1e3:.2f} ms, {p['bandwidth'] / 1e9:.2f} GB/s, efficiency {eff}). "
+                f"{(p['tp_latency_s'] or 0) * 1e3:.2f} ms, {p['bandwidth'] / 1e9:.2f} GB/s, efficiency {eff}, "
+                f"ZeRO-2 gradient hook {(p.get('grad_hook_s') or 0) * 1e3:.3f} ms per tensor per micro-batch "
+                "before the last). "
                 "Acceptance: within 25 %.", "",
                 "| layout | measured ms | held out: predicted ms | held out: predicted / measured | in sample | "
                 "stock `cpu-2core` |", "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip

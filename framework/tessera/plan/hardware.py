@@ -62,6 +62,11 @@ class HardwareProfile:
     #: engine's own work per step - DeepSpeed's hooks and bucket copies, megatron-core's kernels (off CUDA
     #: its local spec's unfused ops) - counts in its compute time; an engine not listed uses ``efficiency``
     engine_efficiency: dict[str, float] | None = None
+    #: seconds per parameter tensor of DeepSpeed's gradient hook on each micro-batch but the last of a
+    #: step, at ZeRO 2-3 (which reduce every micro-batch's gradients; ZeRO 0-1 only the last one's): the
+    #: hook's bookkeeping and bucket handling beside its copies (those are timed at ``hbm_bandwidth``). A
+    #: calibrated profile has it (``tessera plan --calibrate`` on a ZeRO-2 run with accumulation); None = 0
+    grad_hook_s: float | None = None
     #: whether data-parallel collectives run beside the backward (GPU streams, NCCL): False on CPU, where
     #: gloo's collectives and the backward share the cores, so every collective second is exposed
     comm_overlap: bool = True
@@ -105,7 +110,7 @@ _REQUIRED = (
     "inter_node_bandwidth",
 )
 _INTS = ("devices_per_node", "memory_bytes", "host_memory_bytes")
-_OPTIONAL_ZERO_OK = ("latency_s", "tp_latency_s")
+_OPTIONAL_ZERO_OK = ("latency_s", "tp_latency_s", "grad_hook_s")
 _KNOWN = tuple(f.name for f in fields(HardwareProfile))
 
 

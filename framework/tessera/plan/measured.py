@@ -12,7 +12,9 @@ planner's message count and its α + n·β time.
 α (seconds per message) and β (seconds per wire byte) by least squares over the data-parallel and
 pipeline collectives the runs counted (per op and group, the median step); each engine's efficiency (the planner's FLOPs over the
 measured compute time: an engine's own work per step - hooks, bucket copies, unfused kernels - counts
-there); a TP / EP collective's own α (the step time of such runs beyond the rest of the prediction, per
+there; an engine's runs without ZeRO 2-3's extra gradient hooks where it has any); the seconds per tensor
+of those hooks (DeepSpeed ZeRO-2 runs with accumulation: their compute beyond that efficiency and the
+bucket copies, per tensor per micro-batch before the last); a TP / EP collective's own α (the step time of such runs beyond the rest of the prediction, per
 message: those sit between a layer's matmuls, so they cost the ranks' skew too); and the optimizer's
 effective memory bandwidth (the planner's bytes over the measured optimizer time), each the median over
 the runs. It writes a new profile with them.
@@ -103,7 +105,7 @@ def predicted(recipe: Any, hardware: HardwareProfile) -> Any:
 def predicted_terms(candidate: Any) -> dict[str, float]:
     t = candidate.time
     return {
-        "compute": t.compute_s,
+        "compute": t.compute_s + t.grad_hooks_s,  # measured compute holds the engine's hooks
         "communication": t.tp_ep_s + t.pp_s + t.dp_exposed_s,
         "bubble": t.bubble_s,
         "optimizer": t.optimizer_s,
@@ -194,12 +196,15 @@ def calibrate(run_dirs: list[Path], hardware: HardwareProfile) -> tuple[Hardware
     In order: α and β by least squares over the data-parallel and pipeline collectives (per op and group,
     rank 0's median step); the optimizer's
     bandwidth; each engine's efficiency (planner FLOPs / measured compute) from its runs without TP / EP
-    collectives where it has any (else :func:`_tp_only_efficiency`); then the TP / EP α: what the step of a run with
+    collectives where it has any (else :func:`_tp_only_efficiency`), leaving out the runs with ZeRO 2-3's
+    extra gradient hooks where the engine has others; ``grad_hook_s`` from the ZeRO-2 runs with
+    accumulation (their compute beyond that efficiency and the bucket copies, per tensor per hook pass,
+    :func:`tessera.plan.time_estimate.grad_hook_seconds`); then the TP / EP α: what the step of a run with
     them took beyond the rest of the prediction, per TP / EP message (median over those runs). A TP
     collective sits between two matmuls of a layer, so besides its own time it costs the ranks' skew and
     the disturbance of the computation around it; only the step as a whole measures that."""
     from tessera.plan.estimate import wire_factor
-    from tessera.plan.time_estimate import DEFAULT_EFFICIENCY
+    from tessera.plan.time_estimate import DEFAULT_EFFICIENCY, grad_hook_passes
 
     samples: list[tuple[float, float, float]] = []
     runs: list[
@@ -232,10 +237,17 @@ def calibrate(run_dirs: list[Path], hardware: HardwareProfile) -> tuple[Hardware
         )
     alpha, beta = _fit_alpha_beta(samples) if samples else (hardware.latency_s, 0.0)
     efficiency: dict[str, list[float]] = {}
-    for _, cand, meas, critical in runs:  # from the runs without TP / EP collectives
-        if meas["compute"] and not critical:
-            used = hardware.efficiency_for(cand.layout.engine) or DEFAULT_EFFICIENCY
-            efficiency.setdefault(cand.layout.engine, []).append(used * cand.time.compute_s / meas["compute"])
+    plain = [r for r in runs if r[2]["compute"] and not r[3]]  # the runs without TP / EP collectives
+    # an engine's efficiency from its runs without ZeRO 2-3's extra gradient hooks where it has any (the
+    # hooks are fitted below); an engine with only such runs keeps the hooks in its efficiency
+    no_hooks = {cand.layout.engine for _, cand, _, _ in plain if not grad_hook_passes(cand.layout)}
+    for _, cand, meas, _ in plain:
+        engine = cand.layout.engine
+        if engine in no_hooks and grad_hook_passes(cand.layout):
+            continue
+        used = hardware.efficiency_for(engine) or DEFAULT_EFFICIENCY
+        compute = float(meas["compute"] or 0.0) - cand.time.grad_hooks_s
+        efficiency.setdefault(engine, []).append(used * cand.time.compute_s / max(compute, 1e-9))
     engines = {k: statistics.median(v) for k, v in efficiency.items()}
     engines.update(_tp_only_efficiency(runs, engines, hardware))
     fitted = replace(
@@ -248,6 +260,16 @@ def calibrate(run_dirs: list[Path], hardware: HardwareProfile) -> tuple[Hardware
         engine_efficiency=engines,
         hbm_bandwidth=statistics.median(bandwidth) if bandwidth else hardware.hbm_bandwidth,
     )
+    hooks = []  # seconds per tensor: ZeRO-2 runs' compute beyond the fitted efficiency and the copies
+    for recipe, cand, meas, _ in plain:
+        if cand.layout.zero == 2 and grad_hook_passes(cand.layout) and cand.layout.engine in no_hooks:
+            t0 = predicted(recipe, replace(fitted, grad_hook_s=0.0)).time
+            per_second = (
+                predicted(recipe, replace(fitted, grad_hook_s=1.0)).time.grad_hooks_s - t0.grad_hooks_s
+            )
+            rest = float(meas["compute"] or 0.0) - t0.compute_s - t0.grad_hooks_s
+            hooks.append(max(0.0, rest / per_second))
+    fitted = replace(fitted, grad_hook_s=statistics.median(hooks) if hooks else hardware.grad_hook_s)
     residual = []
     for recipe, _, meas, critical in runs:
         if critical and meas["step"]:
@@ -262,6 +284,8 @@ def calibrate(run_dirs: list[Path], hardware: HardwareProfile) -> tuple[Hardware
         "tp_latency_per_run": residual,
         "seconds_per_wire_byte": beta,
         "efficiency_per_run": efficiency,  # by engine
+        "grad_hook_s": fitted.grad_hook_s,
+        "grad_hook_per_run": hooks,
         "optimizer_bandwidth_per_run": bandwidth,
     }
     return fitted, report
@@ -276,6 +300,7 @@ def write_profile(profile: HardwareProfile, path: Path, report: dict[str, Any]) 
         f"# latency_s (alpha) and intra_node_bandwidth (1/beta): least squares over {report['messages_fitted']} "
         "counted data-parallel / pipeline calls;",
         "# engine_efficiency: planner FLOPs / measured compute time per engine (efficiency: their median);",
+        "# grad_hook_s: ZeRO-2 runs' compute beyond the efficiency and the bucket copies, per tensor per hook pass;",
         "# tp_latency_s: the step time of TP / EP runs beyond the rest of the prediction, per TP / EP message;",
         "# hbm_bandwidth: the optimizer's effective bandwidth (planner bytes / measured optimizer time).",
         "# Medians over the runs.",

@@ -15,6 +15,7 @@ from tessera.plan.estimate import (
     ModelFacts,
     comm_per_step,
     expert_dp,
+    hf_tensor_numels,
     largest_shard,
     layer_params,
 )
@@ -79,6 +80,28 @@ def op_seconds(o: CommOp, hw: HardwareProfile) -> float:
     return o.wire_bytes / link_bandwidth(hw, o.span) + hw.latency_for(o.group) * o.calls * o.messages
 
 
+def grad_hook_passes(layout: ParallelLayout) -> int:
+    """Micro-batches of a step whose gradients DeepSpeed's backward hooks reduce besides the last one's:
+    ZeRO 2-3 reduce (and partition) every micro-batch's gradients, ZeRO 0-1 and the other sharding
+    implementations only the last one's (which every layout pays, in its efficiency)."""
+    return layout.grad_accum - 1 if layout.uses_deepspeed and layout.zero >= 2 else 0
+
+
+def grad_hook_seconds(
+    f: ModelFacts, layout: ParallelLayout, *, precision: str, hardware: HardwareProfile
+) -> float:
+    """DeepSpeed ZeRO 2-3's gradient hooks on the micro-batches before the last (:func:`grad_hook_passes`):
+    per parameter tensor the profile's ``grad_hook_s``, plus each gradient copied into a reduction
+    bucket and its partition out of it (2 x the rank's gradient bytes at ``hbm_bandwidth``)."""
+    passes = grad_hook_passes(layout)
+    if not passes:
+        return 0.0
+    n_tensors = len(hf_tensor_numels(f))  # a megatron module under DeepSpeed: as many, each a TP shard
+    grad_bytes = BYTES[precision] * largest_shard(f, layout).total
+    per_pass = n_tensors * (hardware.grad_hook_s or 0.0) + 2 * grad_bytes / hardware.hbm_bandwidth
+    return passes * per_pass
+
+
 @dataclass(frozen=True)
 class TimeEstimate:
     """Seconds of one optimizer step on the busiest rank and the model FLOPs utilisation."""
@@ -90,6 +113,7 @@ class TimeEstimate:
     pp_s: float
     dp_exposed_s: float
     optimizer_s: float
+    grad_hooks_s: float
     model_flops_per_step: float
     mfu: float
 
@@ -109,7 +133,8 @@ def step_time(
     ops: list[CommOp] | None = None,
 ) -> TimeEstimate:
     """Step time = (compute + TP/EP collectives) / (1 - bubble) + PP sends + exposed DP collectives +
-    optimizer step. Compute = (model + recompute FLOPs) x tokens / world / (peak x efficiency). Each
+    optimizer step + DeepSpeed ZeRO 2-3's gradient hooks on the micro-batches before the last
+    (:func:`grad_hook_seconds`). Compute = (model + recompute FLOPs) x tokens / world / (peak x efficiency). Each
     collective takes wire bytes / link bandwidth + latency per call. TP and EP collectives sit on the
     critical path; DP ones hide behind the compute they overlap with (DeepSpeed / megatron bucket the
     grad reduction into the backward and prefetch ZeRO-3 gathers; torch DDP's buckets are timed like
@@ -167,7 +192,8 @@ def step_time(
         optimizer = shard * ADAM_BYTES_PER_PARAM / hw.hbm_bandwidth
     bubble = bubble_fraction(L.pp, L.vpp, m)
     pipelined = (compute + tp_ep) / (1 - bubble)
-    step = pipelined + pp_s + exposed + optimizer
+    hooks = grad_hook_seconds(f, L, precision=precision, hardware=hw)
+    step = pipelined + pp_s + exposed + optimizer + hooks
     return TimeEstimate(
         step_s=step,
         compute_s=compute,
@@ -176,6 +202,7 @@ def step_time(
         pp_s=pp_s,
         dp_exposed_s=exposed,
         optimizer_s=optimizer,
+        grad_hooks_s=hooks,
         model_flops_per_step=model_flops,
         mfu=model_flops / (step * peak * L.world_size),
     )
