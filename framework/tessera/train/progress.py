@@ -1,13 +1,24 @@
-"""Rank-0 live status: a rich progress bar on a terminal, one plain line per step otherwise (logs, CI)."""
+"""Rank-0 live status: a rich progress bar on a terminal, plain lines otherwise (logs, CI).
+
+Both are paced: the bar redraws twice a second, and a plain line is written for the first and the last
+step and then at most once per :data:`LINE_EVERY_S` seconds (every step is in ``metrics.jsonl``). Each
+line wakes the ``tessera run`` process that relays it, and on a machine whose cores the ranks fill that
+wake-up preempts a rank: with a line per 150 ms step the tiny TP2 step measured 1-5 % slower (three
+pairs of launches) than without.
+"""
 
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.progress import Progress as RichProgress
+
+#: the least time between two plain progress lines
+LINE_EVERY_S = 1.0
 
 
 class Progress:
@@ -17,6 +28,7 @@ class Progress:
         # the live bar on stderr: stdout goes through the launcher's line sorter (not a terminal)
         self.console = Console(file=sys.stderr)
         self._bar: RichProgress | None = None
+        self._last_line = -float("inf")
         if enabled and self.console.is_terminal:
             self._bar = RichProgress(
                 TextColumn("[bold]train"),
@@ -26,6 +38,7 @@ class Progress:
                 TimeElapsedColumn(),
                 TimeRemainingColumn(),
                 console=self.console,
+                refresh_per_second=2,
             )
             self._task = self._bar.add_task("train", total=total, completed=start, status="")
             self._bar.start()
@@ -42,7 +55,10 @@ class Progress:
             return
         if self._bar is not None:
             self._bar.update(self._task, completed=step, status=self.status(rec))
-        else:
+            return
+        now = time.monotonic()
+        if step >= self.total or now - self._last_line >= LINE_EVERY_S:  # the first: -inf
+            self._last_line = now
             print(
                 f"[tessera] step {step}/{self.total}  {self.status(rec)}  "
                 f"gnorm {_num(rec['grad_norm'])}  {rec['step_time_s'] * 1000:.0f} ms",
