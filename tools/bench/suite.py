@@ -104,6 +104,12 @@ class Steps:
         wall = [r["wall_time"] for r in self.records if r["step"] > warmup]
         return [b - a for a, b in itertools.pairwise(wall)]
 
+    def gaps(self, warmup: int) -> list[float]:
+        """Seconds between one step's end and the next one's start after ``warmup`` steps: the loop's own
+        work outside the timed step (metrics, logs, progress, stop rules)."""
+        recs = [r for r in self.records if r["step"] > warmup]
+        return [b["wall_time"] - a["wall_time"] - b["step_time_s"] for a, b in itertools.pairwise(recs)]
+
     def median_step(self, warmup: int) -> float:
         return statistics.median(r["step_time_s"] for r in self.records if r["step"] > warmup)
 
@@ -206,8 +212,8 @@ def bench_overhead(work: Path, quick: bool) -> dict[str, Any]:
         recipe = _recipe(model, recipe_name, work)
         if model == "tiny":
             steps, warmup = (30, 5) if quick else (60, 10)
-        else:  # ~5 s steps: a smaller global batch keeps the pair under a few minutes
-            steps, warmup = (6, 2) if quick else (8, 3)
+        else:  # ~1.1 s steps at this smaller global batch: 9 periods per launch keep the pair at ~3 minutes
+            steps, warmup = (6, 2) if quick else (12, 2)
             overrides = [*overrides, "parallel.global_batch=8", "parallel.micro_batch=4"]
         runs: dict[str, list[Steps]] = {"tessera": [], "raw": []}
         # ABBA BAAB: drift hits both alike; 4 launches each, for the time to first step (one sample per
@@ -223,12 +229,23 @@ def bench_overhead(work: Path, quick: bool) -> dict[str, Any]:
             else:
                 runs[who].append(raw_run(script, recipe, overrides, steps, out))
         period = {w: statistics.median(p for r in rs for p in r.periods(warmup)) for w, rs in runs.items()}
+        # each launch's median beside its neighbour's (the order pairs them: one of each side per pair):
+        # how far two launches a minute apart differ on this machine, next to the pooled ratio
+        launch = {w: [statistics.median(r.periods(warmup)) for r in rs] for w, rs in runs.items()}
+        seen = {"tessera": iter(launch["tessera"]), "raw": iter(launch["raw"])}
+        by_order = [next(seen[who]) for who in order]
+        pairs = [
+            (a / b if order[2 * i] == "tessera" else b / a)
+            for i, (a, b) in enumerate(zip(by_order[::2], by_order[1::2], strict=True))
+        ]
+        gap = {w: statistics.median(g for r in rs for g in r.gaps(warmup)) for w, rs in runs.items()}
         proc = {w: statistics.median(r.ttfs_process for r in rs) for w, rs in runs.items()}
         cmd = {w: statistics.median(r.ttfs_command for r in rs) for w, rs in runs.items()}
         rows.append({
             "model": model, "layout": layout, "raw_script": f"tools/bench/{script}", "steps": steps,
             "warmup_steps": warmup, "tokens_per_step": runs["tessera"][0].records[-1]["tokens"],
             "median_step_period_s": period, "step_ratio": period["tessera"] / period["raw"],
+            "launch_median_step_period_s": launch, "pair_step_ratios": pairs, "between_steps_s": gap,
             "time_to_first_step_process_s": proc, "ttfs_process_ratio": proc["tessera"] / proc["raw"],
             "time_to_first_step_command_s": cmd, "ttfs_command_ratio": cmd["tessera"] / cmd["raw"],
             "loss_at_last_step": {w: rs[0].records[-1]["loss"] for w, rs in runs.items()},
@@ -393,6 +410,16 @@ def _f(x: float | None, fmt: str = ".3f") -> str:
     return "—" if x is None else format(x, fmt)
 
 
+def _pair_range(r: dict[str, Any]) -> str:
+    pairs = r.get("pair_step_ratios")  # absent in results written before it was measured
+    return f"{min(pairs):.2f}-{max(pairs):.2f}" if pairs else "-"
+
+
+def _gaps(r: dict[str, Any]) -> str:
+    g = r.get("between_steps_s")
+    return f"{g['raw'] * 1e3:.1f} / {g['tessera'] * 1e3:.1f}" if g else "-"
+
+
 def markdown(res: dict[str, Any]) -> str:
     m = res["machine"]
     v = ", ".join(f"{k} {x}" for k, x in m["versions"].items())
@@ -405,8 +432,12 @@ def markdown(res: dict[str, Any]) -> str:
         out += ["**1. Overhead** — `tessera run` / the hand-written script, same launcher, recipe, weights and "
                 "batches (median step period after warm-up; time to first step from the rank process's "
                 "start and from the command's). Target ≤ 1.03 per step, ≤ 1.2 to first step.", "",
-                "| model | layout | raw script | step ms raw / tessera | step ratio | first step s (process) | "
-                "ratio | first step s (command) | ratio |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+                "Launches alternate (ABBA BAAB); *launch pairs* is the range of the ratio of neighbouring "
+                "launches' medians, *between steps* the loop's time outside the timed step (metrics, logs, "
+                "progress, stop rules).", "",
+                "| model | layout | raw script | step ms raw / tessera | step ratio | launch pairs | between steps "
+                "ms raw / tessera | first step s (process) | ratio | first step s (command) | ratio |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
         for r in res["overhead"]["pairs"]:
             p, q, c = (
                 r["median_step_period_s"],
@@ -414,7 +445,8 @@ def markdown(res: dict[str, Any]) -> str:
                 r["time_to_first_step_command_s"],
             )
             out.append(f"| {r['model']} | {r['layout']} | `{Path(r['raw_script']).name}` | {p['raw'] * 1e3:.1f} / "
-                       f"{p['tessera'] * 1e3:.1f} | {r['step_ratio']:.3f} | {q['raw']:.1f} / {q['tessera']:.1f} | "
+                       f"{p['tessera'] * 1e3:.1f} | {r['step_ratio']:.3f} | {_pair_range(r)} | {_gaps(r)} | "
+                       f"{q['raw']:.1f} / {q['tessera']:.1f} | "
                        f"{r['ttfs_process_ratio']:.2f} | {c['raw']:.1f} / {c['tessera']:.1f} | "
                        f"{r['ttfs_command_ratio']:.2f} |")  # fmt: skip
         out.append("")
