@@ -37,6 +37,15 @@ def plot_suite(res: dict[str, Any], path: Path) -> None:
             rows = res[key]["pairs"]
             _bars(ax, [f"{r['model']} {r['layout']}" for r in rows], [r["step_ratio"] for r in rows], 1.03,
                   "target 1.03", "step period, tessera / raw script")  # fmt: skip
+            spread = [(i, r) for i, r in enumerate(rows) if r.get("pair_step_ratios")]
+            if spread:  # how far neighbouring launches' medians differ: the machine's noise beside the ratio
+                lo = [r["step_ratio"] - min(r["pair_step_ratios"]) for _, r in spread]
+                hi = [max(r["pair_step_ratios"]) - r["step_ratio"] for _, r in spread]
+                ax.errorbar([i for i, _ in spread], [r["step_ratio"] for _, r in spread], yerr=[lo, hi],
+                            fmt="none", ecolor="black", capsize=4, linewidth=1,
+                            label="neighbouring launches, min-max")  # fmt: skip
+                ax.set_ylim(0, max(1.03, *(max(r["pair_step_ratios"]) for _, r in spread)) * 1.18)
+                ax.legend(fontsize=8, loc="upper left")
             ax.set_title("1. Overhead over the raw engines")
         elif key == "comm":
             rows = res[key]["layouts"]
