@@ -232,12 +232,7 @@ def bench_overhead(work: Path, quick: bool) -> dict[str, Any]:
         # each launch's median beside its neighbour's (the order pairs them: one of each side per pair):
         # how far two launches a minute apart differ on this machine, next to the pooled ratio
         launch = {w: [statistics.median(r.periods(warmup)) for r in rs] for w, rs in runs.items()}
-        seen = {"tessera": iter(launch["tessera"]), "raw": iter(launch["raw"])}
-        by_order = [next(seen[who]) for who in order]
-        pairs = [
-            (a / b if order[2 * i] == "tessera" else b / a)
-            for i, (a, b) in enumerate(zip(by_order[::2], by_order[1::2], strict=True))
-        ]
+        pairs = [t / r for t, r in zip(launch["tessera"], launch["raw"], strict=True)]
         gap = {w: statistics.median(g for r in rs for g in r.gaps(warmup)) for w, rs in runs.items()}
         proc = {w: statistics.median(r.ttfs_process for r in rs) for w, rs in runs.items()}
         cmd = {w: statistics.median(r.ttfs_command for r in rs) for w, rs in runs.items()}
@@ -412,12 +407,12 @@ def _f(x: float | None, fmt: str = ".3f") -> str:
 
 def _pair_range(r: dict[str, Any]) -> str:
     pairs = r.get("pair_step_ratios")  # absent in results written before it was measured
-    return f"{min(pairs):.2f}-{max(pairs):.2f}" if pairs else "-"
+    return f"{min(pairs):.2f}-{max(pairs):.2f}" if pairs else "—"
 
 
 def _gaps(r: dict[str, Any]) -> str:
     g = r.get("between_steps_s")
-    return f"{g['raw'] * 1e3:.1f} / {g['tessera'] * 1e3:.1f}" if g else "-"
+    return f"{g['raw'] * 1e3:.1f} / {g['tessera'] * 1e3:.1f}" if g else "—"
 
 
 def markdown(res: dict[str, Any]) -> str:
