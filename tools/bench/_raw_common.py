@@ -213,13 +213,14 @@ def mean_over(t: torch.Tensor, n: int, group: Any = None) -> float:
     return float(t) / n
 
 
-def finish(log: StepLog) -> None:
+def finish(log: StepLog | None = None) -> None:
     """Close the log, leave the process group, remove DeepSpeed's CPU shared-memory segments of this
     rendezvous and exit without interpreter teardown (gloo / DeepSpeed threads can abort it)."""
     from tessera.comm.shm import release_shared_memory
     from tessera.train.worker import exit_process
 
-    log.close()
+    if log is not None:
+        log.close()
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

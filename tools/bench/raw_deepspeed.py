@@ -27,11 +27,13 @@ Launch it exactly as `tessera run` launches its ranks::
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 from _raw_common import (
     PG_TIMEOUT,
     RawRun,
+    Step,
     StepLog,
     finish,
     load_data,
@@ -67,6 +69,22 @@ def build_engine(run: RawRun) -> object:
     return engine
 
 
+def train_step(run: RawRun, engine: Any, batch: Step, n: int) -> tuple[torch.Tensor, float]:
+    """One optimizer step of the raw loop on ``engine``: the LR, then per micro-batch the HF forward with
+    labels, ``engine.backward`` and ``engine.step``. Returns the summed micro-batch losses and the LR."""
+    lr = lr_of(run, n)
+    for group in engine.optimizer.param_groups:
+        group["lr"] = lr
+    loss_sum = torch.zeros((), dtype=torch.float64, device=engine.device)
+    for ids, labels in batch.micro:
+        ids, labels = ids.to(engine.device, non_blocking=True), labels.to(engine.device, non_blocking=True)
+        loss = engine(input_ids=ids, labels=labels, use_cache=False).loss
+        engine.backward(loss)
+        engine.step()  # a no-op between boundaries; at the last micro-batch: reduce, clip, update
+        loss_sum += loss.detach().double()
+    return loss_sum, lr
+
+
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
     run = setup(args)
@@ -76,21 +94,12 @@ def main() -> None:
     load_data(run)
     engine = build_engine(run)
     log = StepLog(run, args.out)
-    device, gas, dp = engine.device, run.layout.grad_accum, run.layout.dp
+    gas, dp = run.layout.grad_accum, run.layout.dp
     engine.train()
     for n, batch in enumerate(steps(run), start=1):
         run.sync()
         t0 = time.perf_counter()
-        lr = lr_of(run, n)
-        for group in engine.optimizer.param_groups:
-            group["lr"] = lr
-        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        for ids, labels in batch.micro:
-            ids, labels = ids.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-            loss = engine(input_ids=ids, labels=labels, use_cache=False).loss
-            engine.backward(loss)
-            engine.step()  # a no-op between boundaries; at the last micro-batch: reduce, clip, update
-            loss_sum += loss.detach().double()
+        loss_sum, lr = train_step(run, engine, batch, n)
         run.sync()
         dt = time.perf_counter() - t0
         wall = time.time()

@@ -41,6 +41,7 @@ import torch
 from _raw_common import (
     PG_TIMEOUT,
     RawRun,
+    Step,
     StepLog,
     finish,
     load_data,
@@ -150,6 +151,55 @@ def build_model(run: RawRun, ps: Any, *, init: str) -> tuple[Any, Any]:
     return model, config
 
 
+def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
+    """megatron-core's forward step: one micro-batch (input_ids, labels) through ``model``; the loss is the
+    micro-batch's mean token loss."""
+    ids, labels = next(data_iterator)
+    device = next(model.parameters()).device
+    ids = ids.to(device, non_blocking=True)
+    labels = labels.to(device, non_blocking=True)
+    # megatron scores position t against labels[t]: shift by one, mask the last position and -100s
+    target = torch.full_like(labels, IGNORE_INDEX)
+    target[:, :-1] = labels[:, 1:]
+    loss_mask = (target != IGNORE_INDEX).float()
+    target = target.clamp(min=0)
+    position_ids = torch.arange(ids.shape[1], device=device).unsqueeze(0).expand_as(ids)
+    output = model(ids, position_ids, None, labels=target)  # per-token loss [b, s]; causal mask
+
+    def loss_func(output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss = (output_tensor.float() * loss_mask).sum() / loss_mask.sum()
+        # a copy: the schedule divides the returned loss by the micro-batch count in place
+        return loss, {"lm loss": loss.detach().clone()}
+
+    return output, loss_func
+
+
+def train_step(
+    run: RawRun, model: Any, optimizer: Any, forward_backward: Any, batch: Step, n: int
+) -> tuple[list[dict[str, torch.Tensor]], float | None, float]:
+    """One optimizer step of the raw loop: the LR, zeroed gradient buffers, megatron-core's schedule over
+    the micro-batches and ``optimizer.step()``. Returns the schedule's reported losses, the grad norm and
+    the LR."""
+    lr = lr_of(run, n)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    reported = forward_backward(
+        forward_step_func=forward_step,
+        data_iterator=iter(batch.micro),
+        model=model,
+        num_microbatches=len(batch.micro),
+        seq_length=run.recipe.data.seq_len,
+        micro_batch_size=run.layout.micro_batch,
+        forward_only=False,
+    )
+    ok, grad_norm, _ = optimizer.step()
+    if not ok:
+        raise RuntimeError("megatron's optimizer skipped the step")
+    return reported, None if grad_norm is None else float(grad_norm), lr
+
+
 def main() -> None:
     ap_args = parse_args(
         __doc__.splitlines()[0],
@@ -198,53 +248,16 @@ def main() -> None:
     )
     config.finalize_model_grads_func = finalize_model_grads  # dp grad reduction, tp-replicated grads
     forward_backward = get_forward_backward_func()
-    device = run.torch_device
-
-    def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
-        ids, labels = next(data_iterator)
-        ids = ids.to(device, non_blocking=True)
-        labels = labels.to(device, non_blocking=True)
-        # megatron scores position t against labels[t]: shift by one, mask the last position and -100s
-        target = torch.full_like(labels, IGNORE_INDEX)
-        target[:, :-1] = labels[:, 1:]
-        loss_mask = (target != IGNORE_INDEX).float()
-        target = target.clamp(min=0)
-        position_ids = torch.arange(ids.shape[1], device=device).unsqueeze(0).expand_as(ids)
-        output = model(ids, position_ids, None, labels=target)  # per-token loss [b, s]; causal mask
-
-        def loss_func(output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            loss = (output_tensor.float() * loss_mask).sum() / loss_mask.sum()
-            # a copy: the schedule divides the returned loss by the micro-batch count in place
-            return loss, {"lm loss": loss.detach().clone()}
-
-        return output, loss_func
-
     log = StepLog(run, ap_args.out)
     L = run.layout
     model.train()
     for n, batch in enumerate(steps(run), start=1):
         run.sync()
         t0 = time.perf_counter()
-        lr = lr_of(run, n)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        reported = forward_backward(
-            forward_step_func=forward_step,
-            data_iterator=iter(batch.micro),
-            model=model,
-            num_microbatches=len(batch.micro),
-            seq_length=run.recipe.data.seq_len,
-            micro_batch_size=L.micro_batch,
-            forward_only=False,
-        )
-        ok, grad_norm, _ = optimizer.step()
+        reported, grad_norm, lr = train_step(run, model, optimizer, forward_backward, batch, n)
         run.sync()
         dt = time.perf_counter() - t0
         wall = time.time()
-        if not ok:
-            raise RuntimeError("megatron's optimizer skipped the step")
         loss_sum = torch.stack([d["lm loss"] for d in reported]).sum()
         loss = mean_over(loss_sum, len(batch.micro) * L.dp, group=ps.get_data_parallel_group())
         log.write(

@@ -3,8 +3,10 @@
 1. overhead     `tessera run` vs a hand-written DeepSpeed script (ZeRO-2) and a hand-written megatron-core
                 script (TP2), each launched the same way (the deepspeed launcher, cores bound per rank), on
                 the tiny Llama and a ~30M one, alternating tessera / raw / raw / tessera, then raw /
-                tessera / tessera / raw (--quick: the first four): the median steady step period (wall
-                clock between consecutive step ends, so the loop's own work counts) and the time to first
+                tessera / tessera / raw, twice (--quick: the first four): the step ratio is the geometric
+                mean over the 8 neighbouring launch pairs of their median steady step periods (wall clock
+                between consecutive step ends, so the loop's own work counts), with a bootstrap 90 %
+                interval over the pairs; and the time to first
                 step (rank process start, and command start, to the end of step 1), after one untimed
                 launch of each (the raw ranks build DeepSpeed's CPU comm op at their first use).
 2. comm         per layout (ZeRO 0-3, ddp, megatron TP2, PP2, EP2): the bytes each rank sent per step
@@ -35,8 +37,10 @@ import argparse
 import datetime
 import itertools
 import json
+import math
 import os
 import platform
+import random
 import shutil
 import socket
 import statistics
@@ -196,7 +200,39 @@ def raw_run(script: str, recipe: Path, overrides: list[str], steps: int, out: Pa
     return Steps([json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()], t0)
 
 
+def step_ab(recipe: Path, overrides: list[str], pairs: int, out: Path, world: int = 2) -> dict[str, Any]:
+    """tools/bench/step_ab.py: Tessera's engine step and the raw script's step alternating in one job (same
+    launcher as the raw scripts); its JSON."""
+    from tessera.comm.shm import release_shared_memory
+
+    port, res = _free_port(), out.with_suffix(".json")
+    res.unlink(missing_ok=True)
+    cmd = [str(BIN / "deepspeed"), "--num_gpus", str(world), "--bind_cores_to_rank", "--master_addr", "127.0.0.1",
+           "--master_port", str(port), str(REPO / "tools/bench/step_ab.py"), "--recipe", str(recipe), *overrides,
+           *QUIET, "--pairs", str(pairs), "--out", str(res)]  # fmt: skip
+    env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
+    try:
+        _check(cmd, out.with_suffix(".log"), env)
+    finally:
+        release_shared_memory("127.0.0.1", port)
+    return dict(json.loads(res.read_text()))
+
+
 # ---- 1. overhead ----------------------------------------------------------------------------------------
+
+
+def geometric_mean(ratios: list[float]) -> float:
+    """The mean of ratios on the log scale (a pair at 1.1 and one at 1/1.1 average to 1)."""
+    return math.exp(statistics.fmean(math.log(x) for x in ratios))
+
+
+def bootstrap_ci90(ratios: list[float], resamples: int = 10_000, seed: int = 0) -> list[float]:
+    """5th and 95th percentile of the geometric mean over resamples of the pairs (with replacement, seeded):
+    where the paired estimate would land if the machine's noise were drawn again. With few pairs it is
+    narrower than the truth (8 pairs: it cannot see noise the 8 did not meet)."""
+    rng = random.Random(seed)
+    means = sorted(geometric_mean(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    return [means[int(0.05 * resamples)], means[int(0.95 * resamples) - 1]]
 
 
 def bench_overhead(work: Path, quick: bool) -> dict[str, Any]:
@@ -216,11 +252,13 @@ def bench_overhead(work: Path, quick: bool) -> dict[str, Any]:
             steps, warmup = (6, 2) if quick else (12, 2)
             overrides = [*overrides, "parallel.global_batch=8", "parallel.micro_batch=4"]
         runs: dict[str, list[Steps]] = {"tessera": [], "raw": []}
-        # ABBA BAAB: drift hits both alike; 4 launches each, for the time to first step (one sample per
-        # launch, ±0.5 s between launches here) more than for the step (tens of steps per launch)
+        # ABBA BAAB, twice: drift hits both alike, and each neighbouring pair holds one launch of each side.
+        # Eight pairs, not four: a launch's median moves by up to ~15 % with the machine's load a minute
+        # apart (the ~30M steps switch between a fast and a slow mode for tens of seconds at a time), so a
+        # 3 % question needs the average of many pairs, not one long launch of each
         abba = ("tessera", "raw", "raw", "tessera")
         baab = ("raw", "tessera", "tessera", "raw")
-        order = abba if quick else abba + baab
+        order = abba if quick else (abba + baab) * 2
         for k, who in enumerate(order):
             _say(f"overhead {model} {layout}: {who} ({k + 1}/{len(order)})")
             out = work / f"overhead-{model}-{layout}-{who}-{k}"
@@ -228,9 +266,13 @@ def bench_overhead(work: Path, quick: bool) -> dict[str, Any]:
                 runs[who].append(tessera_run(recipe, overrides, steps, out))
             else:
                 runs[who].append(raw_run(script, recipe, overrides, steps, out))
+        # the same comparison a step apart in one job: the machine's load moves both sides alike
+        _say(f"overhead {model} {layout}: tessera's and the raw step alternating in one job")
+        ab_pairs = (10 if quick else 100) if model == "tiny" else (6 if quick else 60)
+        ab = step_ab(recipe, overrides, ab_pairs, work / f"overhead-{model}-{layout}-step-ab")
         period = {w: statistics.median(p for r in rs for p in r.periods(warmup)) for w, rs in runs.items()}
-        # each launch's median beside its neighbour's (the order pairs them: one of each side per pair):
-        # how far two launches a minute apart differ on this machine, next to the pooled ratio
+        # each launch's median step period over its neighbour's (the k-th tessera launch and the k-th raw
+        # launch are neighbours in this order): the paired design's estimate is their geometric mean
         launch = {w: [statistics.median(r.periods(warmup)) for r in rs] for w, rs in runs.items()}
         pairs = [t / r for t, r in zip(launch["tessera"], launch["raw"], strict=True)]
         gap = {w: statistics.median(g for r in rs for g in r.gaps(warmup)) for w, rs in runs.items()}
@@ -239,11 +281,18 @@ def bench_overhead(work: Path, quick: bool) -> dict[str, Any]:
         rows.append({
             "model": model, "layout": layout, "raw_script": f"tools/bench/{script}", "steps": steps,
             "warmup_steps": warmup, "tokens_per_step": runs["tessera"][0].records[-1]["tokens"],
-            "median_step_period_s": period, "step_ratio": period["tessera"] / period["raw"],
-            "launch_median_step_period_s": launch, "pair_step_ratios": pairs, "between_steps_s": gap,
+            "step_ratio": geometric_mean(pairs), "step_ratio_ci90": bootstrap_ci90(pairs),
+            "pair_step_ratios": pairs, "launch_median_step_period_s": launch,
+            "median_step_period_s": period, "pooled_step_ratio": period["tessera"] / period["raw"],
+            "between_steps_s": gap,
             "time_to_first_step_process_s": proc, "ttfs_process_ratio": proc["tessera"] / proc["raw"],
             "time_to_first_step_command_s": cmd, "ttfs_command_ratio": cmd["tessera"] / cmd["raw"],
             "loss_at_last_step": {w: rs[0].records[-1]["loss"] for w, rs in runs.items()},
+            "in_process": {
+                "pairs": ab["pairs"], "median_step_s": ab["median_step_s"], "pair_ratios": ab["pair_ratios"],
+                "step_ratio": geometric_mean(ab["pair_ratios"]),
+                "step_ratio_ci90": bootstrap_ci90(ab["pair_ratios"]),
+            },
         })  # fmt: skip
     return {"targets": {"step_ratio": 1.03, "ttfs_ratio": 1.2}, "pairs": rows}
 
@@ -425,25 +474,43 @@ def markdown(res: dict[str, Any]) -> str:
         out[0] += f" Re-run {r['date']} (commit {r['commit']}): {', '.join(r['items'])}."
     if "overhead" in res:
         out += ["**1. Overhead** — `tessera run` / the hand-written script, same launcher, recipe, weights and "
-                "batches (median step period after warm-up; time to first step from the rank process's "
-                "start and from the command's). Target ≤ 1.03 per step, ≤ 1.2 to first step.", "",
-                "Launches alternate (ABBA BAAB); *launch pairs* is the range of the ratio of neighbouring "
-                "launches' medians, *between steps* the loop's time outside the timed step (metrics, logs, "
-                "progress, stop rules).", "",
-                "| model | layout | raw script | step ms raw / tessera | step ratio | launch pairs | between steps "
-                "ms raw / tessera | first step s (process) | ratio | first step s (command) | ratio |",
-                "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+                "batches. Target ≤ 1.03 per step, ≤ 1.2 to first step.", "",
+                "Launches alternate (ABBA BAAB, twice); each neighbouring pair holds one launch of each side. "
+                "*Step ratio*: the geometric mean over the pairs of the two launches' median step periods "
+                "(wall clock between step ends after warm-up), with a bootstrap 90 % interval over the pairs "
+                "and the pairs' range; *pooled*: the median of all periods of each side (the earlier "
+                "headline; a poor estimate where the step switches between a fast and a slow mode). "
+                "*Between steps*: the loop's time outside the timed step (metrics, logs, progress, stop "
+                "rules). First step: from the rank process's start and from the command's.", "",
+                "| model | layout | raw script | pairs | step ratio | 90 % interval | pair range | pooled step ms "
+                "raw / tessera | pooled ratio | between steps ms raw / tessera | first step s raw / tessera "
+                "(process) | ratio | ratio (command) |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
         for r in res["overhead"]["pairs"]:
-            p, q, c = (
-                r["median_step_period_s"],
-                r["time_to_first_step_process_s"],
-                r["time_to_first_step_command_s"],
-            )
-            out.append(f"| {r['model']} | {r['layout']} | `{Path(r['raw_script']).name}` | {p['raw'] * 1e3:.1f} / "
-                       f"{p['tessera'] * 1e3:.1f} | {r['step_ratio']:.3f} | {_pair_range(r)} | {_gaps(r)} | "
-                       f"{q['raw']:.1f} / {q['tessera']:.1f} | "
-                       f"{r['ttfs_process_ratio']:.2f} | {c['raw']:.1f} / {c['tessera']:.1f} | "
+            p, q = r["median_step_period_s"], r["time_to_first_step_process_s"]
+            ci = r.get("step_ratio_ci90")  # absent in results written before it was measured
+            pooled = r.get("pooled_step_ratio", p["tessera"] / p["raw"])
+            out.append(f"| {r['model']} | {r['layout']} | `{Path(r['raw_script']).name}` | "
+                       f"{len(r.get('pair_step_ratios', [])) or '—'} | {r['step_ratio']:.3f} | "
+                       f"{f'{ci[0]:.3f}-{ci[1]:.3f}' if ci else '—'} | {_pair_range(r)} | "
+                       f"{p['raw'] * 1e3:.1f} / {p['tessera'] * 1e3:.1f} | {pooled:.3f} | {_gaps(r)} | "
+                       f"{q['raw']:.1f} / {q['tessera']:.1f} | {r['ttfs_process_ratio']:.2f} | "
                        f"{r['ttfs_command_ratio']:.2f} |")  # fmt: skip
+        inproc = [r for r in res["overhead"]["pairs"] if r.get("in_process")]
+        if inproc:
+            out += ["", "Step against step in one job (`tools/bench/step_ab.py`): Tessera's engine step "
+                    "(`engine.train_step`) and the raw script's own step on the same engine, alternating "
+                    "(ABBA) in the same two rank processes, so that the machine's load moves both alike; "
+                    "the loop between steps is the launch pairs' *between steps* column.", "",
+                    "| model | layout | step pairs | median step ms raw / tessera | step ratio | 90 % interval "
+                    "| middle 80 % of pairs |", "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+            for r in inproc:
+                a = r["in_process"]
+                m, ci, pr = a["median_step_s"], a["step_ratio_ci90"], sorted(a["pair_ratios"])
+                lo, hi = pr[int(0.1 * len(pr))], pr[int(0.9 * len(pr)) - 1]
+                out.append(f"| {r['model']} | {r['layout']} | {a['pairs']} | {m['raw'] * 1e3:.1f} / "
+                           f"{m['tessera'] * 1e3:.1f} | {a['step_ratio']:.3f} | {ci[0]:.3f}-{ci[1]:.3f} | "
+                           f"{lo:.2f}-{hi:.2f} |")  # fmt: skip
         out.append("")
     if "comm" in res:
         out += ["**2. Communication** — bytes the busiest rank sends per step (counted collectives × the "
