@@ -8,8 +8,12 @@ size come from the heap, whose freed memory stays resident. Measured on a ~300M 
 ranks: one rank's construction peaked at 1076 MiB instead of 769 MiB.
 
 :func:`lean_construction` fixes the threshold at 128 KiB while a model is built, so every large tensor is
-returned to the system when freed, then trims the heap and sets the threshold to 32 MiB, where the dynamic
-rule would have taken it. Elsewhere than glibc it does nothing.
+returned to the system when freed, then trims the heap and sets the thresholds where the dynamic rule
+would have taken them: mmap at 32 MiB and the heap's trim threshold at twice that (the rule raises both;
+a fixed mmap threshold alone leaves the trim threshold at 128 KiB, and the heap then gives back and faults
+in again the memory of every step: measured on the ~30M Llama at ZeRO-2 on 2 ranks, 156 k minor faults
+per step against 150 k with the trim threshold raised and 148 k in a process that never set either).
+Elsewhere than glibc it does nothing.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import ctypes
 import ctypes.util
 from collections.abc import Iterator
 
+M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 CONSTRUCTION_THRESHOLD = 128 * 1024
 AFTER_THRESHOLD = 32 * 1024 * 1024  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
@@ -45,3 +50,4 @@ def lean_construction() -> Iterator[None]:
         if libc is not None:
             libc.malloc_trim(0)
             libc.mallopt(M_MMAP_THRESHOLD, AFTER_THRESHOLD)
+            libc.mallopt(M_TRIM_THRESHOLD, 2 * AFTER_THRESHOLD)

@@ -442,11 +442,14 @@ def machine() -> dict[str, Any]:
     mem = next(int(ln.split()[1]) * 1024 for ln in Path("/proc/meminfo").read_text().splitlines()
                if ln.startswith("MemTotal"))  # fmt: skip
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    # uncommitted changes to the code (not to README.md or bench-results/, which the suite itself writes)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", ".", ":!README.md", ":!bench-results"],
+                           cwd=REPO, capture_output=True, text=True).stdout.strip()  # fmt: skip
     return {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem / 2**30, 1), "python": platform.python_version(),
         "versions": {p: md.version(p) for p in ("torch", "deepspeed", "megatron-core", "transformers")},
-        "commit": commit.stdout.strip(),
+        "commit": commit.stdout.strip() + ("+uncommitted changes" if dirty else ""),
     }  # fmt: skip
 
 
