@@ -52,7 +52,7 @@ def _overhead(ax: Any, rows: list[dict[str, Any]]) -> None:
     ax.axhline(1.03, color="#c44e52", linestyle="--", linewidth=1.2, label="target 1.03")
     seen = est + [c for cc in ci for c in cc] + [p for _, pr in pairs for p in pr]
     seen += [c for _, a in inproc for c in a["step_ratio_ci90"]]
-    ax.set_ylim(min(0.9, min(seen) - 0.05), max(1.1, max(seen) + 0.06))
+    ax.set_ylim(min(0.9, min(seen) - 0.05), max(1.1, max(seen)) + 0.11)  # headroom: the legend
     ax.set_xlim(-0.5, len(rows) - 0.5)
     ax.set_xticks(
         list(xs), [f"{r['model']} {r['layout']}" for r in rows], rotation=30, ha="right", fontsize=8
