@@ -23,16 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
 from _raw_common import (
-    PG_TIMEOUT,
     RawRun,
     Step,
     finish,
@@ -43,6 +40,7 @@ from _raw_common import (
     setup,
     steps,
 )
+from suite import geometric_mean
 
 
 def _options(ap: argparse.ArgumentParser) -> None:
@@ -71,9 +69,6 @@ def _raw_step(run: RawRun, engine: Any) -> Callable[[Step, int], None]:
         return ds_step
     import raw_megatron
 
-    if engine.ds is not None or len(engine.chunks) != 1:
-        raise SystemExit("step_ab.py: megatron without pipelining and with its own optimizer only")
-
     def mcore_step(batch: Step, n: int) -> None:
         raw_megatron.train_step(run, engine.chunks[0], engine.optimizer, engine.forward_backward, batch, n)
 
@@ -84,19 +79,18 @@ def main() -> None:
     args = parse_args(__doc__.splitlines()[0], extra=_options)
     args.steps = 2 * (args.warmup + args.pairs)
     run = setup(args)
+    if run.layout.engine == "megatron":  # the layouts the raw script runs: tp x dp, megatron's own optimizer
+        import raw_megatron
+
+        raw_megatron.check_layout(run)
     from tessera.comm.accounting import group_namer, install
     from tessera.comm.shm import use_venv_build_tools
     from tessera.engines.registry import engine_class
+    from tessera.train.worker import init_distributed
 
     use_venv_build_tools()
     counter = install(group_namer(run.layout))  # as the worker: before the engines bind torch.distributed
-    backend = "nccl" if run.device == "cuda" else "gloo"
-    if run.layout.uses_deepspeed:
-        import deepspeed
-
-        deepspeed.init_distributed(dist_backend=backend, timeout=PG_TIMEOUT)
-    else:
-        torch.distributed.init_process_group(backend=backend, timeout=PG_TIMEOUT)
+    init_distributed(run.device, run.layout)  # the worker's own rule (through DeepSpeed where it shards)
     load_data(run)
     engine = engine_class(run.layout.engine)(model_source(run), run.recipe, run.layout, device=run.device)
     counter.namer = group_namer(run.layout, engine.named_groups())
@@ -135,11 +129,9 @@ def main() -> None:
             "step_s": times,
             "median_step_s": {w: statistics.median(v) for w, v in times.items()},
             "pair_ratios": ratios,
-            "step_ratio": math.exp(statistics.fmean(math.log(x) for x in ratios)),
-            "median_pair_ratio": statistics.median(ratios),
         }
         Path(args.out).write_text(json.dumps(res, indent=1))
-        print(f"step ratio (geometric mean of {args.pairs} pairs) {res['step_ratio']:.4f}", flush=True)
+        print(f"step ratio (geometric mean of {args.pairs} pairs) {geometric_mean(ratios):.4f}", flush=True)
     finish()
 
 

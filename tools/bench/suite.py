@@ -182,43 +182,39 @@ def tessera_run(recipe: Path, overrides: list[str], steps: int, out: Path, *, re
     return Steps(RunDir(out).read_metrics(), t0, out)
 
 
-def raw_run(script: str, recipe: Path, overrides: list[str], steps: int, out: Path, world: int = 2) -> Steps:
-    """A hand-written script, launched as `tessera run` launches its ranks (deepspeed, cores bound)."""
+def _launch_script(script: str, args: list[str], log: Path, world: int = 2) -> None:
+    """tools/bench/``script`` on ``world`` ranks, launched as `tessera run` launches its ranks (the deepspeed
+    launcher, cores bound per rank); DeepSpeed's CPU shared-memory segments of the rendezvous removed after."""
     from tessera.comm.shm import release_shared_memory
 
-    port, jsonl = _free_port(), out.with_suffix(".jsonl")
-    jsonl.unlink(missing_ok=True)
+    port = _free_port()
     cmd = [str(BIN / "deepspeed"), "--num_gpus", str(world), "--bind_cores_to_rank", "--master_addr", "127.0.0.1",
-           "--master_port", str(port), str(REPO / "tools/bench" / script), "--recipe", str(recipe), *overrides,
-           "--steps", str(steps), "--out", str(jsonl)]  # fmt: skip
+           "--master_port", str(port), str(REPO / "tools/bench" / script), *args]  # fmt: skip
     env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
-    t0 = time.time()
     try:
-        _check(cmd, out.with_suffix(".log"), env)
+        _check(cmd, log, env)
     finally:
         release_shared_memory("127.0.0.1", port)
+
+
+def raw_run(script: str, recipe: Path, overrides: list[str], steps: int, out: Path) -> Steps:
+    """A hand-written script's run; rank 0's step records and the launch time."""
+    jsonl = out.with_suffix(".jsonl")
+    jsonl.unlink(missing_ok=True)
+    t0 = time.time()
+    args = ["--recipe", str(recipe), *overrides, "--steps", str(steps), "--out", str(jsonl)]
+    _launch_script(script, args, out.with_suffix(".log"))
     return Steps([json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()], t0)
 
 
-def step_ab(recipe: Path, overrides: list[str], pairs: int, out: Path, world: int = 2) -> dict[str, Any]:
-    """tools/bench/step_ab.py: Tessera's engine step and the raw script's step alternating in one job (same
-    launcher as the raw scripts); its JSON."""
-    from tessera.comm.shm import release_shared_memory
-
-    port, res = _free_port(), out.with_suffix(".json")
+def step_ab(recipe: Path, overrides: list[str], pairs: int, out: Path) -> dict[str, Any]:
+    """tools/bench/step_ab.py: Tessera's engine step and the raw script's step alternating in one job; its
+    JSON."""
+    res = out.with_suffix(".json")
     res.unlink(missing_ok=True)
-    cmd = [str(BIN / "deepspeed"), "--num_gpus", str(world), "--bind_cores_to_rank", "--master_addr", "127.0.0.1",
-           "--master_port", str(port), str(REPO / "tools/bench/step_ab.py"), "--recipe", str(recipe), *overrides,
-           *QUIET, "--pairs", str(pairs), "--out", str(res)]  # fmt: skip
-    env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
-    try:
-        _check(cmd, out.with_suffix(".log"), env)
-    finally:
-        release_shared_memory("127.0.0.1", port)
+    args = ["--recipe", str(recipe), *overrides, *QUIET, "--pairs", str(pairs), "--out", str(res)]
+    _launch_script("step_ab.py", args, out.with_suffix(".log"))
     return dict(json.loads(res.read_text()))
-
-
-# ---- 1. overhead ----------------------------------------------------------------------------------------
 
 
 def geometric_mean(ratios: list[float]) -> float:

@@ -66,7 +66,7 @@ def _rank_env() -> tuple[int, int, int]:
 # ---- set up --------------------------------------------------------------------------------------------
 
 
-def _init_distributed(device: str, layout: ParallelLayout) -> None:
+def init_distributed(device: str, layout: ParallelLayout) -> None:
     """torch.distributed on gloo (CPU) or NCCL (CUDA), through DeepSpeed where it shards the layout (its
     comm layer then owns the group), directly otherwise: a rank that never uses DeepSpeed does not
     import it (~1.3 s of its start on two cores). The timeout bounds a hang on a dead peer."""
@@ -245,7 +245,7 @@ def setup(run_dir: RunDir, start: Start, heartbeat: Any = None) -> tuple[RunCont
     fault = fault_from_env()
     # count every collective from here on, before DeepSpeed / megatron-core bind torch.distributed names
     counter = install(group_namer(layout))
-    _init_distributed(device, layout)
+    init_distributed(device, layout)
     ckpt = CheckpointManager(run_dir.checkpoints, keep=recipe.checkpoint.keep, rank=rank, world_size=world)
     resume_from, reshard = None, False
     if start.resume:
