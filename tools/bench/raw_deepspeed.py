@@ -85,6 +85,12 @@ def train_step(run: RawRun, engine: Any, batch: Step, n: int) -> tuple[torch.Ten
     return loss_sum, lr
 
 
+def reported_loss(run: RawRun, loss_sum: torch.Tensor) -> float:
+    """The step's loss as the loop reports it: the micro-batch losses' mean over micro-batches and ranks
+    (one all-reduce, after the timed step)."""
+    return mean_over(loss_sum, run.layout.grad_accum * run.layout.dp)
+
+
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
     run = setup(args)
@@ -94,7 +100,6 @@ def main() -> None:
     load_data(run)
     engine = build_engine(run)
     log = StepLog(run, args.out)
-    gas, dp = run.layout.grad_accum, run.layout.dp
     engine.train()
     for n, batch in enumerate(steps(run), start=1):
         run.sync()
@@ -109,7 +114,7 @@ def main() -> None:
             dt,
             wall,
             batch,
-            loss=mean_over(loss_sum, gas * dp),
+            loss=reported_loss(run, loss_sum),
             lr=lr,
             grad_norm=None if norm is None else float(norm),
         )

@@ -151,6 +151,44 @@ def build_model(run: RawRun, ps: Any, *, init: str) -> tuple[Any, Any]:
     return model, config
 
 
+def build(run: RawRun, ps: Any, *, init: str) -> tuple[Any, Any, Any]:
+    """The script's model (``Float16Module`` for bf16, megatron's ``DistributedDataParallel``), megatron's
+    optimizer and the schedule function, as Megatron-LM's ``setup_model_and_optimizer`` makes them."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.module import Float16Module
+
+    model, config = build_model(run, ps, init=init)
+    distopt = run.layout.zero == 1
+    if config.bf16:  # as Megatron-LM's get_model: bf16 weights everywhere, fp32 main params in the optimizer
+        model = Float16Module(config, model)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distopt
+    )
+    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    o = run.recipe.optim
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=o.lr,
+            min_lr=o.min_lr,
+            weight_decay=o.weight_decay,
+            adam_beta1=o.betas[0],
+            adam_beta2=o.betas[1],
+            adam_eps=o.eps,
+            clip_grad=o.grad_clip or 0.0,
+            bf16=config.bf16,
+            params_dtype=config.params_dtype,
+            use_distributed_optimizer=distopt,
+        ),
+        [model],
+    )
+    config.finalize_model_grads_func = finalize_model_grads  # dp grad reduction, tp-replicated grads
+    return model, optimizer, get_forward_backward_func()
+
+
 def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
     """megatron-core's forward step: one micro-batch (input_ids, labels) through ``model``; the loss is the
     micro-batch's mean token loss."""
@@ -200,6 +238,17 @@ def train_step(
     return reported, None if grad_norm is None else float(grad_norm), lr
 
 
+def reported_loss(run: RawRun, reported: list[dict[str, torch.Tensor]], batch: Step) -> float:
+    """The step's loss as the loop reports it: the schedule's micro-batch losses, their mean over
+    micro-batches and data-parallel ranks (one all-reduce, after the timed step)."""
+    from megatron.core import parallel_state
+
+    loss_sum = torch.stack([d["lm loss"] for d in reported]).sum()
+    return mean_over(
+        loss_sum, len(batch.micro) * run.layout.dp, group=parallel_state.get_data_parallel_group()
+    )
+
+
 def main() -> None:
     ap_args = parse_args(
         __doc__.splitlines()[0],
@@ -214,42 +263,8 @@ def main() -> None:
     check_layout(run)
     ps = init_parallel(run)
     load_data(run)
-    model, config = build_model(run, ps, init=ap_args.init)
-
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.transformer.module import Float16Module
-
-    distopt = run.layout.zero == 1
-    if config.bf16:  # as Megatron-LM's get_model: bf16 weights everywhere, fp32 main params in the optimizer
-        model = Float16Module(config, model)
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distopt
-    )
-    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
-    o = run.recipe.optim
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=o.lr,
-            min_lr=o.min_lr,
-            weight_decay=o.weight_decay,
-            adam_beta1=o.betas[0],
-            adam_beta2=o.betas[1],
-            adam_eps=o.eps,
-            clip_grad=o.grad_clip or 0.0,
-            bf16=config.bf16,
-            params_dtype=config.params_dtype,
-            use_distributed_optimizer=distopt,
-        ),
-        [model],
-    )
-    config.finalize_model_grads_func = finalize_model_grads  # dp grad reduction, tp-replicated grads
-    forward_backward = get_forward_backward_func()
+    model, optimizer, forward_backward = build(run, ps, init=ap_args.init)
     log = StepLog(run, ap_args.out)
-    L = run.layout
     model.train()
     for n, batch in enumerate(steps(run), start=1):
         run.sync()
@@ -258,10 +273,14 @@ def main() -> None:
         run.sync()
         dt = time.perf_counter() - t0
         wall = time.time()
-        loss_sum = torch.stack([d["lm loss"] for d in reported]).sum()
-        loss = mean_over(loss_sum, len(batch.micro) * L.dp, group=ps.get_data_parallel_group())
         log.write(
-            n, dt, wall, batch, loss=loss, lr=lr, grad_norm=None if grad_norm is None else float(grad_norm)
+            n,
+            dt,
+            wall,
+            batch,
+            loss=reported_loss(run, reported, batch),
+            lr=lr,
+            grad_norm=None if grad_norm is None else float(grad_norm),
         )
     ps.destroy_model_parallel()
     finish(log)

@@ -1,16 +1,21 @@
-"""Tessera's engine step against the raw loop's step on the same engine, alternating step by step in one job.
+"""Tessera's engine against the raw script's, alternating step by step in one job.
 
 The launch pairs of the overhead benchmark (suite.py) compare whole runs a minute apart, and on a shared
 machine two launches a minute apart differ by up to ~15 %: far more than the 3 % they are asked to settle.
-This puts both sides in the same processes, a step apart: it builds Tessera's engine as `tessera run`
-does (``engine_class(layout.engine)`` with the comm accounting installed first), then alternates
-``engine.train_step`` (Tessera's loss normalisation, token counts, LR schedule, optimizer phase, the loss's
-background all-reduce) with the hand-written script's own step (``raw_deepspeed.train_step`` /
-``raw_megatron.train_step``) on that engine's DeepSpeed engine / megatron model and optimizer, in the
-order ABBA so that a trend within a pair hits both sides alike. Each pair's ratio is Tessera's step over
-the raw one next to it; the machine's load moves both alike. What it leaves out is what the launch pairs
-measure: the loop between steps (metrics, progress, stop rules: ``between_steps_s`` there) and the start.
-Both sides' collectives pass the comm accounting (installed once per process), ~2 µs each.
+This puts both sides in the same processes, a step apart. It builds Tessera's engine as `tessera run`
+does (``engine_class(layout.engine)`` with the comm accounting installed first) and, beside it, the
+hand-written script's own objects as the script builds them (``raw_deepspeed.build_engine``: the HF model
+under ``deepspeed.initialize``; ``raw_megatron.build``: GPTModel, megatron's DDP and optimizer), from the
+same initial weights. Then it alternates ``engine.train_step`` (Tessera's loss normalisation, token
+counts, LR schedule, optimizer phase, the loss's all-reduce in the background of the optimizer step) with
+the raw loop's work of a step (``raw_deepspeed.train_step`` / ``raw_megatron.train_step`` and the
+all-reduce of the loss its loop reports), in the order ABBA so that a trend within a pair hits both sides
+alike. Each pair's ratio is Tessera's step over the raw one next to it; the machine's load moves both
+alike. ``--raw-objects tessera`` runs the raw step on the objects Tessera's engine built instead (the step
+alone, without what each side's construction decides). What it leaves out is what the launch pairs
+measure: the loop between steps (metrics, progress, stop rules: ``between_steps_s`` there), the process
+(its threads, its allocator settings) and the start. Both sides' collectives pass the comm accounting
+(installed once per process), ~2 µs each. The two sides' models train apart: each sees every other batch.
 
 Launched as the raw scripts are (rank 0 writes the JSON to --out)::
 
@@ -46,6 +51,12 @@ from suite import geometric_mean
 def _options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--pairs", type=int, default=30, help="timed step pairs (tessera, raw) after warm-up")
     ap.add_argument("--warmup", type=int, default=2, help="untimed pairs first")
+    ap.add_argument(
+        "--raw-objects",
+        choices=["tessera", "own"],
+        default="own",
+        help="the raw step on the objects the raw script builds (beside Tessera's), or on Tessera's",
+    )
 
 
 def _tessera_step(engine: Any, batch: Step, n: int) -> None:
@@ -58,19 +69,35 @@ def _tessera_step(engine: Any, batch: Step, n: int) -> None:
     engine.train_step(micro, n)
 
 
-def _raw_step(run: RawRun, engine: Any) -> Callable[[Step, int], None]:
-    """The raw script's step on the objects Tessera's engine built."""
+def _raw_step(run: RawRun, engine: Any, own: bool) -> Callable[[Step, int], None]:
+    """The raw loop's work of one step: its step, then the loss it reports (the all-reduce its loop makes
+    after the timed step; Tessera's step reduces its loss too, in the background of the optimizer step).
+    On the raw script's own DeepSpeed engine / megatron model and optimizer (``own``), built beside
+    Tessera's in the same processes, or on the objects Tessera's engine built."""
     if run.layout.engine == "deepspeed":
         import raw_deepspeed
 
+        ds = raw_deepspeed.build_engine(run) if own else engine.ds.engine
+        ds.train()
+
         def ds_step(batch: Step, n: int) -> None:
-            raw_deepspeed.train_step(run, engine.ds.engine, batch, n)
+            loss_sum, _ = raw_deepspeed.train_step(run, ds, batch, n)
+            raw_deepspeed.reported_loss(run, loss_sum)
 
         return ds_step
     import raw_megatron
 
+    if own:
+        from megatron.core import parallel_state
+
+        model, optimizer, forward_backward = raw_megatron.build(run, parallel_state, init="tessera")
+        model.train()
+    else:
+        model, optimizer, forward_backward = engine.chunks[0], engine.optimizer, engine.forward_backward
+
     def mcore_step(batch: Step, n: int) -> None:
-        raw_megatron.train_step(run, engine.chunks[0], engine.optimizer, engine.forward_backward, batch, n)
+        reported, _, _ = raw_megatron.train_step(run, model, optimizer, forward_backward, batch, n)
+        raw_megatron.reported_loss(run, reported, batch)
 
     return mcore_step
 
@@ -94,7 +121,7 @@ def main() -> None:
     load_data(run)
     engine = engine_class(run.layout.engine)(model_source(run), run.recipe, run.layout, device=run.device)
     counter.namer = group_namer(run.layout, engine.named_groups())
-    raw = _raw_step(run, engine)
+    raw = _raw_step(run, engine, own=args.raw_objects == "own")
     sides: dict[str, Callable[[Step, int], None]] = {
         "tessera": lambda batch, n: _tessera_step(engine, batch, n),
         "raw": raw,
@@ -124,6 +151,7 @@ def main() -> None:
             "recipe": str(args.recipe),
             "overrides": list(args.overrides),
             "engine": run.layout.engine,
+            "raw_objects": args.raw_objects,
             "pairs": args.pairs,
             "warmup_pairs": args.warmup,
             "step_s": times,

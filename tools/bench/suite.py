@@ -3,12 +3,14 @@
 1. overhead     `tessera run` vs a hand-written DeepSpeed script (ZeRO-2) and a hand-written megatron-core
                 script (TP2), each launched the same way (the deepspeed launcher, cores bound per rank), on
                 the tiny Llama and a ~30M one, alternating tessera / raw / raw / tessera, then raw /
-                tessera / tessera / raw, twice (--quick: the first four): the step ratio is the geometric
-                mean over the 8 neighbouring launch pairs of their median steady step periods (wall clock
-                between consecutive step ends, so the loop's own work counts), with a bootstrap 90 %
-                interval over the pairs; and the time to first
+                tessera / tessera / raw, repeated (--pairs N launch pairs, default 8; --quick: the first
+                four launches): the step ratio is the geometric mean over the neighbouring launch pairs
+                of their median steady step periods (wall clock between consecutive step ends, so the
+                loop's own work counts), with a bootstrap 90 % interval over the pairs; the time to first
                 step (rank process start, and command start, to the end of step 1), after one untimed
-                launch of each (the raw ranks build DeepSpeed's CPU comm op at their first use).
+                launch of each (the raw ranks build DeepSpeed's CPU comm op at their first use); and
+                tools/bench/step_ab.py: both sides' engines, each built as its side builds it, in the
+                same two rank processes, alternating step by step (ABBA).
 2. comm         per layout (ZeRO 0-3, ddp, megatron TP2, PP2, EP2): the bytes each rank sent per step
                 (counted collectives x the algorithm's wire factor) / the theoretical minimum of the
                 layout (`plan.estimate.minimum_wire_bytes`), and the share of the step in collectives.
@@ -231,7 +233,7 @@ def bootstrap_ci90(ratios: list[float], resamples: int = 10_000, seed: int = 0) 
     return [means[int(0.05 * resamples)], means[int(0.95 * resamples) - 1]]
 
 
-def bench_overhead(work: Path, quick: bool) -> dict[str, Any]:
+def bench_overhead(work: Path, quick: bool, launch_pairs: int = 8) -> dict[str, Any]:
     # untimed: the raw scripts' ranks JIT-build DeepSpeed's CPU shared-memory comm op in torch's default
     # directory at their first use (~90 s here; Tessera's ranks load the one make setup built)
     _say("overhead: one untimed launch of each side (one-time builds)")
@@ -248,13 +250,13 @@ def bench_overhead(work: Path, quick: bool) -> dict[str, Any]:
             steps, warmup = (6, 2) if quick else (12, 2)
             overrides = [*overrides, "parallel.global_batch=8", "parallel.micro_batch=4"]
         runs: dict[str, list[Steps]] = {"tessera": [], "raw": []}
-        # ABBA BAAB, twice: drift hits both alike, and each neighbouring pair holds one launch of each side.
-        # Eight pairs, not four: a launch's median moves by up to ~15 % with the machine's load a minute
+        # ABBA BAAB, repeated: drift hits both alike, and each neighbouring pair holds one launch of each
+        # side. Eight pairs or more: a launch's median moves by up to ~15 % with the machine's load a minute
         # apart (the ~30M steps switch between a fast and a slow mode for tens of seconds at a time), so a
         # 3 % question needs the average of many pairs, not one long launch of each
         abba = ("tessera", "raw", "raw", "tessera")
         baab = ("raw", "tessera", "tessera", "raw")
-        order = abba if quick else (abba + baab) * 2
+        order = abba if quick else (abba + baab) * (launch_pairs // 4)
         for k, who in enumerate(order):
             _say(f"overhead {model} {layout}: {who} ({k + 1}/{len(order)})")
             out = work / f"overhead-{model}-{layout}-{who}-{k}"
@@ -262,8 +264,9 @@ def bench_overhead(work: Path, quick: bool) -> dict[str, Any]:
                 runs[who].append(tessera_run(recipe, overrides, steps, out))
             else:
                 runs[who].append(raw_run(script, recipe, overrides, steps, out))
-        # the same comparison a step apart in one job: the machine's load moves both sides alike
-        _say(f"overhead {model} {layout}: tessera's and the raw step alternating in one job")
+        # the same comparison a step apart in one job, each side on the objects it builds itself: the
+        # machine's load moves both sides alike
+        _say(f"overhead {model} {layout}: tessera's engine and the raw script's alternating in one job")
         ab_pairs = (10 if quick else 100) if model == "tiny" else (6 if quick else 60)
         ab = step_ab(recipe, overrides, ab_pairs, work / f"overhead-{model}-{layout}-step-ab")
         period = {w: statistics.median(p for r in rs for p in r.periods(warmup)) for w, rs in runs.items()}
@@ -285,7 +288,7 @@ def bench_overhead(work: Path, quick: bool) -> dict[str, Any]:
             "time_to_first_step_command_s": cmd, "ttfs_command_ratio": cmd["tessera"] / cmd["raw"],
             "loss_at_last_step": {w: rs[0].records[-1]["loss"] for w, rs in runs.items()},
             "in_process": {
-                "pairs": ab["pairs"], "median_step_s": ab["median_step_s"], "pair_ratios": ab["pair_ratios"],
+                "raw_objects": ab["raw_objects"], "pairs": ab["pairs"], "median_step_s": ab["median_step_s"], "pair_ratios": ab["pair_ratios"],
                 "step_ratio": geometric_mean(ab["pair_ratios"]),
                 "step_ratio_ci90": bootstrap_ci90(ab["pair_ratios"]),
             },
@@ -474,7 +477,7 @@ def markdown(res: dict[str, Any]) -> str:
     if "overhead" in res:
         out += ["**1. Overhead** — `tessera run` / the hand-written script, same launcher, recipe, weights and "
                 "batches. Target ≤ 1.03 per step, ≤ 1.2 to first step.", "",
-                "Launches alternate (ABBA BAAB, twice); each neighbouring pair holds one launch of each side. "
+                "Launches alternate (ABBA BAAB, repeated); each neighbouring pair holds one launch of each side. "
                 "*Step ratio*: the geometric mean over the pairs of the two launches' median step periods "
                 "(wall clock between step ends after warm-up), with a bootstrap 90 % interval over the pairs "
                 "and the pairs' range; *pooled*: the median of all periods of each side (the earlier "
@@ -497,10 +500,14 @@ def markdown(res: dict[str, Any]) -> str:
                        f"{r['ttfs_command_ratio']:.2f} |")  # fmt: skip
         inproc = [r for r in res["overhead"]["pairs"] if r.get("in_process")]
         if inproc:
+            own = all(r["in_process"].get("raw_objects") == "own" for r in inproc)
+            what = ("the raw script's step and its loss all-reduce on the DeepSpeed engine / megatron model "
+                    "and optimizer it builds itself, beside Tessera's" if own else
+                    "the raw script's own step on the same engine")  # fmt: skip
             out += ["", "Step against step in one job (`tools/bench/step_ab.py`): Tessera's engine step "
-                    "(`engine.train_step`) and the raw script's own step on the same engine, alternating "
-                    "(ABBA) in the same two rank processes, so that the machine's load moves both alike; "
-                    "the loop between steps is the launch pairs' *between steps* column.", "",
+                    f"(`engine.train_step`) and {what}, alternating (ABBA) in the same two rank processes, "
+                    "so that the machine's load moves both alike; the loop between steps is the launch "
+                    "pairs' *between steps* column.", "",
                     "| model | layout | step pairs | median step ms raw / tessera | step ratio | 90 % interval "
                     "| middle 80 % of pairs |", "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
             for r in inproc:
@@ -581,6 +588,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", default=",".join(ITEMS), help="comma-separated items: " + ", ".join(ITEMS))
     ap.add_argument("--quick", action="store_true", help="fewer steps (a check that the suite runs)")
+    ap.add_argument(
+        "--pairs", type=int, default=8, help="overhead: launch pairs per layout, a multiple of 4 (default 8)"
+    )
     ap.add_argument("--out", default=str(REPO / "bench-results"))
     ap.add_argument("--work", default=None, help="where the runs go (default: a temporary directory)")
     ap.add_argument("--no-readme", action="store_true", help="do not rewrite README.md's results section")
@@ -592,6 +602,8 @@ def main() -> int:
     bad = [x for x in only if x not in ITEMS]
     if bad:
         ap.error(f"--only {','.join(bad)}: not a benchmark; choose from {', '.join(ITEMS)}")
+    if args.pairs < 4 or args.pairs % 4:
+        ap.error(f"--pairs {args.pairs}: the launches alternate in blocks of four pairs; use 4, 8, 12, ...")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -613,7 +625,7 @@ def main() -> int:
         }
     t0 = time.time()
     if "overhead" in only:
-        res["overhead"] = bench_overhead(work, args.quick)
+        res["overhead"] = bench_overhead(work, args.quick, args.pairs)
     if {"comm", "memory", "scaling", "calibration"} & set(only):
         comm, memory, scale = bench_layouts(work, args.quick, "scaling" in only)
         if "comm" in only:
