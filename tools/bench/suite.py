@@ -3,7 +3,7 @@
 1. overhead     `tessera run` vs a hand-written DeepSpeed script (ZeRO-2) and a hand-written megatron-core
                 script (TP2), each launched the same way (the deepspeed launcher, cores bound per rank), on
                 the tiny Llama and a ~30M one, alternating tessera / raw / raw / tessera, then raw /
-                tessera / tessera / raw, repeated (--pairs N launch pairs, default 8; --quick: the first
+                tessera / tessera / raw, repeated (--pairs N launch pairs, default 16; --quick: the first
                 four launches): the step ratio is the geometric mean over the neighbouring launch pairs
                 of their median steady step periods (wall clock between consecutive step ends, so the
                 loop's own work counts), with a bootstrap 90 % interval over the pairs; the time to first
@@ -233,7 +233,7 @@ def bootstrap_ci90(ratios: list[float], resamples: int = 10_000, seed: int = 0) 
     return [means[int(0.05 * resamples)], means[int(0.95 * resamples) - 1]]
 
 
-def bench_overhead(work: Path, quick: bool, launch_pairs: int = 8) -> dict[str, Any]:
+def bench_overhead(work: Path, quick: bool, launch_pairs: int = 16) -> dict[str, Any]:
     # untimed: the raw scripts' ranks JIT-build DeepSpeed's CPU shared-memory comm op in torch's default
     # directory at their first use (~90 s here; Tessera's ranks load the one make setup built)
     _say("overhead: one untimed launch of each side (one-time builds)")
@@ -251,7 +251,7 @@ def bench_overhead(work: Path, quick: bool, launch_pairs: int = 8) -> dict[str, 
             overrides = [*overrides, "parallel.global_batch=8", "parallel.micro_batch=4"]
         runs: dict[str, list[Steps]] = {"tessera": [], "raw": []}
         # ABBA BAAB, repeated: drift hits both alike, and each neighbouring pair holds one launch of each
-        # side. Eight pairs or more: a launch's median moves by up to ~15 % with the machine's load a minute
+        # side. Sixteen pairs: a launch's median moves by up to ~15 % with the machine's load a minute
         # apart (the ~30M steps switch between a fast and a slow mode for tens of seconds at a time), so a
         # 3 % question needs the average of many pairs, not one long launch of each
         abba = ("tessera", "raw", "raw", "tessera")
@@ -589,7 +589,10 @@ def main() -> int:
     ap.add_argument("--only", default=",".join(ITEMS), help="comma-separated items: " + ", ".join(ITEMS))
     ap.add_argument("--quick", action="store_true", help="fewer steps (a check that the suite runs)")
     ap.add_argument(
-        "--pairs", type=int, default=8, help="overhead: launch pairs per layout, a multiple of 4 (default 8)"
+        "--pairs",
+        type=int,
+        default=16,
+        help="overhead: launch pairs per layout, a multiple of 4 (default 16)",
     )
     ap.add_argument("--out", default=str(REPO / "bench-results"))
     ap.add_argument("--work", default=None, help="where the runs go (default: a temporary directory)")
