@@ -77,8 +77,11 @@ def _raw_step(run: RawRun, engine: Any, own: bool) -> Callable[[Step, int], None
     if run.layout.engine == "deepspeed":
         import raw_deepspeed
 
-        ds = raw_deepspeed.build_engine(run) if own else engine.ds.engine
-        ds.train()
+        if own:
+            ds = raw_deepspeed.build_engine(run)
+            ds.train()
+        else:
+            ds = engine.ds.engine
 
         def ds_step(batch: Step, n: int) -> None:
             loss_sum, _ = raw_deepspeed.train_step(run, ds, batch, n)

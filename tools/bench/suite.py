@@ -83,6 +83,8 @@ LAYOUTS: dict[str, tuple[str, list[str]]] = {  # name -> (recipe, overrides), th
 }
 #: scaling: the 2-rank layout and the same engine on one rank
 SCALING = {"ddp": [], "zero3": [], "tp2": ["parallel.tp=1"]}
+#: overhead: launch pairs per layout (ABBA BAAB blocks of four pairs; --pairs)
+LAUNCH_PAIRS = 16
 #: overhead pairs: (model, layout, raw script); the ~30M model makes fewer, longer steps
 OVERHEAD = [
     ("tiny", "zero2", "raw_deepspeed.py"),
@@ -210,8 +212,8 @@ def raw_run(script: str, recipe: Path, overrides: list[str], steps: int, out: Pa
 
 
 def step_ab(recipe: Path, overrides: list[str], pairs: int, out: Path) -> dict[str, Any]:
-    """tools/bench/step_ab.py: Tessera's engine step and the raw script's step alternating in one job; its
-    JSON."""
+    """tools/bench/step_ab.py: Tessera's engine and the raw script's own, alternating step by step in one
+    job; its JSON."""
     res = out.with_suffix(".json")
     res.unlink(missing_ok=True)
     args = ["--recipe", str(recipe), *overrides, *QUIET, "--pairs", str(pairs), "--out", str(res)]
@@ -233,7 +235,7 @@ def bootstrap_ci90(ratios: list[float], resamples: int = 10_000, seed: int = 0) 
     return [means[int(0.05 * resamples)], means[int(0.95 * resamples) - 1]]
 
 
-def bench_overhead(work: Path, quick: bool, launch_pairs: int = 16) -> dict[str, Any]:
+def bench_overhead(work: Path, quick: bool, launch_pairs: int = LAUNCH_PAIRS) -> dict[str, Any]:
     # untimed: the raw scripts' ranks JIT-build DeepSpeed's CPU shared-memory comm op in torch's default
     # directory at their first use (~90 s here; Tessera's ranks load the one make setup built)
     _say("overhead: one untimed launch of each side (one-time builds)")
@@ -591,8 +593,8 @@ def main() -> int:
     ap.add_argument(
         "--pairs",
         type=int,
-        default=16,
-        help="overhead: launch pairs per layout, a multiple of 4 (default 16)",
+        default=LAUNCH_PAIRS,
+        help=f"overhead: launch pairs per layout, a multiple of 4 (default {LAUNCH_PAIRS})",
     )
     ap.add_argument("--out", default=str(REPO / "bench-results"))
     ap.add_argument("--work", default=None, help="where the runs go (default: a temporary directory)")
