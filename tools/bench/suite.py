@@ -85,6 +85,8 @@ LAYOUTS: dict[str, tuple[str, list[str]]] = {  # name -> (recipe, overrides), th
 SCALING = {"ddp": [], "zero3": [], "tp2": ["parallel.tp=1"]}
 #: overhead: launch pairs per layout (ABBA BAAB blocks of four pairs; --pairs)
 LAUNCH_PAIRS = 16
+#: overhead: steps per launch of the tiny model, per layout (the ~30M model's are set in bench_overhead)
+TINY_STEPS = {"zero2": 240, "tp2": 120}
 #: overhead pairs: (model, layout, raw script); the ~30M model makes fewer, longer steps
 OVERHEAD = [
     ("tiny", "zero2", "raw_deepspeed.py"),
@@ -246,8 +248,9 @@ def bench_overhead(work: Path, quick: bool, launch_pairs: int = LAUNCH_PAIRS) ->
     for model, layout, script in OVERHEAD:
         recipe_name, overrides = LAYOUTS[layout]
         recipe = _recipe(model, recipe_name, work)
-        if model == "tiny":
-            steps, warmup = (30, 5) if quick else (60, 10)
+        if model == "tiny":  # ZeRO-2 ~35 ms, TP2 ~125 ms a step: ~9 s and ~15 s of steady steps a launch
+            # (60 steps of ZeRO-2 were ~2 s, shorter than the machine's moods: pairs spread 0.81-1.38 then)
+            steps, warmup = (30, 5) if quick else (TINY_STEPS[layout], 10)
         else:  # ~1.1 s steps at this smaller global batch: 9 periods per launch keep the pair at ~3 minutes
             steps, warmup = (6, 2) if quick else (12, 2)
             overrides = [*overrides, "parallel.global_batch=8", "parallel.micro_batch=4"]
