@@ -58,7 +58,8 @@ REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 ITEMS = ("overhead", "comm", "memory", "checkpoint", "scaling", "calibration")
 README_BEGIN, README_END = "<!-- bench-results:begin -->", "<!-- bench-results:end -->"
-#: every run: no W&B, no eval, no checkpoint (the checkpoint benchmark measures those apart)
+#: every run: no W&B, no checkpoint (the checkpoint benchmark measures those apart), eval only after the
+#: last step (outside the step periods; ~6 s of the ~30M command's end)
 QUIET = [
     "tracking.wandb.mode=disabled",
     "checkpoint.at_end=false",
