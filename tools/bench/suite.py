@@ -86,14 +86,15 @@ LAYOUTS: dict[str, tuple[str, list[str]]] = {  # name -> (recipe, overrides), th
 SCALING = {"ddp": [], "zero3": [], "tp2": ["parallel.tp=1"]}
 #: overhead: launch pairs per layout (ABBA BAAB blocks of four pairs; --pairs)
 LAUNCH_PAIRS = 16
-#: overhead: steps per launch of the tiny model, per layout (the ~30M model's are set in bench_overhead)
-TINY_STEPS = {"zero2": 240, "tp2": 120}
-#: overhead pairs: (model, layout, raw script); the ~30M model makes fewer, longer steps
+#: overhead pairs: (model, layout, raw script, steps a launch, warm-up steps). Tiny ZeRO-2 ~35 ms and TP2
+#: ~125 ms a step: ~9 s and ~15 s of steady steps a launch (60 steps of ZeRO-2, ~2 s, were shorter than the
+#: machine's moods: pairs spread 0.81-1.38 then); the ~30M model's ~1.1 s steps, at a smaller global batch,
+#: give 9 periods a launch and keep the pair at ~3 minutes
 OVERHEAD = [
-    ("tiny", "zero2", "raw_deepspeed.py"),
-    ("tiny", "tp2", "raw_megatron.py"),
-    ("30m", "zero2", "raw_deepspeed.py"),
-    ("30m", "tp2", "raw_megatron.py"),
+    ("tiny", "zero2", "raw_deepspeed.py", 240, 10),
+    ("tiny", "tp2", "raw_megatron.py", 120, 10),
+    ("30m", "zero2", "raw_deepspeed.py", 12, 2),
+    ("30m", "tp2", "raw_megatron.py", 12, 2),
 ]
 #: the planner's acceptance layouts, each predicted by a profile calibrated on the rest of the pool (which
 #: holds another layout of each engine, so that no engine's efficiency is missing when one is held out,
@@ -246,14 +247,12 @@ def bench_overhead(work: Path, quick: bool, launch_pairs: int = LAUNCH_PAIRS) ->
     tessera_run(REPO / "recipes" / recipe_name, overrides, 1, work / "overhead-warmup-tessera")
     raw_run("raw_deepspeed.py", REPO / "recipes" / recipe_name, overrides, 1, work / "overhead-warmup-raw")
     rows = []
-    for model, layout, script in OVERHEAD:
+    for model, layout, script, steps, warmup in OVERHEAD:
         recipe_name, overrides = LAYOUTS[layout]
         recipe = _recipe(model, recipe_name, work)
-        if model == "tiny":  # ZeRO-2 ~35 ms, TP2 ~125 ms a step: ~9 s and ~15 s of steady steps a launch
-            # (60 steps of ZeRO-2 were ~2 s, shorter than the machine's moods: pairs spread 0.81-1.38 then)
-            steps, warmup = (30, 5) if quick else (TINY_STEPS[layout], 10)
-        else:  # ~1.1 s steps at this smaller global batch: 9 periods per launch keep the pair at ~3 minutes
-            steps, warmup = (6, 2) if quick else (12, 2)
+        if quick:
+            steps, warmup = (30, 5) if model == "tiny" else (6, 2)
+        if model != "tiny":
             overrides = [*overrides, "parallel.global_batch=8", "parallel.micro_batch=4"]
         runs: dict[str, list[Steps]] = {"tessera": [], "raw": []}
         # ABBA BAAB, repeated: drift hits both alike, and each neighbouring pair holds one launch of each
