@@ -88,13 +88,14 @@ SCALING = {"ddp": [], "zero3": [], "tp2": ["parallel.tp=1"]}
 LAUNCH_PAIRS = 16
 #: overhead pairs: (model, layout, raw script, steps a launch, warm-up steps). Tiny ZeRO-2 ~35 ms and TP2
 #: ~125 ms a step: ~9 s and ~15 s of steady steps a launch (60 steps of ZeRO-2, ~2 s, were shorter than the
-#: machine's moods: pairs spread 0.81-1.38 then); the ~30M model's ~1.1 s steps, at a smaller global batch,
-#: give 9 periods a launch and keep the pair at ~3 minutes
+#: machine's moods: pairs spread 0.81-1.38 then); the ~30M model's ~1.1 s steps, at a smaller global batch:
+#: 27 periods (~30 s) a launch (12 steps, 9 periods, spread its pairs 0.85-1.22: shorter than the tens of
+#: seconds the machine keeps its fast or slow mode)
 OVERHEAD = [
     ("tiny", "zero2", "raw_deepspeed.py", 240, 10),
     ("tiny", "tp2", "raw_megatron.py", 120, 10),
-    ("30m", "zero2", "raw_deepspeed.py", 12, 2),
-    ("30m", "tp2", "raw_megatron.py", 12, 2),
+    ("30m", "zero2", "raw_deepspeed.py", 30, 2),
+    ("30m", "tp2", "raw_megatron.py", 30, 2),
 ]
 #: the planner's acceptance layouts, each predicted by a profile calibrated on the rest of the pool (which
 #: holds another layout of each engine, so that no engine's efficiency is missing when one is held out,
