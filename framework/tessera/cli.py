@@ -1,6 +1,6 @@
 """The ``tessera`` command.
 
-    tessera run R.yaml [key=value ...] [--resume [--same-layout] [--strict]] [--dry-run]
+    tessera run R.yaml [key=value ...] [--resume [--same-layout] [--strict] [--accept-data-change]] [--dry-run]
     tessera compare R.yaml [key=value ...] [--baseline ddp|B.yaml] [--seeds K] [--scaling] [--out DIR]
     tessera compare --runs CANDIDATE BASELINE [...] [--acceptance FILE] [--out DIR]
     tessera plan R.yaml [key=value ...] --world-size N [--hardware X] [--json]
@@ -48,6 +48,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         strict=args.strict,
         dry_run=args.dry_run,
         resume_from=args.resume_from,
+        accept_data_change=args.accept_data_change,
     )
     if rc != 0 or args.dry_run:
         return rc
@@ -465,6 +466,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--strict",
         action="store_true",
         help="with --resume: refuse when code, config, data or environment changed since the checkpoint",
+    )
+    r.add_argument(
+        "--accept-data-change",
+        action="store_true",
+        help="with --resume: continue although the data or tokenizer hash differs from the checkpoint's",
     )
     r.add_argument(
         "--resume-from",

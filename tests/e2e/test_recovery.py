@@ -280,3 +280,63 @@ def test_bad_places_and_bad_recipes_are_one_line_errors(tmp_path):
         p = tessera("run", str(f))
         assert p.returncode == ExitCode.USER_ERROR and words in p.stderr, p.stderr
         assert len(p.stderr) < 1000 and "Traceback" not in p.stderr
+
+
+def test_a_data_change_is_refused_before_any_rank_starts(reference, tmp_path, capsys):
+    """`--resume` on data other than the checkpoint's is refused by the command line before launch (exit
+    2, both hashes, the flag that accepts it): two data files swapped (same documents, so the same sample
+    count passes the ranks' own check), and another corpus altogether. The unchanged data is accepted,
+    and with --accept-data-change the change is a warning. Nothing launches: no rank log appears."""
+    import shutil
+
+    from tessera.cli import main
+    from tessera.config.loader import load_recipe
+    from tessera.data.identity import data_identity
+    from tessera.launch.runs import check_resume_inputs
+
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("first document\n" * 50)
+    b.write_text("second document\n" * 50)
+    run = tmp_path / "run"
+    shutil.copytree(reference / "zero2", run)
+    shutil.rmtree(RunDir(run).logs)
+    ckpt = CheckpointManager(RunDir(run).checkpoints, keep=5, rank=0, world_size=2).latest()
+    assert ckpt is not None
+    files = ["data.source=files", "data.max_docs=null", "tracking.wandb.mode=disabled", f"run.out_dir={run}"]
+    ab, ba = (
+        load_recipe(RECIPES["zero2"], [*files, f"data.files=[{x},{y}]"]).recipe for x, y in ((a, b), (b, a))
+    )
+    # the checkpoint as if it had been trained on [a, b] (meta.json is what the check reads)
+    meta_path = ckpt / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    trained = meta["data_fingerprint"]["content_hash"]  # the stdlib corpus it really was trained on
+    meta["data_fingerprint"]["content_hash"] = data_identity(ab.data, root=REPO)["content_hash"]
+    meta_path.write_text(json.dumps(meta))
+    check_resume_inputs(ckpt, meta, ab, accept_data_change=False)  # the same data: no objection
+    swapped = data_identity(ba.data, root=REPO)["content_hash"]
+    assert swapped != meta["data_fingerprint"]["content_hash"]
+    cwd = os.getcwd()
+    os.chdir(REPO)
+    try:
+        code = main(["run", RECIPES["zero2"], *files, f"data.files=[{b},{a}]", "--resume"])
+    finally:
+        os.chdir(cwd)
+    err = capsys.readouterr().err
+    assert code == ExitCode.USER_ERROR, err
+    assert (
+        meta["data_fingerprint"]["content_hash"] in err and swapped in err and "--accept-data-change" in err
+    )
+    assert "corpus content hash" in err and "Traceback" not in err
+    assert not RunDir(run).logs.exists() or not list(RunDir(run).logs.glob("rank_*"))
+    check_resume_inputs(ckpt, meta, ba, accept_data_change=True)  # accepted: a warning naming both
+    assert swapped in capsys.readouterr().err
+    # the real checkpoint against another corpus: the stdlib hash it was trained on is named
+    meta["data_fingerprint"]["content_hash"] = trained
+    with pytest.raises(Exception) as e:
+        check_resume_inputs(ckpt, meta, ab, accept_data_change=False)
+    assert trained in str(e.value) and "--accept-data-change" in str(e.value)
+    # a seed change is refused before launch too
+    seeded = load_recipe(RECIPES["zero2"], [f"run.out_dir={run}", "train.seed=7"]).recipe
+    with pytest.raises(Exception) as e:
+        check_resume_inputs(ckpt, meta, seeded, accept_data_change=False)
+    assert "train.seed" in str(e.value) and "seed=1234" in str(e.value)

@@ -25,13 +25,12 @@ import torch
 from tessera.config.schema import DataSection
 from tessera.data._cache import atomic_torch_save, build_lock, sha256_json
 from tessera.data.corpus import Corpus, load_corpus
+from tessera.data.identity import data_key
 from tessera.data.tokenizer import load_tokenizer
 from tessera.errors import DataError
 
 IGNORE_INDEX = -100
 _TENSORS = ("input_ids", "labels", "eval_input_ids", "eval_labels")
-# Bumped when the tensor layout produced from the same tokens changes (invalidates old cache entries).
-DATA_VERSION = 1
 
 
 @dataclass
@@ -113,16 +112,9 @@ def prepare_data(section: DataSection, *, root: Path | None = None) -> PreparedD
     tok = load_tokenizer(section, corpus, root=root, cache_dir=cache_dir)
     tokenizer = tok.tokenizer
     eos_id, pad_id = int(tokenizer.eos_token_id), int(tokenizer.pad_token_id)
-    key: dict[str, Any] = {
-        "version": DATA_VERSION,
-        "corpus": corpus.content_hash,
-        "tokenizer": tok.tokenizer_hash,
-        "seq_len": section.seq_len,
-        "packing": section.packing,
-    }
-    if section.eval.fraction > 0:  # absent otherwise: runs without a split keep their cache entries
-        key["eval_fraction"] = section.eval.fraction
-    data_hash = sha256_json(key)
+    data_hash = sha256_json(
+        data_key(section, content_hash=corpus.content_hash, tokenizer_hash=tok.tokenizer_hash)
+    )
     target = cache_dir / "data" / f"{data_hash}.pt"
     payload = _read_cache(target)
     if payload is None:

@@ -68,9 +68,31 @@ def bpe_cache_key(content_hash: str, vocab_size: int) -> str:
     )
 
 
+def tokenizer_hash_on_disk(
+    section: DataSection, content_hash: str, *, root: Path, cache_dir: Path
+) -> str | None:
+    """The hash :func:`load_tokenizer` would report, from the files alone (no transformers, no training):
+    None where it cannot be known yet (a BPE not trained yet, a directory that is not there: the ranks
+    build it or report it)."""
+    if section.tokenizer == "bpe":
+        target = _bpe_dir(content_hash, section.vocab_size, cache_dir)
+        return sha256_dir(target) if target.is_dir() else None
+    path = _local_dir(section.tokenizer, root)
+    return sha256_dir(path, _tokenizer_files(path)) if path.is_dir() else None
+
+
+def _bpe_dir(content_hash: str, vocab_size: int, cache_dir: Path) -> Path:
+    return cache_dir / "tokenizers" / bpe_cache_key(content_hash, vocab_size)
+
+
+def _local_dir(spec: str, root: Path) -> Path:
+    path = Path(spec).expanduser()
+    return path if path.is_absolute() else root / path
+
+
 def _cached_bpe(corpus: Corpus, vocab_size: int, cache_dir: Path) -> TokenizerInfo:
     """Reuse ``<cache>/tokenizers/<key>`` if present, else train it under a lock and publish atomically."""
-    target = cache_dir / "tokenizers" / bpe_cache_key(corpus.content_hash, vocab_size)
+    target = _bpe_dir(corpus.content_hash, vocab_size, cache_dir)
     if not target.is_dir():
         with build_lock(target):
             if not target.is_dir():  # another rank may have built it while we waited for the lock
@@ -121,9 +143,7 @@ def _tokenizer_files(path: Path) -> list[str]:
 
 def _local_tokenizer(spec: str, root: Path) -> TokenizerInfo:
     """Load a local tokenizer directory offline; a tokenizer without a pad token pads with eos."""
-    path = Path(spec).expanduser()
-    if not path.is_absolute():
-        path = root / path
+    path = _local_dir(spec, root)
     if not path.is_dir():
         raise DataError(
             "tokenizer directory not found",

@@ -136,6 +136,64 @@ def resume_point(index, run_dir: Path, *, resume: bool, resume_from: str | None,
     return latest
 
 
+def check_resume_inputs(ckpt: Path, meta: dict[str, Any], recipe: Any, *, accept_data_change: bool) -> None:
+    """Before launch: the data a resume would read is the data the checkpoint was trained on. The corpus
+    content hash, the tokenizer hash and the prepared-data hash (corpus + tokenizer + seq_len, packing,
+    eval split) recorded with the checkpoint are compared with the ones the recipe's data section gives
+    now, from the files alone (:func:`tessera.data.identity.data_identity`; a BPE not trained yet has no
+    hash to compare, its corpus does). A change is refused unless ``accept_data_change``, which continues
+    with a warning naming both hashes. The sampler's seed and global batch are compared here too: the
+    ranks check them again, but only after ~30 s of start-up."""
+    from tessera.data.identity import data_identity
+    from tessera.errors import CheckpointError
+
+    sampler = meta.get("sampler") if isinstance(meta.get("sampler"), dict) else {}
+    now = {"seed": recipe.train.seed, "global_batch": recipe.parallel.global_batch}
+    fields = {"seed": "train.seed", "global_batch": "parallel.global_batch"}
+    for key, value in now.items():
+        was = sampler.get(key)
+        if was is not None and value is not None and was != value:
+            raise CheckpointError(
+                f"{ckpt.name} was taken with {key}={was}, this run has {value}: the data order would change",
+                field=fields[key],
+                value=value,
+                fix=f"resume with {fields[key]}={was}, or start a fresh run (another run.out_dir)",
+            )
+    recorded = dict(meta.get("data_fingerprint") or {})
+    if not recorded:  # checkpoints older than the data fingerprint in meta.json: the run's manifest copy
+        manifest = ckpt / RunDir.MANIFEST
+        try:
+            import json
+
+            recorded = dict(json.loads(manifest.read_text()).get("data") or {})
+        except (OSError, ValueError, AttributeError):
+            recorded = {}
+    recorded["tokenizer_hash"] = meta.get("tokenizer_hash")
+    current = data_identity(recipe.data, root=Path.cwd())
+    changed = [
+        (what, recorded.get(key), current[key])
+        for key, what in (
+            ("content_hash", "corpus content hash"),
+            ("tokenizer_hash", "tokenizer hash"),
+            ("data_hash", "prepared data hash (corpus, tokenizer, seq_len, packing, eval split)"),
+        )
+        if recorded.get(key) and current[key] and recorded[key] != current[key]
+    ]
+    if not changed:
+        return
+    what = "; ".join(f"{w}: {a} in {ckpt.name}, {b} now" for w, a, b in changed)
+    if accept_data_change:
+        print(f"tessera: warning: --accept-data-change: resuming on other data ({what})", file=sys.stderr)
+        return
+    raise CheckpointError(
+        f"the data changed since {ckpt.name} was written ({what})",
+        field="data",
+        value=recipe.data.files if recipe.data.source == "files" else recipe.data.source,
+        fix="restore the data files and tokenizer the run was trained on, or pass --accept-data-change "
+        "to continue on the new data",
+    )
+
+
 def start_run(
     recipe_path: str,
     overrides: list[str],
@@ -146,6 +204,7 @@ def start_run(
     dry_run: bool = False,
     launch_record: dict[str, Any] | None = None,
     resume_from: str | None = None,
+    accept_data_change: bool = False,
 ) -> tuple[int, RunDir]:
     """``tessera run``: check the recipe, start the ranks and wait. This process runs the checks that need
     no model library (:func:`check_recipe`, the run directory, the checksums of the checkpoint a resume
@@ -153,7 +212,9 @@ def start_run(
     prepares the data and the plan while the other ranks start (:mod:`tessera.train.prepare`), so that
     torch and transformers are imported by the ranks only. A dry run does every check here.
     ``launch_record``: extra keys of launch.json (``tessera compare`` records its pre-registration hash
-    there, which the manifest copies). Returns the exit code and the run dir."""
+    there, which the manifest copies). ``accept_data_change``: resume although the data or tokenizer
+    hash differs from the checkpoint's (:func:`check_resume_inputs`). Returns the exit code and the run
+    dir."""
     from tessera.checkpoint.index import CheckpointIndex
     from tessera.launch.launcher import build_command
     from tessera.train.prepare import write_recipe
@@ -208,7 +269,15 @@ def start_run(
         )
         # every file of it matches its checksum before anything launches (the ranks verify again)
         if chosen is not None:
-            index.verify(chosen, any_world=not same_layout)
+            meta = index.verify(chosen, any_world=not same_layout)
+            check_resume_inputs(chosen, meta, recipe, accept_data_change=accept_data_change)
+        elif accept_data_change:
+            raise TesseraError(
+                "--accept-data-change only applies to --resume",
+                field="--accept-data-change",
+                value=True,
+                fix="add --resume",
+            )
         write_recipe(recipe, rd)
         launch = {"command": printable, "argv": sys.argv, "resume": resume, **(launch_record or {})}
         rd.write_json(RunDir.LAUNCH, launch)
