@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 import torch
+
 from helpers import (
     DEFAULT_RECIPE,
     PICKLE_MARKER,
@@ -25,12 +26,11 @@ from helpers import (
     train_run,
     train_runs,
 )
-
 from tessera.checkpoint.index import LATEST, checkpoint_files, read_meta, step_dir_name
-
 from tessera.checkpoint.manager import CheckpointManager
 from tessera.models.families import FAMILIES, FAMILY_NAMES
 from tessera.rundir import ExitCode, RunDir
+from untrusted import assert_fifo_is_refused, assert_no_code_runs
 
 pytestmark = pytest.mark.slow
 
@@ -74,7 +74,11 @@ def zero_runs(tmp_path_factory):
         two[base / name] = (R, [f"train.steps={STEPS}", *ov], False)
     two[base / "bf16"] = (R, ["train.steps=8", "parallel.zero=2", "train.precision=bf16"], False)
     for name, ov in RECOMPUTED.items():  # HF gradient checkpointing (parallel.recompute: full)
-        two[base / f"recompute_{name}"] = (R, [f"train.steps={RECOMPUTE_STEPS}", *ov, "parallel.recompute=full"], False)
+        two[base / f"recompute_{name}"] = (
+            R,
+            [f"train.steps={RECOMPUTE_STEPS}", *ov, "parallel.recompute=full"],
+            False,
+        )
     for fam in FAMILY_NAMES:
         two[base / f"family_{fam}"] = (
             REPO / FAMILIES[fam].tiny_recipe, ["train.steps=5", "parallel.zero=2", "optim.warmup_steps=0"], False
@@ -107,6 +111,8 @@ def test_full_recompute_changes_no_loss_and_no_gradient_norm(zero_runs, name):
     assert len(run) == RECOMPUTE_STEPS
     assert_close_rel(losses(run), losses(ref), 1e-6)
     assert_close_rel([r["grad_norm"] for r in run], [r["grad_norm"] for r in ref], 1e-6)
+
+
 RULES_ON = [
     "stop.loss_spike.zscore=6", "stop.loss_spike.window=10", "stop.loss_spike.patience=2",
     "stop.min_tokens_per_s.value=10", "stop.min_tokens_per_s.window=3", "stop.max_time_s=3600",
@@ -257,6 +263,17 @@ def test_a_pickle_in_place_of_the_rng_file_is_never_run(zero_runs):
     log = evil.rank_file(0, "log").read_text()
     assert "not a readable safetensors file" in log and "rng_rank00000.safetensors" in log
     assert evil.rank_exit(0) == ExitCode.USER_ERROR and evil.rank_exit(1) == ExitCode.USER_ERROR
+
+
+@pytest.mark.parametrize("name", ["z2", "z3"])
+def test_no_code_runs_from_a_forged_deepspeed_checkpoint(zero_runs, tmp_path, capsys, name):
+    """Each kind of .pt of a ZeRO-2 / ZeRO-3 checkpoint (model states, optimizer states) replaced by a
+    payload pickle (plain, and a torch.save zip) with its checksum forged: `tessera verify`, `tessera
+    convert` and `tessera run --resume` exit 2 naming the file and the class, no traceback, no rank
+    started, no marker file; an unlisted FIFO named like a shard is refused at once (no hang)."""
+    run = zero_runs["_base"] / f"resume_{name}"
+    assert_no_code_runs(run, tmp_path, capsys, ("model_states.pt", "optim_states.pt"))
+    assert_fifo_is_refused(run, tmp_path, capsys)
 
 
 @pytest.mark.parametrize("name", ["z3", "ddp"])
@@ -429,7 +446,9 @@ def test_each_stop_rule_fires_on_its_cause(zero_runs, name, rule, code, step, wo
     assert stopped["exit_code"] == code and words in stopped["diagnosis"] and "\n" not in stopped["diagnosis"]
     assert RunDir(base).read_manifest()["stopped"] == stopped
     latest = CheckpointManager(RunDir(base).checkpoints, keep=2, rank=0, world_size=2).latest()
-    assert (latest is not None and latest.name == step_dir_name(1)) if rule == "time_limit" else latest is None
+    assert (
+        (latest is not None and latest.name == step_dir_name(1)) if rule == "time_limit" else latest is None
+    )
 
 
 def test_preemption_checkpoints_the_step_and_resumes_bit_exactly(zero_runs):

@@ -9,6 +9,7 @@ processes (train_runs) to pay the imports once.
 from __future__ import annotations
 
 import pytest
+
 from helpers import (
     REPO,
     assert_close_rel,
@@ -21,9 +22,9 @@ from helpers import (
     set_steps,
     train_runs,
 )
-
 from tessera.checkpoint.index import read_meta, step_dir_name
 from tessera.rundir import ExitCode, RunDir
+from untrusted import assert_no_code_runs
 
 pytestmark = pytest.mark.slow
 
@@ -67,8 +68,18 @@ def runs(tmp_path_factory):
 
     ref = [*COMMON, "parallel.zero=0"]
     # the 4-layer reference takes the model of the interleaved recipe with the deepspeed engine
-    llama4_ref = [*ref, "parallel.engine=deepspeed", "parallel.pp=1", "parallel.vpp=1", "parallel.zero_impl=auto"]
-    refs = {"llama": (LLAMA, ref, False), "llama4": (LLAMA4, llama4_ref, False), "mixtral": (MIXTRAL, ref, False)}
+    llama4_ref = [
+        *ref,
+        "parallel.engine=deepspeed",
+        "parallel.pp=1",
+        "parallel.vpp=1",
+        "parallel.zero_impl=auto",
+    ]
+    refs = {
+        "llama": (LLAMA, ref, False),
+        "llama4": (LLAMA4, llama4_ref, False),
+        "mixtral": (MIXTRAL, ref, False),
+    }
     refs.update({"gpt2": (GPT2, ref, False), "qwen2": (QWEN2, ref, False)})
     batch(refs, 1)
     two = {k: (rec, COMMON, False) for k, (rec, _) in TWO.items()}
@@ -83,7 +94,13 @@ def runs(tmp_path_factory):
     for k in ("dp2_distopt", "tp2"):
         two[f"resume_{k}"] = (TWO[k][0], ["train.steps=5"], False)
     # a NaN gradient norm at step 3 (checkpoints every 2): the run stops with DIVERGED, latest is step 2
-    two["nan_tp2"] = (TWO["tp2"][0], ["train.steps=4", "checkpoint.every=2"], False, ExitCode.DIVERGED, "nan_grad@3")
+    two["nan_tp2"] = (
+        TWO["tp2"][0],
+        ["train.steps=4", "checkpoint.every=2"],
+        False,
+        ExitCode.DIVERGED,
+        "nan_grad@3",
+    )
     batch(two, 2)
     for k in ("dp2_distopt", "tp2"):  # continue both to 10 in the same run dirs
         set_steps(base / f"resume_{k}", STEPS)
@@ -196,6 +213,16 @@ def test_damaged_megatron_checkpoint_is_refused_naming_the_file(runs, tmp_path):
     assert_damage_is_refused(runs["_base"] / "resume_tp2", tmp_path)
 
 
+def test_no_code_runs_from_a_forged_megatron_checkpoint(runs, tmp_path, capsys):
+    """Each pickle-bearing kind of a megatron dist_checkpointing checkpoint (common.pt, a .distcp shard,
+    the .metadata) replaced by a payload pickle (plain, and a torch.save zip) with its checksum forged:
+    `tessera verify`, `tessera convert` and `tessera run --resume` exit 2 naming the file and the class,
+    no traceback, no rank started, no marker file."""
+    assert_no_code_runs(
+        runs["_base"] / "resume_dp2_distopt", tmp_path, capsys, ("common.pt", ".distcp", ".metadata")
+    )
+
+
 def test_export_to_hf_reproduces_the_run(runs, tmp_path):
     """`tessera convert --to hf` of TP2's step-5 checkpoint (dist_checkpointing's global tensors mapped
     back through the weight map): from_pretrained loads it, and its loss on step 6's batch is the loss the
@@ -208,7 +235,9 @@ def test_nan_grad_norm_stops_megatron_and_keeps_a_finite_checkpoint(runs):
     assert_nan_stop(runs["_base"] / "nan_tp2", runs["nan_tp2"], runs["llama"])
 
 
-@pytest.mark.parametrize("name,group,tol", [("tp2", "tp", 0.02), ("pp2_1f1b", "pp", 0.0), ("ep2_mixtral", "ep", 0.10)])
+@pytest.mark.parametrize(
+    "name,group,tol", [("tp2", "tp", 0.02), ("pp2_1f1b", "pp", 0.0), ("ep2_mixtral", "ep", 0.10)]
+)
 def test_bytes_match_the_plan(runs, name, group, tol):
     """comm.jsonl against plan.estimate: TP2 all-reduces within 2 %, PP2 sends / receives exactly, EP2
     all-to-all within 10 % (the routing decides how many tokens each rank sends)."""

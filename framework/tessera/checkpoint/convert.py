@@ -31,7 +31,7 @@ REPORT = "tessera_conversion.json"
 def resolve_source(src: Path) -> Path:
     """A checkpoint directory, or a run directory's latest checkpoint."""
     src = Path(src)
-    if (src / "meta.json").is_file():
+    if os.path.lexists(src / "meta.json"):  # whatever it is: the verification names a link or a FIFO
         return src
     rd = RunDir(src)
     if rd.checkpoints.is_dir():
@@ -145,7 +145,7 @@ LAYOUT_FIELDS = ("dp", "tp", "pp", "vpp", "ep", "zero", "zero_impl", "micro_batc
 
 
 def is_hf_dir(path: Path) -> bool:
-    return (Path(path) / "config.json").is_file() and not (Path(path) / "meta.json").is_file()
+    return (Path(path) / "config.json").is_file() and not os.path.lexists(Path(path) / "meta.json")
 
 
 def layout_overrides(spec: str | None, *, engine: str, source_world: int | None) -> list[str]:

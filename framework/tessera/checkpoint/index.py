@@ -6,13 +6,17 @@ of every file against its recorded size and sha256. Saving and loading are :mod:
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from tessera.atomic import sha256_file
-from tessera.errors import CheckpointError
+from tessera.errors import CheckpointError, preview
 from tessera.rundir import RunDir
 
 FORMAT = "tessera-checkpoint"
@@ -29,84 +33,291 @@ def step_dir_name(step: int, tag: str | None = None) -> str:
     return f"step_{step:06d}" + (f"-{tag}" if tag else "")
 
 
+# ---- the schema of meta.json ---------------------------------------------------------------------------
+
+MAX_META_BYTES = 64 << 20  # one entry per file: far above any real checkpoint's, far below a memory problem
+_Count = Annotated[int, Field(ge=1)]
+_NonNegative = Annotated[int, Field(ge=0)]
+
+
+class _Strict(BaseModel):
+    # strict: a string, float or bool where a count belongs is refused, never coerced; unknown keys pass
+    # (a newer release of the same format may add some)
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class FileEntry(_Strict):
+    """One file of the checkpoint: where (relative, inside it), its size, its sha256 (v2)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    path: str
+    bytes: _NonNegative
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] | None = None
+
+    @field_validator("path")
+    @classmethod
+    def _inside(cls, v: str) -> str:
+        if not v or v.startswith("/") or ".." in Path(v).parts or v == META or "\x00" in v:
+            raise ValueError(
+                "is not a valid relative path inside the checkpoint (no '..', not absolute, not meta.json)"
+            )
+        return v
+
+
+class FileEntryV2(FileEntry):
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
+class LayoutRecord(_Strict):
+    """The layout that wrote the checkpoint (``ParallelLayout.to_dict``): degrees and sizes are counts."""
+
+    dp: _Count | None = None
+    tp: _Count | None = None
+    pp: _Count | None = None
+    vpp: _Count | None = None
+    ep: _Count | None = None
+    etp: _Count | None = None
+    micro_batch: _Count | None = None
+    grad_accum: _Count | None = None
+    global_batch: _Count | None = None
+    world_size: _Count | None = None
+    zero: Annotated[int, Field(ge=0, le=3)] | None = None
+    engine: str | None = None
+    zero_impl: str | None = None
+    recompute: str | None = None
+    offload_optimizer: bool | None = None
+    offload_params: bool | None = None
+    sequence_parallel: bool | None = None
+
+
+class SamplerRecord(_Strict):
+    """The sampler's layout-free position (:meth:`tessera.data.sampler.DistributedSampler.state_dict`)."""
+
+    epoch: _NonNegative | None = None
+    step_in_epoch: _NonNegative | None = None
+    consumed_samples: _NonNegative | None = None
+    num_samples: _NonNegative | None = None
+    seed: _NonNegative | None = None
+    global_batch: _Count | None = None
+
+
+class MetaV2(_Strict):
+    format: Literal["tessera-checkpoint"] = FORMAT
+    format_version: Literal[2]
+    step: _NonNegative
+    world_size: _Count
+    engine: str
+    sharding: str
+    layout: LayoutRecord
+    sampler: SamplerRecord
+    files: list[FileEntryV2]
+    precision: str | None = None
+    # model_config (the HF config) is checked by meta_problem: pydantic keeps that name for itself
+    tokenizer_hash: str | None = None
+    data_fingerprint: dict[str, Any] | None = None
+
+
+class ClientStateV1(_Strict):
+    sampler: SamplerRecord
+
+
+class MetaV1(_Strict):
+    step: _NonNegative
+    world_size: _Count
+    files: list[FileEntry]
+    client_state: ClientStateV1
+
+
+#: format_version -> (its schema, the keys without which it is no Tessera checkpoint description)
+_SCHEMAS: dict[int | None, tuple[type[_Strict], tuple[str, ...]]] = {
+    None: (MetaV1, ("step", "world_size", "files", "client_state")),
+    FORMAT_VERSION: (MetaV2, ("step", "world_size", "files", "engine", "sharding", "layout", "sampler")),
+}
+
+
+def meta_problem(meta: Any) -> tuple[str, str | None] | None:
+    """None, or (what is wrong with a parsed meta.json naming the field, a fix or None) : its version
+    first (a newer one is named as such), then the keys a checkpoint description needs, then each
+    field's type and range (strict: ``"6"`` and ``true`` are no step counts)."""
+    if not isinstance(meta, dict):
+        return (
+            f"meta.json holds a JSON {type(meta).__name__}, not an object: not a Tessera checkpoint description",
+            None,
+        )
+    version = meta.get("format_version")
+    if "format_version" in meta and (type(version) is not int or version not in _SCHEMAS):
+        if type(version) is int and version > FORMAT_VERSION:
+            return (
+                f'meta.json field "format_version" = {version}: written by a newer Tessera (checkpoint '
+                f"format {version}; this Tessera reads formats 1-{FORMAT_VERSION})",
+                "upgrade Tessera to read it, or resume it with the release that wrote it",
+            )
+        return (
+            f'meta.json field "format_version" = {preview(version)}: not a checkpoint format Tessera '
+            f"knows (1-{FORMAT_VERSION}; 1 has no format_version)",
+            None,
+        )
+    schema, need = _SCHEMAS[version if "format_version" in meta else None]
+    missing = [k for k in need if k not in meta]
+    if missing:
+        return f"meta.json lacks {', '.join(missing)}: not a Tessera checkpoint description", None
+    try:
+        record = schema.model_validate(meta)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        return (
+            f'meta.json field "{loc}" = {preview(err.get("input"), 120)}: {msg[:1].lower() + msg[1:]}',
+            None,
+        )
+    paths = [f.path for f in record.files]  # type: ignore[attr-defined]
+    dup = next((p for p in paths if paths.count(p) > 1), None)
+    if dup is not None:
+        return f'meta.json field "files" lists {dup!r} twice', None
+    hf = meta.get("model_config")
+    if hf is not None and not isinstance(hf, dict):
+        return f'meta.json field "model_config" = {preview(hf, 120)}: must be an object (the HF config)', None
+    layout_world = getattr(getattr(record, "layout", None), "world_size", None)
+    if layout_world is not None and layout_world != meta["world_size"]:
+        return (
+            f'meta.json field "world_size" = {meta["world_size"]} disagrees with layout.world_size = {layout_world}',
+            None,
+        )
+    return None
+
+
 # ---- reading and verifying -------------------------------------------------------------------------
 
 
+def _what_is(mode: int) -> str | None:
+    """None for a regular file or a directory, else what the entry is (from ``lstat``: no link followed)."""
+    for test, what in (
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return what
+    return None if stat.S_ISREG(mode) or stat.S_ISDIR(mode) else "not a regular file"
+
+
+def walk_regular(path: Path) -> list[str]:
+    """Every regular file under checkpoint directory ``path``, relative and sorted, found with ``lstat``
+    alone: a symbolic link (wherever it points), a FIFO, a socket or a device anywhere under it is a
+    :class:`CheckpointError` naming it, raised before any file is opened (opening a FIFO blocks forever;
+    a link can lead out of the checkpoint; a loader that globs the directory would open either)."""
+    root = Path(path)
+    out: list[str] = []
+    todo = [root]
+    while todo:
+        d = todo.pop()
+        try:
+            entries = sorted(os.scandir(d), key=lambda e: e.name)
+        except OSError as e:
+            raise CheckpointError(
+                f"cannot list the checkpoint directory ({e.strerror})",
+                field="checkpoint",
+                value=str(d),
+                fix=FIX,
+            ) from None
+        for e in entries:
+            mode = e.stat(follow_symlinks=False).st_mode
+            what = _what_is(mode)
+            if what is not None:
+                target = f" (to {os.readlink(e.path)})" if stat.S_ISLNK(mode) else ""
+                raise CheckpointError(
+                    f"{what}{target} inside a checkpoint; refused before anything was opened",
+                    field="checkpoint",
+                    value=e.path,
+                    fix="a checkpoint holds only regular files: remove it (or copy the real file in its place) "
+                    "and verify again",
+                )
+            if stat.S_ISDIR(mode):
+                todo.append(Path(e.path))
+            else:
+                out.append(str(Path(e.path).relative_to(root)))
+    return sorted(out)
+
+
 def read_meta(path: Path) -> dict[str, Any]:
-    """``meta.json`` of checkpoint directory ``path``; anything unreadable is an error naming it."""
+    """``meta.json`` of checkpoint directory ``path``, validated against its schema
+    (:func:`meta_problem`); anything unreadable or invalid is an error naming it and the field."""
     meta_path = Path(path) / META
-    if not meta_path.is_file():
+    try:
+        st = meta_path.lstat()
+    except FileNotFoundError:
+        st = None
+    if st is None or not stat.S_ISREG(st.st_mode):
+        what = "no meta.json" if st is None else f"meta.json is {_what_is(st.st_mode)}"
         raise CheckpointError(
-            "checkpoint is incomplete (no meta.json)", field="checkpoint", value=str(meta_path), fix=FIX
+            f"checkpoint is incomplete ({what})", field="checkpoint", value=str(meta_path), fix=FIX
+        )
+    if st.st_size > MAX_META_BYTES:
+        raise CheckpointError(
+            f"meta.json is {st.st_size:,} bytes (a Tessera meta.json is well under {MAX_META_BYTES:,})",
+            field="checkpoint",
+            value=str(meta_path),
+            fix=FIX,
         )
     try:
         meta = json.loads(meta_path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise CheckpointError(
             f"meta.json is not valid JSON ({type(e).__name__})",
             field="checkpoint",
             value=str(meta_path),
             fix=FIX,
         ) from None
-    v2 = isinstance(meta, dict) and meta.get("format_version") == FORMAT_VERSION
-    need = (
-        ("step", "files", "engine", "layout", "sampler")
-        if v2
-        else ("step", "world_size", "files", "client_state")
-    )
-    missing = [k for k in need if not isinstance(meta, dict) or k not in meta]
-    files = meta.get("files") if isinstance(meta, dict) else None
-    if missing or not isinstance(files, list) or not all(isinstance(f, dict) for f in files):
-        what = f"lacks {', '.join(missing)}" if missing else "has no valid file list"
-        raise CheckpointError(
-            f"meta.json {what}: not a Tessera checkpoint description",
-            field="checkpoint",
-            value=str(meta_path),
-            fix=FIX,
-        )
-    if isinstance(meta.get("format_version"), int) and meta["format_version"] > FORMAT_VERSION:
-        raise CheckpointError(
-            f"checkpoint format {meta['format_version']} is newer than this Tessera reads ({FORMAT_VERSION})",
-            field="checkpoint",
-            value=str(meta_path),
-            fix="upgrade Tessera",
-        )
+    problem = meta_problem(meta)
+    if problem is not None:
+        message, fix = problem
+        raise CheckpointError(message, field="checkpoint", value=str(meta_path), fix=fix or FIX)
     return meta
 
 
 def checkpoint_files(path: Path) -> list[str]:
-    """Every regular file under a checkpoint directory except meta.json, relative and sorted."""
-    return sorted(str(p.relative_to(path)) for p in Path(path).rglob("*") if p.is_file() and p.name != META)
+    """Every regular file under a checkpoint directory except meta.json, relative and sorted; anything
+    that is not a regular file or a directory is refused (:func:`walk_regular`)."""
+    return [f for f in walk_regular(path) if f != META]
 
 
 def verify_checkpoint(path: Path, *, rank: int = 0, world: int = 1) -> tuple[dict[str, Any], list[str]]:
-    """Check a checkpoint against its meta.json before anything loads it: every listed file present with
-    its size, nothing unlisted, and (v2) the sha256 of this rank's share of the files (``world`` ranks
-    split the hashing). Returns (meta, problems): each problem names the file; the caller raises."""
+    """Check a checkpoint against its meta.json before anything loads it: only regular files under it
+    (raised at once, before any file is opened), meta.json valid, every listed file present with its
+    size, nothing unlisted, and this rank's share of the files (``world`` ranks split the work): (v2) its
+    sha256, then the static scan of its pickles (:func:`tessera.safeload.file_problem`: a global off the
+    allow-list is refused, nothing is unpickled). Returns (meta, problems): each problem names the file;
+    the caller raises."""
+    from tessera.safeload import file_problem
+
     path = Path(path)
+    present = set(walk_regular(path))
     meta = read_meta(path)
     problems: list[str] = []
     v2 = meta.get("format_version") == FORMAT_VERSION
-    entries = meta["files"]
     listed = set()
-    for i, entry in enumerate(entries):
-        rel = entry.get("path")
-        if not isinstance(rel, str) or rel.startswith("/") or ".." in Path(rel).parts:
-            problems.append(f"{path / META}: file entry {i} has no valid relative path")
-            continue
+    scans: dict[str, Any] = {}
+    for i, entry in enumerate(meta["files"]):
+        rel = entry["path"]  # a relative path without "..": the schema checked it
         listed.add(rel)
         f = path / rel
-        if not f.is_file():
+        if rel not in present:
             problems.append(f"{f}: missing")
-        elif f.stat().st_size != entry.get("bytes"):
-            problems.append(
-                f"{f}: {f.stat().st_size} bytes, meta.json says {entry.get('bytes')} (truncated or altered)"
-            )
-        elif v2 and i % world == rank and sha256_file(f) != entry.get("sha256"):
+            continue
+        size = f.lstat().st_size
+        if size != entry["bytes"]:
+            problems.append(f"{f}: {size} bytes, meta.json says {entry['bytes']} (truncated or altered)")
+        elif i % world != rank:
+            continue
+        elif v2 and sha256_file(f) != entry["sha256"]:
             problems.append(f"{f}: sha256 does not match meta.json (the file was altered or corrupted)")
-    for rel in checkpoint_files(path):
-        if rel not in listed:
-            problems.append(f"{path / rel}: not listed in meta.json")
+        elif (why := file_problem(path, rel, scans)) is not None:
+            problems.append(f"{f}: {why}")
+    for rel in sorted(present - listed - {META}):
+        problems.append(f"{path / rel}: not listed in meta.json")
     return meta, problems
 
 
@@ -141,7 +352,11 @@ class CheckpointIndex:
         """Complete checkpoints (with meta.json), oldest first."""
         if not self.root.is_dir():
             return []
-        found = [p for p in self.root.iterdir() if STEP_RE.match(p.name) and (p / META).is_file()]
+        found = [
+            p
+            for p in self.root.iterdir()
+            if STEP_RE.match(p.name) and not p.is_symlink() and (p / META).is_file()
+        ]
         # a resharded copy of a step is newer than the step it was made from
         return sorted(found, key=lambda p: (int(STEP_RE.match(p.name).group(1)), (p / META).stat().st_mtime))  # type: ignore[union-attr]
 
@@ -168,13 +383,17 @@ class CheckpointIndex:
         write), the newest complete one. A ``latest`` that is unreadable or names nothing complete is an
         error: resuming from some other step silently would be worse."""
         ptr = self.root / LATEST
-        if not ptr.is_file():
+        try:
+            st = ptr.lstat()
+        except FileNotFoundError:
             done = self.complete()
             return done[-1] if done else None
-        try:
-            name = ptr.read_bytes().decode("ascii").strip()
-        except UnicodeDecodeError:
-            name = None
+        name = None
+        if stat.S_ISREG(st.st_mode) and st.st_size <= 4096:  # never a link, a FIFO or a huge file
+            try:
+                name = ptr.read_bytes().decode("ascii").strip()
+            except UnicodeDecodeError:
+                pass
         if not name or not STEP_RE.match(name):
             raise CheckpointError(
                 "the latest pointer does not hold a step_NNNNNN name",
@@ -183,7 +402,7 @@ class CheckpointIndex:
                 fix=f"write the name of a complete checkpoint into it (one of: {self._names()})",
             )
         cand = self.root / name
-        if not (cand / META).is_file():
+        if cand.is_symlink() or not (cand / META).is_file():
             raise CheckpointError(
                 f"the latest pointer names {name}, which is not a complete checkpoint",
                 field="checkpoint",

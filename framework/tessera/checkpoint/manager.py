@@ -15,8 +15,10 @@ Protocol of one save (all ranks take part):
 
 A crash anywhere before the rename leaves ``latest`` pointing at the previous complete checkpoint; a stray
 ``.tmp-*`` directory is removed by the next save. Loading verifies every file against ``meta.json`` before
-anything reads it (:func:`verify_checkpoint`); DeepSpeed and megatron-core unpickle some of their own files,
-and only after that check. Tessera itself writes no pickle.
+anything reads it (:func:`verify_checkpoint`: only regular files, meta.json valid by its schema, checksums,
+and a static scan of every pickle against an allow-list). DeepSpeed and megatron-core keep their own
+pickled files; they are loaded only after that check, and only with ``weights_only=True`` and the same
+allow-list (:mod:`tessera.safeload`). Tessera itself writes no pickle.
 """
 
 from __future__ import annotations

@@ -3,15 +3,18 @@
 ``meta.json`` (format v2) says the engine, its sharding and the layout, so the reader picks the format's
 own machinery: the ddp engine's safetensors; DeepSpeed's ``zero_to_fp32`` for ZeRO 1-3 (its fp32 master
 partitions merged, exactly what ``get_fp32_state_dict_from_zero_checkpoint`` gives) and the module file
-for ZeRO-0 (read with ``weights_only=True``); megatron-core's ``dist_checkpointing`` through torch's
-distributed-checkpoint reader, which stores every tensor in its global (tp = 1, all stages) form, mapped
-back to HF names by the declarative weight map. The checkpoint is verified before anything reads it.
+for ZeRO-0; megatron-core's ``dist_checkpointing`` through torch's distributed-checkpoint reader, which
+stores every tensor in its global (tp = 1, all stages) form, mapped back to HF names by the declarative
+weight map. The checkpoint is verified (checksums, the static scan of its pickles) before anything reads
+it, and every pickle is then loaded with ``weights_only=True`` and the allow-list of
+:mod:`tessera.safeload`: nothing in a checkpoint runs code.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import pickle
 import re
 from pathlib import Path
 from typing import Any
@@ -20,6 +23,8 @@ import torch
 
 from tessera.checkpoint.index import FORMAT_VERSION, verify_or_raise
 from tessera.errors import CheckpointError
+from tessera.safeload import FIX as SAFE_FIX
+from tessera.safeload import dcp_reader_class, forced_weights_only, safe_torch_load
 
 _EXPERTS = "mlp.experts.experts."
 #: megatron's optimizer state keys: "optimizer.state.<kind>.<model key>", prefixed "chained_<i>." when the
@@ -69,9 +74,9 @@ def read_hf_state(ckpt: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
 
 
 def _deepspeed(ckpt: Path, zero: int) -> dict[str, torch.Tensor]:
-    if zero == 0:  # no partitions: the module's own state dict (tensors only, so weights_only holds)
+    if zero == 0:  # no partitions: the module's own state dict
         files = sorted(ckpt.glob("mp_rank_*_model_states.pt"))
-        return dict(torch.load(files[0], map_location="cpu", weights_only=True)["module"])
+        return dict(safe_torch_load(files[0], map_location="cpu")["module"])
     return _zero_merge(ckpt, zero, None)
 
 
@@ -79,7 +84,6 @@ def _megatron(ckpt: Path, hf_cfg: Any, moment: str | None = None) -> dict[str, t
     """Global megatron tensors (layers stacked on dim 0 by dist_checkpointing) -> the tp = 1, pp = 1 chunk
     -> HF, through the same weight map the engine loads with. ``moment``: None for the parameters,
     ``optimizer.state.exp_avg.`` (or ``exp_avg_sq``) for megatron DDP's Adam moments, saved per parameter."""
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
@@ -88,7 +92,7 @@ def _megatron(ckpt: Path, hf_cfg: Any, moment: str | None = None) -> dict[str, t
     from tessera.models.weight_map import mcore_to_hf
 
     root = ckpt / "megatron"
-    reader = FileSystemReader(str(root))
+    reader = dcp_reader_class()(str(root))  # its .metadata through the restricted unpickler
     md = reader.read_metadata()
     # tensors only: the byte entries (TransformerEngine "_extra_state") would be unpickled
     keys = {
@@ -106,8 +110,17 @@ def _megatron(ckpt: Path, hf_cfg: Any, moment: str | None = None) -> dict[str, t
             return key in keys
 
     glob: dict[str, torch.Tensor] = {}
-    # torch's own single-process reader of a distributed checkpoint (what dcp_to_torch_save uses)
-    _load_state_dict(glob, storage_reader=reader, planner=_Only(), no_dist=True)
+    # torch's own single-process reader of a distributed checkpoint (what dcp_to_torch_save uses); it
+    # loads each tensor entry with weights_only=True (the byte entries are never asked for)
+    try:
+        _load_state_dict(glob, storage_reader=reader, planner=_Only(), no_dist=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(
+            f"a tensor entry is not a plain tensor ({str(e).strip().splitlines()[-1][:160]})",
+            field="checkpoint",
+            value=str(root),
+            fix=SAFE_FIX,
+        ) from None
     adapter = adapter_for(hf_cfg.model_type)
     shape = adapter.shape(hf_cfg)
     # megatron-core saves the local spec's separate norms under TransformerEngine's fused names; its layer
@@ -179,8 +192,8 @@ def _deepspeed_zero0_moment(ckpt: Path, meta: dict[str, Any], kind: str) -> dict
     from tessera.engines.optim import param_groups
 
     files = sorted(ckpt.glob("mp_rank_*_model_states.pt"))
-    # DeepSpeed's own pickle, unpickled as its loader does; its checksum was verified first
-    opt = torch.load(files[0], map_location="cpu", mmap=True, weights_only=False).get("optimizer")
+    # DeepSpeed's own pickle, verified and scanned first, loaded with weights_only and the allow-list
+    opt = safe_torch_load(files[0], map_location="cpu", mmap=True).get("optimizer")
     if not isinstance(opt, dict) or "state" not in opt or "param_groups" not in opt:
         return None
     with torch.device("meta"):
@@ -220,12 +233,18 @@ def _zero_merge(ckpt: Path, zero: int, kind: str | None, mp: int | None = None) 
     def mine(files: list[str]) -> list[str]:
         return [f for f in files if mp is None or f"mp_rank_{mp:02d}_" in Path(f).name]
 
-    model_states = z.parse_model_states(mine(z.get_model_state_files(str(ckpt))))
+    model_states = []
+    for f in mine(z.get_model_state_files(str(ckpt))):
+        # zero_to_fp32 calls torch.load(weights_only=False) itself and takes no loader: torch's own switch
+        # makes that load weights_only (with the allow-list) for this call; one file at a time, so a
+        # refusal names the file
+        with forced_weights_only(f):
+            model_states += z.parse_model_states([f])
     flat_groups = []
     paddings = None
     for f in mine(z.get_optim_files(str(ckpt))):
-        # DeepSpeed's own pickles, unpickled as zero_to_fp32 does; their checksums were verified first
-        sd = torch.load(f, map_location="cpu", mmap=True, weights_only=False)[OPTIMIZER_STATE_DICT]
+        # DeepSpeed's own pickles, verified and scanned first, loaded with weights_only and the allow-list
+        sd = safe_torch_load(f, map_location="cpu", mmap=True)[OPTIMIZER_STATE_DICT]
         paddings = sd.get(PARAM_ALIGNMENT_PADDINGS)
         if kind is None:
             flat_groups.append(sd[SINGLE_PARTITION_OF_FP32_GROUPS if zero <= 2 else FP32_FLAT_GROUPS])

@@ -55,6 +55,7 @@ from tessera.hostmem import lean_construction
 from tessera.models.megatron import adapter_for
 from tessera.models.weight_map import hf_to_mcore, mcore_to_hf_slices
 from tessera.plan.layout import ParallelLayout
+from tessera.safeload import safe_torch_load
 from tessera.tensorfile import save_tensors
 
 # the construction side lives in megatron_build; importers of these names from here keep working
@@ -418,7 +419,7 @@ class MegatronEngine:
             self._load_dist(path)
         rng = self._rng_file(path)
         if not rng.is_file() and rng.with_suffix(".pt").is_file():  # a v1 checkpoint: tensors only
-            states = torch.load(rng.with_suffix(".pt"), weights_only=True)
+            states = safe_torch_load(rng.with_suffix(".pt"))
         else:
             states = load_tensors(rng)
         tensor_parallel.get_cuda_rng_tracker().set_states(states)
@@ -458,7 +459,13 @@ class MegatronEngine:
                 fix="resume with the engine and layout that wrote it",
             )
         self._materialize_optimizer_state()
-        state = dist_checkpointing.load(self._sharded_state_dict(is_loading=True), str(path))
+        sharded, common = safe_load_strategies()
+        state = dist_checkpointing.load(
+            self._sharded_state_dict(is_loading=True),
+            str(path),
+            sharded_strategy=sharded,
+            common_strategy=common,
+        )
         for i, c in enumerate(self.chunks):
             c.module.load_state_dict(state[f"model{i}"])  # the model inside megatron's DDP wrapper
         with torch.no_grad(), _model_space_step_fix(self.optimizer):
@@ -571,3 +578,82 @@ def _model_space_step_fix(optimizer: Any) -> Iterator[None]:
     finally:
         for opt in patched:
             del opt._set_main_param_and_optimizer_states  # the class's method again
+
+
+# ---- megatron-core's loads, made safe ------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _swapped(module: Any, **names: Any) -> Iterator[None]:
+    """``module.<name> = value`` for the block, then restored."""
+    before = {k: getattr(module, k) for k in names}
+    for k, v in names.items():
+        setattr(module, k, v)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            setattr(module, k, v)
+
+
+def safe_load_strategies() -> tuple[Any, Any]:
+    """megatron-core's own ``torch_dist`` load strategies (sharded, common), with each of their three
+    unpickling loads made safe (:mod:`tessera.safeload`):
+
+    - ``common.pt``: ``torch.load`` with torch's default ``weights_only`` (megatron relies on it) ->
+      :func:`safe_torch_load`, which holds whatever the environment says;
+    - the distributed checkpoint's ``.metadata``: torch's reader calls ``pickle.load`` -> a reader whose
+      ``read_metadata`` uses the restricted unpickler;
+    - its byte entries (``_extra_state``): torch's planner loads them with ``weights_only=False`` -> a
+      planner loading them with :func:`safe_torch_load`.
+
+    megatron's ``TorchDistLoadShardedStrategy.load`` builds its reader and planner by module-level name
+    (``_get_filesystem_reader``, ``MCoreLoadPlanner``) and takes neither as a parameter; the two names are
+    swapped for the duration of its own call only (the narrowest hook there is)."""
+    from megatron.core.dist_checkpointing.strategies import torch as mtorch
+    from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME, TorchCommonLoadStrategy
+    from torch.distributed.checkpoint._traverse import set_element
+
+    from tessera.safeload import dcp_reader_class
+
+    class SafeCommonLoad(TorchCommonLoadStrategy):
+        def load_common(self, checkpoint_dir: Any) -> Any:
+            return safe_torch_load(Path(checkpoint_dir) / COMMON_STATE_FNAME, map_location="cpu")
+
+    class SafeTorchDistLoad(mtorch.TorchDistLoadShardedStrategy):
+        def _safely(self, checkpoint_dir: Any) -> Any:
+            reader_cls = dcp_reader_class()
+
+            class SafePlanner(mtorch.MCoreLoadPlanner):
+                def load_bytes(self, read_item: Any, value: Any) -> None:
+                    # DefaultLoadPlanner.load_bytes, with a safe load in place of weights_only=False
+                    info = self.metadata.storage_data[read_item.storage_index]
+                    obj = safe_torch_load(
+                        value,
+                        where=f"{Path(checkpoint_dir) / info.relative_path} (entry {read_item.dest_index.fqn})",
+                    )
+                    fqn = read_item.dest_index.fqn
+                    if self.flatten_state_dict:
+                        set_element(self.original_state_dict, self.mappings[fqn], obj)
+                    else:
+                        self.state_dict[fqn] = obj
+
+            return _swapped(
+                mtorch,
+                _get_filesystem_reader=lambda d, cache_metadata=False: reader_cls(d),
+                MCoreLoadPlanner=SafePlanner,
+            )
+
+        def load(self, sharded_state_dict: Any, checkpoint_dir: Any) -> Any:
+            with self._safely(checkpoint_dir):
+                return super().load(sharded_state_dict, checkpoint_dir)
+
+        def load_tensors_metadata(self, checkpoint_dir: Any, metadata: Any = None) -> Any:
+            with self._safely(checkpoint_dir):
+                return super().load_tensors_metadata(checkpoint_dir, metadata)
+
+        def load_sharded_metadata(self, checkpoint_dir: Any) -> Any:
+            with self._safely(checkpoint_dir):
+                return super().load_sharded_metadata(checkpoint_dir)
+
+    return SafeTorchDistLoad(), SafeCommonLoad()

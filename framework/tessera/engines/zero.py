@@ -8,6 +8,7 @@ megatron-core model over megatron's data-parallel group (``mpu``), for ZeRO 1-3 
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -92,7 +93,11 @@ def build_ds_config(recipe: Recipe, layout: ParallelLayout, *, device: str) -> d
     if user_path is None:
         return cfg
     try:
-        user = json.loads(Path(user_path).read_text())
+        from tessera.config.loader import read_config_file  # regular file, size-bounded
+
+        user = json.loads(
+            read_config_file(user_path, field="parallel.deepspeed_config", what="DeepSpeed config")
+        )
     except FileNotFoundError:
         raise RecipeError(
             "DeepSpeed config file not found",
@@ -148,6 +153,7 @@ class DeepSpeedRunner:
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=self.config, mpu=mpu
         )
+        _load_safely(self.engine)
         self.schedule = LRSchedule(recipe)
         self._grads_held: int | None = None
         self.sharding = f"deepspeed-zero{layout.zero}"
@@ -245,12 +251,19 @@ class DeepSpeedRunner:
         set_adam_step(inner, step)
 
     def save(self, path: Path) -> None:
-        # DeepSpeed's own format (pickled .pt files); Tessera's state goes in meta.json, not client_state
+        # DeepSpeed's own format (pickled .pt files); Tessera's state goes in meta.json, not client_state.
+        # Rank 0 of DeepSpeed copies its recovery scripts beside the step dirs with shutil.copyfile, which
+        # writes through a link: a link planted there goes first (the copy is then a file of its own)
+        for script in ("zero_to_fp32.py", "zero_to_torch.py"):
+            if (path.parent / script).is_symlink():
+                (path.parent / script).unlink(missing_ok=True)
         self.engine.save_checkpoint(str(path.parent), tag=path.name, client_state={}, save_latest=False)
 
     def load(self, path: Path) -> None:
-        """Model and optimizer (no scheduler: the LR is a function of the step). DeepSpeed unpickles its
-        files itself; the checkpoint manager has verified their checksums before this runs."""
+        """Model and optimizer (no scheduler: the LR is a function of the step). DeepSpeed reads its
+        files through its checkpoint engine, which :func:`_load_safely` made an allow-listed
+        ``weights_only`` load; the checkpoint manager has verified their checksums and scanned their
+        pickles before this runs."""
         loaded, _ = self.engine.load_checkpoint(
             str(path.parent), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=False
         )
@@ -261,6 +274,40 @@ class DeepSpeedRunner:
                 value=str(path),
                 fix="resume with the engine and layout that wrote it (see its meta.json)",
             )
+
+
+def _load_safely(engine: Any) -> None:
+    """DeepSpeed's checkpoint engine is pluggable (``engine.checkpoint_engine``, chosen from its config);
+    its default, ``TorchCheckpointEngine``, loads with ``torch.load(weights_only=False)``, so a replaced
+    shard would run code. Every load of model, optimizer and expert states goes through this object, so
+    it becomes the same engine whose ``load`` is :func:`tessera.safeload.safe_torch_load` (``weights_only``
+    with the allow-list; anything else is a CheckpointError naming the file and the class). The other
+    engines a user's JSON may choose call ``torch.load`` without ``weights_only=False`` (torch's default is
+    True) and stay as they are."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    current = getattr(engine, "checkpoint_engine", None)
+    if type(current) is TorchCheckpointEngine:
+        cls = safe_checkpoint_engine_class()
+        safe = cls.__new__(cls)
+        safe.__dict__.update(current.__dict__)  # its serialization settings, as DeepSpeed configured it
+        engine.checkpoint_engine = safe
+
+
+@functools.cache
+def safe_checkpoint_engine_class() -> type:
+    """The class is made on first use: it derives from DeepSpeed's, imported only with an engine."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    from tessera.safeload import safe_torch_load
+
+    class SafeTorchCheckpointEngine(TorchCheckpointEngine):
+        """DeepSpeed's torch checkpoint engine, loading with ``weights_only=True`` and the allow-list."""
+
+        def load(self, path: str, map_location: Any = None) -> Any:
+            return safe_torch_load(path, map_location=map_location)
+
+    return SafeTorchCheckpointEngine
 
 
 def _grad_norm(params: Iterator[torch.nn.Parameter]) -> float:
