@@ -211,3 +211,125 @@ def test_planted_defect_fails_the_loss_tolerance(comparison, tmp_path):
     first = v["first_divergent_step"]["loss"]
     assert isinstance(first, int) and 2 <= first <= STEPS  # step 1's loss precedes any update
     assert f"first step outside: {first}" in (tmp_path / "judged" / "report.md").read_text()
+
+
+# ---- a comparison is never overwritten; runs of unequal length or other work ----------------------------
+
+RUNS = ("candidate-seed1234", "baseline-seed1234", "baseline-seed1235")
+
+
+def _copies(out, tmp_path) -> list:
+    """The fixture's runs copied (without checkpoints and W&B), W&B off in the candidate's recipe: these
+    checks judge in process and need no W&B run."""
+    import shutil
+
+    dst = []
+    for name in RUNS:
+        d = tmp_path / f"copy-{name}"
+        shutil.copytree(out / name, d, ignore=shutil.ignore_patterns(RunDir.CHECKPOINTS, RunDir.WANDB))
+        dst.append(d)
+    rec = dst[0] / RunDir.RECIPE
+    r = yaml.safe_load(rec.read_text())
+    r["tracking"]["wandb"]["mode"] = "disabled"
+    rec.write_text(yaml.safe_dump(r, sort_keys=False))
+    return dst
+
+
+def _snapshot(d) -> dict:
+    return {str(f.relative_to(d)): f.read_bytes() for f in sorted(d.rglob("*")) if f.is_file()}
+
+
+def test_a_finished_comparison_is_never_overwritten(comparison, tmp_path, capsys):
+    """Both forms of compare into the fixture's finished comparison: exit 2 before anything is written,
+    naming --out as a finished comparison; every file of it byte for byte as it was."""
+    from tessera.cli import main
+
+    out, _ = comparison
+    before = _snapshot(out)
+    runs = [str(out / n) for n in RUNS]
+    expect = f"tessera: error: --out = '{out}': the comparison directory is taken: it holds a finished comparison (preregistration.json and verdict.json)\n  fix: give a new directory with --out"  # fmt: skip
+    assert main(["compare", "--runs", *runs, "--out", str(out)]) == 2
+    assert expect in capsys.readouterr().err
+    assert main(["compare", str(REPO / RECIPE), *COMMON, "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert expect in captured.err and "pre-registered" not in captured.out  # no run was started
+    assert _snapshot(out) == before
+
+
+def test_a_compare_running_on_out_refuses_a_second(comparison, tmp_path, capsys):
+    from tessera.cli import main
+    from tessera.evidence.compare import claim_comparison_dir
+
+    out, _ = comparison
+    busy = tmp_path / "busy"
+    with claim_comparison_dir(busy):  # as a first compare holds it while its runs train
+        assert main(["compare", "--runs", *map(str, _copies(out, tmp_path)), "--out", str(busy)]) == 2
+        err = capsys.readouterr().err
+        assert f"--out = '{busy}': the comparison directory is taken: another tessera compare is writing into it now (pid {os.getpid()} started" in err  # fmt: skip
+        assert sorted(p.name for p in busy.iterdir()) == ["compare.lock"]
+
+
+def test_runs_of_unequal_length_are_judged_on_their_common_steps(comparison, tmp_path, capsys):
+    """The candidate's metrics cut to 24 of 30 steps (as a run killed at step 24 leaves them): judged on
+    steps 1-24 of every run, and the verdict, the report and the printed verdict say so."""
+    from tessera.cli import main
+
+    out, _ = comparison
+    cand, b1, b2 = _copies(out, tmp_path)
+    lines = (cand / RunDir.METRICS).read_text().splitlines()
+    assert len(lines) == STEPS
+    (cand / RunDir.METRICS).write_text("\n".join(lines[:24]) + "\n")
+    acc = tmp_path / "acc.yaml"
+    acc.write_text("acceptance: {loss_tolerance: {abs: 1.0}, eval_loss_ratio_max: 2.0}\n")
+    judged = tmp_path / "judged"
+    assert main(["compare", "--runs", str(cand), str(b1), str(b2), "--acceptance", str(acc), "--out", str(judged)]) == 0  # fmt: skip
+    v = _verdict(judged)
+    note = (
+        f"runs of unequal length: judged on steps 1-24, the steps every run recorded ({cand.name} 24 steps, "
+        f"{b1.name} 30 steps, {b2.name} 30 steps)"
+    )
+    assert v["verdict"] == "PASS"
+    assert v["unequal_length"] == {"steps_compared": 24, "steps_recorded": {cand.name: 24, b1.name: 30, b2.name: 30}, "note": note}  # fmt: skip
+    assert {name: s["steps"] for name, s in v["runs"].items()} == {cand.name: 24, b1.name: 24, b2.name: 24}
+    checks = {c["threshold_name"]: c for c in v["checks"]}
+    assert checks["loss_tolerance"]["steps_checked"] == 24
+    assert checks["eval_loss_ratio_max"]["eval_step"] == 20  # the candidate's eval at 30 was cut
+    assert f"Note: {note}." in (judged / "report.md").read_text()
+    assert f"VERDICT: PASS  ({note})" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("edit", "words"),
+    [
+        ({"data.data_hash": "0" * 64, "tokenizer_hash": "1" * 64},
+         ["in the data (content / data hash, samples, seq_len, packing, eval split), the tokenizer;",
+          "(candidate) vs '" + "0" * 64 + "'", "tokenizer_hash: '", "(candidate) vs '" + "1" * 64 + "'"]),
+        ({"recipe.train.steps": 24}, ["in train.steps (the LR schedule decays over it);",
+                                      f"recipe.train.steps: {STEPS} (candidate) vs 24"]),
+        ({"layout.global_batch": 32}, ["in the global batch;", "layout.global_batch: 16 (candidate) vs 32"]),
+    ],
+    ids=["data-and-tokenizer-hash", "train-steps", "global-batch"],
+)  # fmt: skip
+def test_runs_of_other_work_are_refused(comparison, tmp_path, capsys, edit, words):
+    """A baseline whose manifest records other data, tokenizer, steps or batch: exit 2 naming each key and
+    both values, before --out is made."""
+    from tessera.cli import main
+
+    out, _ = comparison
+    cand, b1, b2 = _copies(out, tmp_path)
+    m = json.loads((b1 / RunDir.MANIFEST).read_text())
+    for dotted, value in edit.items():
+        *parents, last = dotted.split(".")
+        cur = m
+        for p in parents:
+            cur = cur[p]
+        cur[last] = value
+    (b1 / RunDir.MANIFEST).write_text(json.dumps(m))
+    judged = tmp_path / "judged"
+    assert main(["compare", "--runs", str(cand), str(b1), str(b2), "--out", str(judged)]) == 2
+    err = capsys.readouterr().err
+    assert f"tessera: error: --runs = '{b1}': baseline {b1.name} differs from candidate {cand.name} beyond the compared layout" in err  # fmt: skip
+    for w in words:
+        assert w in err, (w, err)
+    assert "fix: compare runs of the same data, tokenizer, model, global batch, world size, device and train.steps" in err  # fmt: skip
+    assert "Traceback" not in err and not judged.exists()

@@ -83,6 +83,33 @@ BAD = [
     (["train.precision=fp16", "run.device=cpu"], ["train.precision", "fp16", "bf16 or fp32"]),
     (["parallel.offload_params=true"], ["offload_params", "zero: 3"]),
     (["model.hf_config.model_type=bert"], ["model_type", "bert", "llama"]),
+    # strict types: a boolean is never a number, a number never a boolean, 8.0 never 8
+    (
+        ["parallel.zero=true"],
+        ["parallel.zero = True: Input should be a valid integer (true / false is a boolean, not a number)"],
+    ),
+    (
+        ["run.world_size=true"],
+        ["run.world_size = True: Input should be a valid integer (true / false is a boolean"],
+    ),
+    (
+        ["checkpoint.every=false"],
+        ["checkpoint.every = False: Input should be a valid integer (true / false is a"],
+    ),
+    (["optim.lr=true"], ["optim.lr = True: Input should be a valid number (true / false is a boolean"]),
+    (["train.steps=8.0"], ["train.steps = 8.0: Input should be a valid integer"]),
+    (
+        ["run.bind_cores_to_rank=1"],
+        ["run.bind_cores_to_rank = 1: Input should be a valid boolean (write true or false)"],
+    ),
+    (
+        ["parallel.dp=true"],
+        [
+            "parallel.dp = True: Input should be a valid integer (true / false is a boolean, not a number) or 'auto'"
+        ],
+    ),
+    (["optim.betas=[true, 0.9]"], ["optim.betas = True: Input should be a valid number"]),
+    (["run.name='3'", "train.seed='7'"], ["train.seed = '7': Input should be a valid integer"]),
 ]
 
 
@@ -176,3 +203,91 @@ def test_every_recipe_loads_and_validates():
         layout_from_recipe(r)
         cfg = load_hf_config(r.model)
         assert cfg.vocab_size > 0
+
+
+def test_strict_keeps_what_a_recipe_legitimately_writes(tmp_path):
+    """An int where a float is expected, YAML 1.2 floats (3e-4) in a file, overrides typed by YAML."""
+    r = load_recipe(DEFAULT_RECIPE, ["optim.lr=1", "parallel.zero=3", "run.name='3'", "stop.max_time_s=60"])
+    assert r.recipe.optim.lr == 1.0 and isinstance(r.recipe.optim.lr, float)
+    assert r.recipe.parallel.zero == 3 and r.recipe.run.name == "3" and r.recipe.stop.max_time_s == 60.0
+    assert parse_override("parallel.zero=2") == ("parallel.zero", 2)
+    assert parse_override("a.b='3e-4'") == ("a.b", "3e-4")  # quoted: the string the user wrote
+    f = tmp_path / "r.yaml"
+    f.write_text(f"include: {DEFAULT_RECIPE}\noptim: {{lr: 3e-4, min_lr: 1e-5, betas: [0.9, 1]}}\n")
+    o = load_recipe(f).recipe.optim
+    assert (o.lr, o.min_lr, o.betas) == (3e-4, 1e-5, (0.9, 1.0))
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [("include: 5\n", "include = 5"), ("include: [configs/models/tiny-llama.yaml, 7]\n", "include = ['configs/models/tiny-llama.yaml', 7]"),
+     ("include: {a: 1}\n", "include = {'a': 1}"), ("include: ['']\n", "include = ['']")],
+)  # fmt: skip
+def test_include_must_name_files(tmp_path, capsys, text, shown):
+    f = tmp_path / "r.yaml"
+    f.write_text(text + "model: {hf_config: {model_type: llama}}\n")
+    code, _, err = _run_cli(capsys, "config", "show", str(f))
+    assert code == 2 and "Traceback" not in err
+    assert f"tessera: error: {shown}: include must be a file name or a list of file names (in {f})" in err
+    assert "fix: e.g. include: [configs/models/tiny-llama.yaml, configs/deepspeed/zero2.yaml]" in err
+
+
+def test_non_regular_and_oversized_inputs_are_refused(tmp_path, capsys):
+    """A device, a FIFO or a directory as the recipe, an include, the DeepSpeed JSON or the hostfile is
+    named and refused without being read (a FIFO never blocks); so is a recipe over the size limit."""
+    import os
+
+    from tessera.config.loader import MAX_CONFIG_BYTES
+
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    cases = {
+        "/dev/zero": "recipe = '/dev/zero': the recipe file is a character device, not a regular file",
+        str(fifo): f"recipe = '{fifo}': the recipe file is a FIFO, not a regular file",
+        str(tmp_path): f"recipe = '{tmp_path}': the recipe file is a directory, not a regular file",
+    }
+    for path, msg in cases.items():
+        code, _, err = _run_cli(capsys, "config", "show", path)
+        assert code == 2 and msg in err and "fix: give the path of a regular recipe file" in err, err
+    inc = tmp_path / "inc.yaml"
+    inc.write_text(f"include: [{fifo}]\n")
+    code, _, err = _run_cli(capsys, "config", "show", str(inc))
+    assert code == 2 and f"include = '{fifo}': the included file is a FIFO, not a regular file" in err
+    big = tmp_path / "big.yaml"
+    big.write_text("# padding\n" * (MAX_CONFIG_BYTES // 10 + 1))
+    code, _, err = _run_cli(capsys, "config", "show", str(big))
+    assert MAX_CONFIG_BYTES == 1 << 20 and code == 2
+    assert (
+        f"recipe = '{big}': the recipe file is over the size limit of 1,048,576 bytes (1,048,580 bytes; "
+        in err
+    )
+    for override, msg in [
+        (
+            "parallel.deepspeed_config=/dev/zero",
+            "parallel.deepspeed_config = '/dev/zero': the DeepSpeed config file is a character device",
+        ),
+        (f"run.hostfile={fifo}", f"run.hostfile = '{fifo}': the host file is a FIFO, not a regular file"),
+    ]:
+        code, _, err = _run_cli(capsys, "run", str(DEFAULT_RECIPE), override, "--dry-run")
+        assert code == 2 and msg in err and "Traceback" not in err, err
+
+
+def test_every_shipped_layer_validates_strictly(tmp_path):
+    """Every recipe layer under configs/ over the tiny model, every hardware profile, and every recipe
+    written back the way a run directory keeps it (recipe.resolved.yaml) validate under strict types."""
+    import yaml
+
+    from tessera.config.loader import validate_recipe
+    from tessera.plan.hardware import load_hardware
+
+    layers = sorted(p for p in (REPO / "configs").rglob("*.yaml") if p.parent.name != "hardware")
+    assert len(layers) >= 15
+    for layer in layers:
+        f = tmp_path / "r.yaml"
+        f.write_text(f"include: [{REPO / 'configs/models/tiny-llama.yaml'}, {layer}]\n")
+        load_recipe(f)
+    for profile in (REPO / "configs" / "hardware").glob("*.yaml"):
+        load_hardware(profile)
+    for path in sorted((REPO / "recipes").glob("*.yaml")):
+        r = load_recipe(path).recipe
+        assert validate_recipe(yaml.safe_load(yaml.safe_dump(r.to_dict(), sort_keys=False))) == r

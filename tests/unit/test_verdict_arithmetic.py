@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -150,3 +151,198 @@ def test_no_threshold_is_refused(tmp_path, capsys):
     assert main(["compare", "recipes/tiny-llama-cpu.yaml", *unset, "--out", str(tmp_path / "c")]) == 2
     err = capsys.readouterr().err
     assert "acceptance" in err and "could refute" in err
+
+
+# ---- the comparison directory: created exclusively, never overwritten -------------------------------------
+
+
+def test_two_compares_on_one_out_exactly_one_proceeds(tmp_path):
+    """Contenders started at once on one --out (new, or existing and empty): exactly one claims it, every
+    other is refused naming --out, and the claim stays held until released."""
+    import threading
+
+    from tessera.evidence.compare import CLAIM, claim_comparison_dir
+
+    for trial in range(6):
+        out = tmp_path / f"cmp{trial}"
+        if trial % 2:
+            out.mkdir()  # an existing empty directory is accepted too
+        barrier, won, lost = threading.Barrier(6), [], []
+
+        def contend(out=out, barrier=barrier, won=won, lost=lost):
+            barrier.wait()
+            try:
+                won.append(claim_comparison_dir(out))
+            except TesseraError as refused:
+                lost.append(refused)
+
+        threads = [threading.Thread(target=contend) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(won) == 1 and len(lost) == 5, (won, lost)
+        for e in lost:
+            assert e.field == "--out" and e.value == str(out)
+            assert e.message.startswith("the comparison directory is taken: ")
+            assert "give a new directory with --out" in e.fix
+        # a compare that comes later, while the winner still runs, is told so
+        with pytest.raises(
+            TesseraError, match=r"another tessera compare is writing into it now \(pid \d+ started"
+        ):
+            claim_comparison_dir(out)
+        won[0].release()
+        assert (out / CLAIM).read_text().startswith(f"pid {os.getpid()} started ")
+
+
+def test_an_existing_comparison_or_any_non_empty_dir_is_refused_untouched(tmp_path, capsys):
+    from tessera.evidence.compare import CLAIM, claim_comparison_dir
+
+    out = tmp_path / "done"
+    with claim_comparison_dir(out):
+        preregister(out, {"acceptance": {"throughput_ratio_min": 0.9}})
+        (out / "verdict.json").write_text('{"verdict": "PASS"}\n')
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    assert set(before) == {CLAIM, "preregistration.json", "preregistration.sha256", "verdict.json"}
+    with pytest.raises(TesseraError) as e:
+        claim_comparison_dir(out)
+    assert e.value.render() == (
+        f"--out = '{out}': the comparison directory is taken: it holds a finished comparison "
+        "(preregistration.json and verdict.json)\n  fix: give a new directory with --out (a comparison's "
+        "pre-registration, runs and verdict are never reused or overwritten)"
+    )
+    (out / "verdict.json").unlink()
+    with pytest.raises(TesseraError, match="a pre-registered comparison without a verdict"):
+        claim_comparison_dir(out)
+    with pytest.raises(TesseraError, match="taken: it holds a pre-registered comparison"):
+        preregister(out, {"acceptance": {"throughput_ratio_min": 0.1}})  # never replaced, even when called
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == {
+        k: v for k, v in before.items() if k != "verdict.json"
+    }
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(TesseraError, match=r"taken: it is not empty \(notes.txt\)"):
+        claim_comparison_dir(other)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(TesseraError, match="--out exists and is not a directory"):
+        claim_comparison_dir(afile)
+    assert (other / "notes.txt").read_text() == "mine" and afile.read_text() == "x"
+    # through the CLI: exit 2, the files of the finished comparison byte for byte as they were
+    recipe = "model: {hf_config: {model_type: llama}}\nacceptance: {loss_tolerance: {abs: 1.0}}\n"
+    c = fake_run(tmp_path / "c", seed=1, loss=[1.0] * 4, step_s=[0.1] * 4)
+    (c / RunDir.RECIPE).write_text(recipe)
+    b = fake_run(tmp_path / "b", seed=1, loss=[1.0] * 4, step_s=[0.1] * 4)
+    (b / RunDir.RECIPE).write_text(recipe)
+    (out / "verdict.json").write_bytes(before["verdict.json"])
+    assert main(["compare", "--runs", str(c), str(b), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"tessera: error: --out = '{out}': the comparison directory is taken: it holds a finished" in err
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+
+
+def test_a_compare_failing_before_its_registration_leaves_no_trace(tmp_path):
+    from tessera.evidence.compare import claim_comparison_dir
+
+    out = tmp_path / "new"
+    with pytest.raises(RuntimeError), claim_comparison_dir(out):
+        raise RuntimeError("disk full")
+    assert not out.exists()
+    claim_comparison_dir(out).release()  # usable again
+
+
+# ---- runs of unequal length or unequal work ------------------------------------------------------------
+
+
+def test_unequal_runs_are_judged_on_their_common_steps(tmp_path):
+    from tessera.evidence.compare import common_steps
+
+    loss = [6.0 - 0.1 * i for i in range(8)]
+    cand = RunData.read(fake_run(tmp_path / "c", seed=1, loss=loss, step_s=[0.1] * 8), "candidate")
+    base = RunData.read(fake_run(tmp_path / "b", seed=1, loss=loss[:6], step_s=[0.2] * 6), "baseline")
+    runs, note = common_steps([cand, base])
+    assert note == {
+        "steps_compared": 6,
+        "steps_recorded": {"c": 8, "b": 6},
+        "note": "runs of unequal length: judged on steps 1-6, the steps every run recorded (c 8 steps, b 6 steps)",
+    }
+    assert [len(r.metrics) for r in runs] == [6, 6] and runs[1].metrics == base.metrics
+    res = judge(
+        {"warmup_steps": 0, "loss_tolerance": {"abs": 1e-9}, "eval_loss_ratio_max": 1.5}, *runs[:1], runs[1:]
+    )
+    checks = {c["threshold_name"]: c for c in res["checks"]}
+    assert checks["loss_tolerance"]["steps_checked"] == 6 and res["runs"]["c"]["steps"] == 6
+    # the candidate's final eval (step 8) is cut: no common eval step, so the ratio is not measured
+    assert checks["eval_loss_ratio_max"]["eval_step"] is None and not checks["eval_loss_ratio_max"]["passed"]
+    assert common_steps([cand, cand]) == ([cand, cand], None)
+
+
+def _manifest(**over) -> dict:
+    m = {
+        "seed": 1, "world_size": 2, "device": "cpu", "tokenizer_hash": "t" * 64,
+        "layout": {"engine": "ddp", "global_batch": 16, "world_size": 2},
+        "data": {"content_hash": "c" * 64, "data_hash": "d" * 64, "seq_len": 64, "files": [{"path": "/a"}]},
+        "recipe": {"model": {"hf_config": {"model_type": "llama", "hidden_size": 64}, "attn_implementation": "eager"},
+                   "train": {"steps": 8}, "optim": {"schedule": "cosine", "lr": 1e-3}},
+    }  # fmt: skip
+    for dotted, v in over.items():
+        cur = m
+        *parents, last = dotted.split("__")
+        for p in parents:
+            cur = cur[p]
+        cur[last] = v
+    return m
+
+
+def _with_manifest(path: Path, role: str, **over) -> RunData:
+    fake_run(path, seed=1, loss=[1.0] * 4, step_s=[0.1] * 4)
+    (path / RunDir.MANIFEST).write_text(json.dumps(_manifest(**over)))
+    return RunData.read(path, role)
+
+
+@pytest.mark.parametrize(
+    ("over", "named", "shown"),
+    [
+        ({"data__data_hash": "e" * 64}, "the data (content / data hash", f"data.data_hash: '{'d' * 64}' (candidate) vs '{'e' * 64}'"),
+        ({"tokenizer_hash": "u" * 64}, "in the tokenizer;", f"tokenizer_hash: '{'t' * 64}' (candidate) vs '{'u' * 64}'"),
+        ({"data__seq_len": 128}, "the data (", "data.seq_len: 64 (candidate) vs 128"),
+        ({"recipe__model__hf_config__hidden_size": 128}, "the model config", "recipe.model.hf_config.hidden_size: 64 (candidate) vs 128"),
+        ({"layout__global_batch": 32}, "the global batch", "layout.global_batch: 16 (candidate) vs 32"),
+        ({"world_size": 4}, "the world size", "world_size: 2 (candidate) vs 4"),
+        ({"recipe__train__steps": 6}, "train.steps (the LR schedule decays over it)", "recipe.train.steps: 8 (candidate) vs 6"),
+        ({"seed": 2}, "the seed of the first (same-seed) baseline", "seed: 1 (candidate) vs 2"),
+    ],
+)  # fmt: skip
+def test_runs_of_other_work_are_refused_naming_what_differs(tmp_path, over, named, shown):
+    from tessera.evidence.compare import check_same_work
+
+    cand = _with_manifest(tmp_path / "cand", "candidate")
+    base = _with_manifest(tmp_path / "base", "baseline", **over)
+    if "seed" in over:  # RunData.seed comes from the manifest
+        assert base.seed == 2
+    with pytest.raises(TesseraError) as e:
+        check_same_work(cand, [base])
+    msg = e.value.render()
+    assert msg.startswith(
+        f"--runs = '{base.path}': baseline base differs from candidate cand beyond the compared layout, in "
+    )
+    assert named in msg and shown in msg and f"tessera manifest diff {cand.path} {base.path}" in msg
+
+
+def test_what_may_differ_between_candidate_and_baseline(tmp_path):
+    """The layout, the optimizer, the attention kernel, data file paths; train.steps under a constant LR."""
+    from tessera.evidence.compare import check_same_work
+
+    cand = _with_manifest(tmp_path / "cand", "candidate")
+    base = _with_manifest(
+        tmp_path / "base", "baseline", layout__engine="deepspeed", recipe__optim__lr=2e-3,
+        recipe__model__attn_implementation="sdpa", data__files=[{"path": "/elsewhere/a"}],
+    )  # fmt: skip
+    check_same_work(cand, [base])
+    const = {"recipe__optim__schedule": "constant"}
+    c2 = _with_manifest(tmp_path / "c2", "candidate", **const)
+    b2 = _with_manifest(tmp_path / "b2", "baseline", recipe__train__steps=6, **const)
+    check_same_work(c2, [b2])  # the same LR at every step: judged on the common steps
+    other_seed = _with_manifest(tmp_path / "b3", "baseline", seed=2)
+    check_same_work(cand, [base, other_seed])  # only the first baseline is the same-seed reference

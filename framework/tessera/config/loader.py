@@ -10,7 +10,9 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,6 +58,69 @@ def project_root(start: Path) -> Path | None:
     return None
 
 
+#: the largest recipe, include, acceptance or DeepSpeed JSON file read (a recipe is a few KiB; a path
+#: such as /dev/zero or a log file given by mistake must not be read into memory)
+MAX_CONFIG_BYTES = 1 << 20
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def read_config_file(path: str | Path, *, field: str, what: str, limit: int = MAX_CONFIG_BYTES) -> str:
+    """The text of a small input file (a recipe, an include, an acceptance YAML, a DeepSpeed JSON):
+    refused unless it is a regular file of at most ``limit`` bytes of UTF-8. Opened non-blocking and
+    checked on the open descriptor, so a FIFO never blocks and a file swapped after a check is still
+    caught. A missing file raises :class:`FileNotFoundError` (each caller says where to look)."""
+    p = Path(path)
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise  # the caller's message (where such files live)
+    except OSError as e:
+        raise RecipeError(
+            f"cannot open the {what} file ({e.strerror})",
+            field=field,
+            value=str(p),
+            fix="check the path and its permissions",
+        ) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = next((k for test, k in _KINDS if test(st.st_mode)), "a special file")
+            raise RecipeError(
+                f"the {what} file is {kind}, not a regular file",
+                field=field,
+                value=str(p),
+                fix=f"give the path of a regular {what} file",
+            )
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(limit + 1)  # bounded even if the file grows after fstat
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise RecipeError(
+            f"the {what} file is over the size limit of {limit:,} bytes "
+            f"({max(st.st_size, len(data)):,} bytes; tessera.config.loader.MAX_CONFIG_BYTES)",
+            field=field,
+            value=str(p),
+            fix=f"give the right file: a {what} is a few KiB of text",
+        )
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RecipeError(
+            f"the {what} file is not UTF-8 text (byte {e.start})",
+            field=field,
+            value=str(p),
+            fix=f"give the path of a {what} file (text)",
+        ) from None
+
+
 def _resolve_include(name: str, including: Path) -> Path:
     cand = [Path(name)] if Path(name).is_absolute() else []
     if not cand:
@@ -64,7 +129,8 @@ def _resolve_include(name: str, including: Path) -> Path:
         if root is not None:
             cand += [root / name, root / "configs" / name]
     for c in cand:
-        if c.is_file():
+        # a FIFO or a device is returned too: reading it then names it (rather than "not found")
+        if c.is_file() or (c.exists() and not c.is_dir()):
             return c
     raise RecipeError(
         "included file not found",
@@ -79,7 +145,9 @@ MAX_NODES = 20_000
 
 
 class _RecipeLoader(yaml.SafeLoader):
-    """PyYAML's safe loader that refuses a key given twice in one mapping (YAML would keep the last)."""
+    """PyYAML's safe loader that refuses a key given twice in one mapping (YAML would keep the last), and
+    reads YAML 1.2 floats without a dot (``3e-4``) as floats: YAML 1.1 makes them strings, which the
+    strict schema would refuse where a user plainly wrote a number."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: dict[Any, int] = {}
@@ -96,6 +164,13 @@ class _RecipeLoader(yaml.SafeLoader):
                 )
             seen[key] = line
         return super().construct_mapping(node, deep=deep)
+
+
+_RecipeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
 
 
 def _expanded_size(node: yaml.Node, memo: dict[int, int]) -> int:
@@ -134,9 +209,9 @@ def safe_yaml(text: str, *, where: str) -> Any:
         loader.dispose()
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+def _read_yaml(path: Path, *, field: str = "recipe") -> dict[str, Any]:
     try:
-        text = path.read_text()
+        text = read_config_file(path, field=field, what="recipe" if field == "recipe" else "included")
         if not text.strip():
             raise RecipeError(
                 "the recipe file is empty",
@@ -148,7 +223,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise RecipeError(
             "recipe file not found",
-            field="recipe",
+            field=field,
             value=str(path),
             fix="check the path (recipes live in recipes/)",
         ) from None
@@ -207,7 +282,9 @@ def _record(sources: dict[str, str], key: str, value: Any, label: str) -> None:
         sources[leaf] = label
 
 
-def _load_layers(path: Path, sources: dict[str, str], seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+def _load_layers(
+    path: Path, sources: dict[str, str], seen: tuple[Path, ...] = (), *, field: str = "recipe"
+) -> dict[str, Any]:
     rp = path.resolve()
     if rp in seen:
         raise RecipeError(
@@ -216,13 +293,19 @@ def _load_layers(path: Path, sources: dict[str, str], seen: tuple[Path, ...] = (
             value=str(path),
             fix="remove the include that points back at " + " -> ".join(map(str, seen)),
         )
-    raw = _read_yaml(path)
-    includes = raw.pop("include", None) or []
-    if isinstance(includes, str):
-        includes = [includes]
+    raw = _read_yaml(path, field=field)
+    given = raw.pop("include", None)
+    includes = [] if given is None else [given] if isinstance(given, str) else given
+    if not isinstance(includes, list) or not all(isinstance(i, str) and i.strip() for i in includes):
+        raise RecipeError(
+            f"include must be a file name or a list of file names (in {path})",
+            field="include",
+            value=given,
+            fix="e.g. include: [configs/models/tiny-llama.yaml, configs/deepspeed/zero2.yaml]",
+        )
     merged: dict[str, Any] = {}
     for inc in includes:
-        layer = _load_layers(_resolve_include(str(inc), path), sources, (*seen, rp))
+        layer = _load_layers(_resolve_include(inc, path), sources, (*seen, rp), field="include")
         _merge(merged, layer, "", {})  # values only; sources recorded by the recursive call
     label = _label(path)
     _merge(merged, raw, label, sources)
@@ -253,8 +336,8 @@ def parse_override(text: str) -> tuple[str, Any]:
         parsed = yaml.safe_load(val) if val.strip() else ""
     except yaml.YAMLError:
         parsed = val
-    # YAML 1.1 reads 3e-4 (no dot) as a string; users mean a float.
-    if isinstance(parsed, str) and _FLOAT.match(parsed):
+    # YAML 1.1 reads 3e-4 (no dot) as a string; users mean a float (a quoted '3e-4' stays a string).
+    if isinstance(parsed, str) and _FLOAT.match(val.strip()):
         parsed = float(parsed)
     return key, parsed
 
@@ -369,14 +452,32 @@ def field_description(dotted: str) -> str | None:
     return None
 
 
+#: the member names pydantic puts in an error's location for a union (``int | Literal["auto"]``)
+_UNION_TAGS = frozenset({"int", "bool", "float", "str"})
+
+
+def _reason(err: Any) -> str:
+    reason = str(err["msg"]).removeprefix("Value error, ")
+    value = err.get("input")
+    if err["type"] in ("int_type", "float_type") and isinstance(value, bool):
+        reason += " (true / false is a boolean, not a number)"
+    elif err["type"] == "bool_type" and isinstance(value, int | float):
+        reason += " (write true or false)"
+    return reason
+
+
 def _friendly(e: ValidationError, data: dict[str, Any]) -> RecipeError:
-    """Turn pydantic's report into one message per problem: field, value, fix."""
+    """Turn pydantic's report into one message per problem: field, value, fix. The alternatives of a
+    union (``parallel.dp``: an integer or 'auto') are one problem, their reasons joined."""
     known = _known_fields(Recipe)
     lines: list[str] = []
+    wrong: dict[str, tuple[int, Any, list[str]]] = {}  # dotted -> (line, value, reasons)
     first_field, first_value = None, None
     for err in e.errors():
         loc = tuple(
-            p for p in err["loc"] if not (isinstance(p, str) and p.startswith(("function-", "literal[")))
+            p
+            for p in err["loc"]
+            if not (isinstance(p, str) and (p.startswith(("function-", "literal[")) or p in _UNION_TAGS))
         )
         dotted = ".".join(str(p) for p in loc if not isinstance(p, int)) or "recipe"
         value = err.get("input") if err["type"] != "missing" else None
@@ -395,16 +496,23 @@ def _friendly(e: ValidationError, data: dict[str, Any]) -> RecipeError:
             )
         else:
             value = _get(data, loc) if value is None else value
-            desc = field_description(dotted)
-            reason = err["msg"].removeprefix("Value error, ")
-            fix = "see the recipe schema"
-            if desc:  # "is the ..." unless the description brings its own article
-                article = "" if desc.split(" ", 1)[0].lower() in ("the", "a", "an") else "the "
-                fix = f"{dotted} is {article}{desc}"
-            msg = f"{dotted} = {preview(value)}: {reason}\n  fix: {fix}"
+            if dotted in wrong:  # another alternative of the same union (or another item of a list)
+                other = _reason(err).removeprefix("Input should be ")
+                if not any(r.endswith(other) for r in wrong[dotted][2]):
+                    wrong[dotted][2].append(other)
+                continue
+            wrong[dotted] = (len(lines), value, [_reason(err)])
+            msg = ""  # written below, once every alternative is known
         if first_field is None:
             first_field, first_value = dotted, value
         lines.append(msg)
+    for dotted, (i, value, reasons) in wrong.items():
+        desc = field_description(dotted)
+        fix = "see the recipe schema"
+        if desc:  # "is the ..." unless the description brings its own article
+            article = "" if desc.split(" ", 1)[0].lower() in ("the", "a", "an") else "the "
+            fix = f"{dotted} is {article}{desc}"
+        lines[i] = f"{dotted} = {preview(value)}: {' or '.join(reasons)}\n  fix: {fix}"
     err = RecipeError("\n".join(lines))
     err.field, err.value, err.framed = first_field, first_value, True
     return err

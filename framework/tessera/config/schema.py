@@ -20,7 +20,11 @@ ZERO_IMPLS: tuple[str, ...] = ("auto", *dict.fromkeys(i for e in ENGINES.values(
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+    # strict: a value of the wrong YAML type is refused, never coerced. Lax pydantic reads `true` as 1 for
+    # an int (parallel.zero=true became ZeRO-1, checkpoint.every=false became 0), 1.0 as 1 and "2" as 2.
+    # Strict keeps what a recipe legitimately writes: an int where a float is expected (lr: 1), and YAML
+    # 1.2 floats such as 3e-4, which the recipe loader and the override parser resolve to floats.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(), strict=True)
 
 
 class ModelSection(_Section):
@@ -172,7 +176,9 @@ class OptimSection(_Section):
     warmup_steps: int = Field(0, ge=0, description="linear warmup steps")
     schedule: Literal["cosine", "constant", "linear"] = Field("cosine", description="decay after warmup")
     weight_decay: float = Field(0.0, ge=0, description="decoupled weight decay")
-    betas: tuple[float, float] = Field((0.9, 0.95), description="Adam betas")
+    betas: tuple[float, float] = Field(
+        (0.9, 0.95), strict=False, description="Adam betas"
+    )  # a YAML list, read as a tuple; each item stays a strict float
     eps: float = Field(1e-8, gt=0, description="Adam epsilon")
     grad_clip: float = Field(1.0, ge=0, description="global grad-norm clip; 0 disables")
 
@@ -243,6 +249,13 @@ class StopSection(_Section):
     hang_timeout_s: float | None = Field(
         300.0, gt=0, description="stop (and restart) when a rank makes no progress this long; null = never"
     )
+    startup_timeout_s: float | None = Field(
+        600.0,
+        gt=0,
+        description="before a rank's first step: stop (and restart) when one start-up phase (prepare, "
+        "rendezvous, data, model build, checkpoint load, W&B, the first step) makes no progress this long; "
+        "covers DeepSpeed's JIT builds (~100 s each on 2 cores); null = never",
+    )
     straggler_ratio: float = Field(
         1.5, gt=1, description="warn when a rank's compute time exceeds the median's by this factor"
     )
@@ -266,6 +279,14 @@ class WandbSection(_Section):
     entity: str | None = Field(None, description="W&B entity (team)")
     name: str | None = Field(None, description="W&B run name; default the run dir name")
     tags: list[str] = Field(default_factory=list, description="W&B tags")
+    init_timeout_s: float = Field(
+        30.0, gt=0, description="online: how long wandb.init may try to reach the server (W&B's init_timeout)"
+    )
+    required: bool = Field(
+        False,
+        description="online: a W&B server that cannot be reached is an error (exit 2); false = mirror "
+        "offline instead, with one warning (upload later with wandb sync)",
+    )
 
 
 class TrackingSection(_Section):

@@ -20,23 +20,147 @@ Definitions (the report quotes them):
 
 from __future__ import annotations
 
+import datetime
+import fcntl
 import json
 import math
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import numpy as np
 
 from tessera.atomic import sha256_bytes, write_text_atomic
-from tessera.errors import TesseraError
+from tessera.errors import TesseraError, preview
 from tessera.rundir import RunDir
 
 PREREGISTRATION = "preregistration.json"
 PREREGISTRATION_SHA = "preregistration.sha256"
 VERDICT = "verdict.json"
 REPORT = "report.md"
+#: the claim on a comparison directory: created exclusively (O_EXCL) and flock-ed while its comparison
+#: runs; it stays after (pid and start time of the compare that made the directory)
+CLAIM = "compare.lock"
 NOISE_WINDOW = 4  # steps either side averaged into the noise floor
+
+
+# ---- the comparison directory ---------------------------------------------------------------------------
+
+
+class ComparisonClaim:
+    """``--out`` claimed for one ``tessera compare``: see :func:`claim_comparison_dir`."""
+
+    def __init__(self, out: Path, fd: int, created: bool) -> None:
+        self.out, self._fd, self._created = out, fd, created
+
+    def __enter__(self) -> ComparisonClaim:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.release(failed=kind is not None)
+
+    def release(self, *, failed: bool = False) -> None:
+        """Unlock. A compare that failed before registering anything leaves no trace: the claim (and
+        the directory, if this compare made it) is removed so the same --out can be used again."""
+        if self._fd < 0:
+            return
+        try:
+            if failed and not (self.out / PREREGISTRATION).exists():
+                (self.out / CLAIM).unlink(missing_ok=True)
+                if self._created:
+                    try:
+                        os.rmdir(self.out)  # only if still empty
+                    except OSError:
+                        pass
+        finally:
+            os.close(self._fd)  # drops the flock
+            self._fd = -1
+
+
+def claim_comparison_dir(out: Path) -> ComparisonClaim:
+    """Claim ``out`` for one comparison, or refuse (exit 2) naming it and the fix.
+
+    Rule: ``--out`` is a new directory, or an existing empty one; any other existing path is refused -
+    a finished or running comparison by name (its pre-registration and verdict are never overwritten),
+    anything else as "not empty". Race-free: the claim file is created with O_EXCL, so of two compares
+    started at once on one ``--out`` exactly one proceeds (the check "is it empty?" alone would let both
+    through). The claim is flock-ed while the comparison runs, so a refusal can say whether another
+    compare is writing there now."""
+    out = Path(out)
+    created = False
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        os.mkdir(out)
+        created = True
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise TesseraError(
+            f"cannot create the comparison directory ({e.strerror})",
+            field="--out",
+            value=str(out),
+            fix="give a path where a new directory can be made",
+        ) from None
+    if not created:
+        if out.is_symlink() or not out.is_dir():
+            raise TesseraError(
+                "--out exists and is not a directory" + (" (a symlink)" if out.is_symlink() else ""),
+                field="--out",
+                value=str(out),
+                fix="give the path of a new directory",
+            )
+        if any(os.scandir(out)):
+            raise _occupied(out)
+    try:
+        fd = os.open(out / CLAIM, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except FileExistsError:  # another compare claimed it between our check and now
+        raise _occupied(out) from None
+    fcntl.flock(fd, fcntl.LOCK_EX)  # a prober holds it for an instant only
+    stamp = datetime.datetime.now().isoformat(timespec="seconds")
+    os.write(fd, f"pid {os.getpid()} started {stamp}\n".encode())
+    return ComparisonClaim(out, fd, created)
+
+
+def _claimed_by_running(out: Path) -> str | None:
+    """The claim's text when another compare holds it now (its flock is taken), else None."""
+    try:
+        fd = os.open(out / CLAIM, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return os.read(fd, 200).decode(errors="replace").strip() or "a process that just started"
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def _occupied(out: Path) -> TesseraError:
+    fix = (
+        "give a new directory with --out (a comparison's pre-registration, runs and verdict are never "
+        "reused or overwritten)"
+    )
+    running = _claimed_by_running(out)
+    names = sorted(os.listdir(out))
+    if running is not None:
+        what = f"another tessera compare is writing into it now ({running}, see {CLAIM})"
+    elif PREREGISTRATION in names and VERDICT in names:
+        what = "it holds a finished comparison (preregistration.json and verdict.json)"
+    elif PREREGISTRATION in names:
+        what = "it holds a pre-registered comparison without a verdict (stopped before its verdict)"
+    elif names == [CLAIM]:  # a compare starting this instant, or one killed before it registered
+        what = f"it holds the claim of another tessera compare ({CLAIM}), starting or killed before it registered"
+    else:
+        shown = ", ".join(names[:5]) + (f", ... ({len(names)} entries)" if len(names) > 5 else "")
+        what = f"it is not empty ({shown})"
+    return TesseraError(f"the comparison directory is taken: {what}", field="--out", value=str(out), fix=fix)
 
 
 # ---- pre-registration --------------------------------------------------------------------------------
@@ -44,8 +168,11 @@ NOISE_WINDOW = 4  # steps either side averaged into the noise floor
 
 def preregister(out: Path, record: dict[str, Any]) -> str:
     """Write ``preregistration.json`` (canonical JSON) and ``preregistration.sha256`` (``sha256sum -c``
-    format) before any run starts; returns the hash the runs' manifests and the report quote."""
+    format) before any run starts; returns the hash the runs' manifests and the report quote. An
+    existing pre-registration is never replaced."""
     out.mkdir(parents=True, exist_ok=True)
+    if (out / PREREGISTRATION).exists() or (out / PREREGISTRATION_SHA).exists():
+        raise _occupied(out)
     text = json.dumps(record, indent=2, sort_keys=True) + "\n"
     sha = sha256_bytes(text.encode())
     write_text_atomic(out / PREREGISTRATION, text)
@@ -125,6 +252,96 @@ class RunData:
 
     def series(self, key: str) -> dict[int, float]:
         return {r["step"]: float(r[key]) for r in self.metrics if r.get(key) is not None}
+
+
+#: What a candidate and its baselines must share for a verdict to mean anything: manifest keys (the
+#: dotted keys of :func:`tessera.evidence.manifest.diff_manifests`, matched by prefix) and their names.
+#: These change the work itself - other tokens, another model, another number of tokens per step or per
+#: rank, another device - so no ratio or band between the runs measures the layout: refused (exit 2).
+#: Everything else may differ: the layout and engine are what is compared, and a change of optimizer,
+#: precision or attention kernel is a claim the loss band then judges (a 1 % higher learning rate fails
+#: it). ``data.files`` (paths, sizes) is left out: the data's content and data hashes cover it.
+SAME_WORK: tuple[tuple[str, str], ...] = (
+    ("data.", "the data (content / data hash, samples, seq_len, packing, eval split)"),
+    ("tokenizer_hash", "the tokenizer"),
+    ("recipe.model.", "the model config"),
+    ("layout.global_batch", "the global batch"),
+    ("world_size", "the world size"),
+    ("device", "the device"),
+)
+_FREE = ("data.files", "recipe.model.attn_implementation")
+
+
+def check_same_work(cand: RunData, baselines: list[RunData]) -> None:
+    """Refuse runs that differ beyond the compared layout (see :data:`SAME_WORK`), naming every key.
+
+    Unequal ``train.steps`` is refused too unless both runs use a constant learning rate: the cosine
+    and linear schedules decay over ``train.steps``, so every step after warmup trained at another LR and
+    even the common steps are not the same experiment. Runs with equal ``train.steps`` that recorded
+    unequal numbers of steps (one stopped early, or crashed) are judged on their common steps instead
+    (:func:`common_steps`). The first baseline is the band's reference: it must have the candidate's
+    seed."""
+    from tessera.evidence.manifest import diff_manifests
+
+    for base in baselines:
+        diffs = [
+            (key, a, b)
+            for key, a, b in diff_manifests(cand.manifest, base.manifest)
+            if key.startswith(tuple(p for p, _ in SAME_WORK)) and not key.startswith(_FREE)
+        ]
+        ca, ba = (r.manifest.get("recipe") or {} for r in (cand, base))
+        steps = [
+            ((x.get("train") or {}).get("steps"), (x.get("optim") or {}).get("schedule")) for x in (ca, ba)
+        ]
+        if steps[0][0] != steps[1][0] and not steps[0][1] == steps[1][1] == "constant":
+            diffs.append(("recipe.train.steps", steps[0][0], steps[1][0]))
+        if base is baselines[0] and cand.seed != base.seed:
+            diffs.append(("seed", cand.seed, base.seed))
+        if not diffs:
+            continue
+        named = ", ".join(dict.fromkeys(_what_differs(key) for key, *_ in diffs))
+        lines = "\n".join(
+            f"    {key}: {preview(a, 120)} (candidate) vs {preview(b, 120)}" for key, a, b in diffs
+        )
+        raise TesseraError(
+            f"baseline {base.name} differs from candidate {cand.name} beyond the compared layout, in "
+            f"{named}; no ratio or band between them would measure the layout:\n{lines}",
+            field="--runs",
+            value=str(base.path),
+            fix="compare runs of the same data, tokenizer, model, global batch, world size, device and "
+            "train.steps, the first baseline with the candidate's seed (`tessera manifest diff "
+            f"{cand.path} {base.path}` lists every difference)",
+        )
+
+
+def _what_differs(key: str) -> str:
+    if key == "recipe.train.steps":
+        return "train.steps (the LR schedule decays over it)"
+    if key == "seed":
+        return "the seed of the first (same-seed) baseline"
+    return next(label for prefix, label in SAME_WORK if key.startswith(prefix))
+
+
+def common_steps(runs: list[RunData]) -> tuple[list[RunData], dict[str, Any] | None]:
+    """Runs cut to the steps all of them recorded (1..the shortest run's last step), and a statement of
+    the difference for the verdict (None when every run recorded the same steps). Every statistic - the
+    bands, the timing, the final eval loss - then comes from the same steps of every run."""
+    last = {r.name: max((int(m["step"]) for m in r.metrics), default=0) for r in runs}
+    n = min(last.values())
+    if n == 0:
+        empty = next(r for r in runs if last[r.name] == 0)
+        raise TesseraError(
+            f"run {empty.name} recorded no step: there is nothing to compare",
+            field="--runs",
+            value=str(empty.path),
+            fix="give runs that trained at least one step",
+        )
+    if len(set(last.values())) == 1:
+        return runs, None
+    cut = [replace(r, metrics=[m for m in r.metrics if m["step"] <= n]) for r in runs]
+    recorded = ", ".join(f"{name} {k} steps" for name, k in last.items())
+    note = f"runs of unequal length: judged on steps 1-{n}, the steps every run recorded ({recorded})"
+    return cut, {"steps_compared": n, "steps_recorded": last, "note": note}
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -315,12 +532,16 @@ def judge(
         extra = {k: band[k] for k in ("worst_step", "max_abs_diff", "first_step_outside", "steps_checked")}
         checks.append(_check(name, band["measured"], 1.0, "<=", tolerance=th[name], **extra))
     if "eval_loss_ratio_max" in th:
+        # at the last step both evaluated (the runs' final evals may lie at different steps)
+        ce, re_ = cand.series("eval_loss"), ref.series("eval_loss")
+        at = max(set(ce) & set(re_), default=None)
         checks.append(
             _check(
                 "eval_loss_ratio_max",
-                _ratio(cs["final_eval_loss"], stats[ref.name]["final_eval_loss"]),
+                _ratio(ce[at], re_[at]) if at is not None else None,
                 th["eval_loss_ratio_max"],
                 "<=",
+                eval_step=at,
             )
         )
     scaling_eff = None

@@ -17,6 +17,9 @@ from typing import Any
 from tessera.errors import RecipeError, TesseraError
 from tessera.evidence.compare import (
     RunData,
+    check_same_work,
+    claim_comparison_dir,
+    common_steps,
     judge,
     preregister,
     read_preregistration,
@@ -64,10 +67,16 @@ def ddp_baseline_overrides(layout: Any) -> list[str]:
     ]
 
 
+def _model(recipe: Any) -> dict[str, Any]:
+    """The model section but the attention kernel (a kernel is a claim the loss band judges)."""
+    return recipe.model.model_dump(exclude={"attn_implementation"})
+
+
 def _same_work(cand: Any, base: Any, cand_layout: Any, base_layout: Any) -> None:
-    """A baseline recipe must train the same data, batch, steps and devices, or the ratios mean nothing."""
+    """A baseline recipe must train the same model, data, batch, steps and devices, or the ratios mean nothing."""
     pairs = [
         ("data", cand.data.model_dump(), base.data.model_dump()),
+        ("model", _model(cand), _model(base)),
         ("train.steps", cand.train.steps, base.train.steps),
         ("run.world_size", cand_layout.world_size, base_layout.world_size),
         ("parallel.global_batch", cand_layout.global_batch, base_layout.global_batch),
@@ -78,8 +87,8 @@ def _same_work(cand: Any, base: Any, cand_layout: Any, base_layout: Any) -> None
             raise RecipeError(
                 f"the baseline differs from the candidate in {name}: a comparison needs the same work",
                 field=name,
-                value=b if not isinstance(b, dict) else "(another data section)",
-                fix=f"make the baseline's {name} equal the candidate's ({a if not isinstance(a, dict) else 'its data section'})",
+                value=b if not isinstance(b, dict) else f"(another {name} section)",
+                fix=f"make the baseline's {name} equal the candidate's ({a if not isinstance(a, dict) else f'its {name} section'})",
             )
 
 
@@ -153,13 +162,6 @@ def run_comparison(
     b_resolved, b_layout, _ = validate(base_path, base_over)
     _same_work(recipe, b_resolved.recipe, layout, b_layout)
     out_dir = Path(out or f"runs/compare-{recipe.run.name or Path(recipe_path).stem}-{_stamp()}").resolve()
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise TesseraError(
-            "the comparison directory is not empty",
-            field="--out",
-            value=str(out_dir),
-            fix="give a new directory (the runs of a comparison are never reused)",
-        )
     seed0 = recipe.train.seed
     plan = [("baseline", base_path, base_over, seed0 + i, f"baseline-seed{seed0 + i}") for i in range(seeds)]
     plan.append(("candidate", recipe_path, list(overrides), seed0, f"candidate-seed{seed0}"))
@@ -169,37 +171,38 @@ def run_comparison(
         validate(recipe_path, [*overrides, *one])
         plan.append(("scaling", recipe_path, [*overrides, *one], seed0, "scaling-1rank"))
     git, _ = git_state()
-    sha = preregister(
-        out_dir,
-        {
-            "created": datetime.datetime.now().isoformat(timespec="seconds"),
-            "registered_before_runs": True,
-            "acceptance": acceptance,
-            "candidate": {"recipe": recipe_path, "overrides": overrides, "recipe_hash": recipe_hash(recipe)},
-            "baseline": {
-                "kind": "ddp" if baseline == "ddp" else "recipe",
-                "recipe": base_path,
-                "overrides": base_over,
-                "recipe_hash": recipe_hash(b_resolved.recipe),
-            },
-            "seeds": [seed0 + i for i in range(seeds)],
-            "scaling": scaling,
-            "runs": [{"role": r, "seed": s, "dir": name} for r, _, _, s, name in plan],
-            "git_commit": git["commit"],
+    record = {
+        "created": datetime.datetime.now().isoformat(timespec="seconds"),
+        "registered_before_runs": True,
+        "acceptance": acceptance,
+        "candidate": {"recipe": recipe_path, "overrides": overrides, "recipe_hash": recipe_hash(recipe)},
+        "baseline": {
+            "kind": "ddp" if baseline == "ddp" else "recipe",
+            "recipe": base_path,
+            "overrides": base_over,
+            "recipe_hash": recipe_hash(b_resolved.recipe),
         },
-    )
-    print(f"pre-registered: {out_dir / 'preregistration.json'} (sha256 {sha})")
-    for i, (role, path, over, seed, name) in enumerate(plan, 1):
-        print(f"[compare] run {i}/{len(plan)}: {role} seed {seed} -> {out_dir / name}", flush=True)
-        rc, _ = start_run(
-            path,
-            [*over, f"train.seed={seed}", f"run.out_dir={out_dir / name}", f"run.name={name}"],
-            launch_record={"preregistration_sha256": sha, "comparison": str(out_dir)},
-        )
-        if rc != 0:
-            print(f"tessera: compare: the {role} run {name} failed (exit code {rc}); no verdict")
-            return rc
-    return _judge_and_report(out_dir, recipe, device, [(r, out_dir / n) for r, _, _, _, n in plan])
+        "seeds": [seed0 + i for i in range(seeds)],
+        "scaling": scaling,
+        "runs": [{"role": r, "seed": s, "dir": name} for r, _, _, s, name in plan],
+        "git_commit": git["commit"],
+    }
+    # --out is claimed (created exclusively, locked) for the whole comparison: never another's
+    with claim_comparison_dir(out_dir):
+        sha = preregister(out_dir, record)
+        print(f"pre-registered: {out_dir / 'preregistration.json'} (sha256 {sha})")
+        for i, (role, path, over, seed, name) in enumerate(plan, 1):
+            print(f"[compare] run {i}/{len(plan)}: {role} seed {seed} -> {out_dir / name}", flush=True)
+            rc, _ = start_run(
+                path,
+                [*over, f"train.seed={seed}", f"run.out_dir={out_dir / name}", f"run.name={name}"],
+                launch_record={"preregistration_sha256": sha, "comparison": str(out_dir)},
+            )
+            if rc != 0:
+                print(f"tessera: compare: the {role} run {name} failed (exit code {rc}); no verdict")
+                return rc
+        runs = [RunData.read(out_dir / n, r) for r, _, _, _, n in plan]
+        return _judge_and_report(out_dir, recipe, device, runs)
 
 
 def compare_existing(runs: list[str], *, acceptance_file: str | None, out: str | None) -> int:
@@ -207,6 +210,7 @@ def compare_existing(runs: list[str], *, acceptance_file: str | None, out: str |
     candidate's recipe or ``acceptance_file``, registered now (the report says: after the runs)."""
     import yaml
 
+    from tessera.config.loader import read_config_file, safe_yaml
     from tessera.config.schema import AcceptanceSection
     from tessera.device import resolve_device
     from tessera.train.prepare import load_run_recipe
@@ -224,11 +228,33 @@ def compare_existing(runs: list[str], *, acceptance_file: str | None, out: str |
             raise TesseraError(
                 "not a run directory", field="--runs", value=str(p), fix="give directories of `tessera run`s"
             )
+    names = [p.name for p in paths]
+    if len(set(names)) < len(names):  # the report and verdict.json key every run by its directory name
+        twice = next(n for n in names if names.count(n) > 1)
+        raise TesseraError(
+            f"two of the runs have the directory name {twice!r} (or one run is given twice)",
+            field="--runs",
+            value=" ".join(str(p) for p in paths if p.name == twice),
+            fix="give each run once; copy a run to a directory of another name to compare it",
+        )
+    roles = [("candidate", paths[0]), *(("baseline", p) for p in paths[1:])]
+    read = [RunData.read(p, role) for role, p in roles]
+    check_same_work(read[0], read[1:])  # before --out is made: a refusal leaves nothing behind
     recipe = load_run_recipe(RunDir(paths[0]))
     if acceptance_file:
         try:
-            raw = yaml.safe_load(Path(acceptance_file).read_text())
-        except (OSError, yaml.YAMLError) as e:
+            raw = safe_yaml(
+                read_config_file(acceptance_file, field="--acceptance", what="acceptance"),
+                where=acceptance_file,
+            )
+        except FileNotFoundError:
+            raise TesseraError(
+                "the acceptance file does not exist",
+                field="--acceptance",
+                value=acceptance_file,
+                fix="give a YAML file of acceptance thresholds",
+            ) from None
+        except yaml.YAMLError as e:
             raise TesseraError(
                 f"cannot read the acceptance file ({e})",
                 field="--acceptance",
@@ -242,29 +268,27 @@ def compare_existing(runs: list[str], *, acceptance_file: str | None, out: str |
     assert isinstance(recipe.acceptance, AcceptanceSection)
     acceptance = _check_thresholds(recipe, len(paths) - 1)
     out_dir = Path(out or f"runs/compare-{paths[0].name}-{_stamp()}").resolve()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    preregister(
-        out_dir,
-        {
-            "created": datetime.datetime.now().isoformat(timespec="seconds"),
-            "registered_before_runs": False,
-            "acceptance": acceptance,
-            "candidate": {"run": str(paths[0])},
-            "baseline": {"kind": "runs", "runs": [str(p) for p in paths[1:]]},
-            "seeds": None,
-        },
-    )
-    roles = [("candidate", paths[0]), *(("baseline", p) for p in paths[1:])]
-    return _judge_and_report(out_dir, recipe, resolve_device(recipe.run.device), roles, check_runs=False)
+    with claim_comparison_dir(out_dir):
+        preregister(
+            out_dir,
+            {
+                "created": datetime.datetime.now().isoformat(timespec="seconds"),
+                "registered_before_runs": False,
+                "acceptance": acceptance,
+                "candidate": {"run": str(paths[0])},
+                "baseline": {"kind": "runs", "runs": [str(p) for p in paths[1:]]},
+                "seeds": None,
+            },
+        )
+        return _judge_and_report(out_dir, recipe, resolve_device(recipe.run.device), read, check_runs=False)
 
 
 def _judge_and_report(
-    out_dir: Path, recipe: Any, device: str, roles: list[tuple[str, Path]], *, check_runs: bool = True
+    out_dir: Path, recipe: Any, device: str, runs: list[RunData], *, check_runs: bool = True
 ) -> int:
     from tessera.evidence.report import write_report
 
     prereg, sha = read_preregistration(out_dir)  # unchanged since before the runs
-    runs = [RunData.read(p, role) for role, p in roles]
     if check_runs:
         for r in runs:
             if r.manifest.get("preregistration_sha256") != sha:
@@ -274,12 +298,15 @@ def _judge_and_report(
                     value=r.manifest.get("preregistration_sha256"),
                     fix="run the comparison again into a new --out directory",
                 )
+    check_same_work(next(r for r in runs if r.role == "candidate"), [r for r in runs if r.role == "baseline"])
+    runs, unequal = common_steps(runs)  # every statistic from the steps all runs recorded
     cand = next(r for r in runs if r.role == "candidate")
     baselines = [r for r in runs if r.role == "baseline"]
     scaling = next((r for r in runs if r.role == "scaling"), None)
     result = judge(
         prereg["acceptance"], cand, baselines, scaling=scaling, price_per_device_hour=_price(recipe, device)
     )
+    result["unequal_length"] = unequal
     files = write_report(out_dir, prereg, sha, result, runs)
     wandb_dir = _mirror_to_wandb(recipe, out_dir, prereg, sha, result, files, runs)
     _print_verdict(result, out_dir, files, runs, wandb_dir)
@@ -310,7 +337,8 @@ def _print_verdict(result, out_dir: Path, files: list[Path], runs: list[RunData]
 
     con = Console()
     con.width = max(con.width, 120)  # threshold names whole
-    table = Table(title=f"verdict: {result['verdict']}")
+    unequal = result.get("unequal_length")
+    table = Table(title=f"verdict: {result['verdict']}", caption=unequal["note"] if unequal else None)
     for col in ("threshold", "measured", "threshold value", "holds", "first step outside"):
         table.add_column(col)
     for c in result["checks"]:
@@ -324,7 +352,7 @@ def _print_verdict(result, out_dir: Path, files: list[Path], runs: list[RunData]
     con.print(table)
     if result.get("scaling_efficiency") is not None:
         con.print(f"scaling efficiency against one rank: {result['scaling_efficiency']:.1%}")
-    print(f"VERDICT: {result['verdict']}")
+    print(f"VERDICT: {result['verdict']}" + (f"  ({unequal['note']})" if unequal else ""))
     print(f"report:       {out_dir / 'report.md'}")
     print(f"verdict:      {out_dir / 'verdict.json'}")
     print(f"plots:        {', '.join(str(f) for f in files if f.suffix == '.png')}")

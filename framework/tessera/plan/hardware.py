@@ -158,7 +158,9 @@ def load_hardware(path: str | Path) -> HardwareProfile:
     """Read and validate a hardware profile; every mistake names the key, the value and the fix."""
     p = _resolve(path)
     try:
-        data = yaml.safe_load(p.read_text())
+        from tessera.config.loader import read_config_file  # regular file, size-bounded
+
+        data = yaml.safe_load(read_config_file(p, field="hardware", what="hardware profile"))
     except yaml.YAMLError as e:
         raise RecipeError(
             f"{p}: not valid YAML: {e}", field="hardware", value=str(p), fix="fix the YAML syntax"
