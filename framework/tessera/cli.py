@@ -490,7 +490,11 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("overrides", nargs="*", help="dotted overrides, applied to candidate and baseline")
     cp.add_argument("--baseline", default="ddp", help="'ddp' (engine ddp, same ranks) or a baseline recipe")
     cp.add_argument("--seeds", type=int, default=2, help="baseline seeds (the noise floor needs 2 or more)")
-    cp.add_argument("--out", default=None, help="comparison directory (default runs/compare-<name>-<time>)")
+    cp.add_argument(
+        "--out",
+        default=None,
+        help="comparison directory: new or empty, never overwritten (default runs/compare-<name>-<time>)",
+    )
     cp.add_argument(
         "--scaling", action="store_true", help="also run the recipe on one rank (scaling efficiency)"
     )

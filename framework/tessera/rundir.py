@@ -13,22 +13,35 @@ Layout of ``runs/<name>/`` (one per run)::
     summary.json          final loss, peaks, model-state and activation bytes per rank, plot paths
     *.png                 loss, step-time distribution, memory per rank
     checkpoints/          step_NNNNNN/ + latest (see tessera.checkpoint.manager)
-    logs/rank_NNNNN.{log,pid,exit}
+    logs/rank_NNNNN.{log,pid,exit,heartbeat}, logs/.rank_NNNNN.exit.reserve (room for the exit file)
     wandb/, wandb_id      the W&B mirror
 
-Nothing else in Tessera (nor its tests and tools) spells these names.
+Nothing else in Tessera (nor its tests and tools) spells these names. Every file here is written through
+:mod:`tessera.atomic`: atomically or appended, never through a link, a full disk one clear error.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
+import sys
 from collections.abc import Iterator
 from enum import IntEnum
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-from tessera.atomic import write_json_atomic, write_text_atomic
+from tessera.atomic import (
+    open_append,
+    open_lock,
+    open_regular,
+    read_regular,
+    refuse_link,
+    write_json_atomic,
+    write_text_atomic,
+    writing,
+)
+from tessera.errors import TesseraError, preview
 
 
 class ExitCode(IntEnum):
@@ -88,6 +101,8 @@ class RunDir:
     PREEMPT = "preempt.request"  # written by tessera run on SIGTERM / SIGINT; every rank checks per step
     PREPARED = "logs/prepared"  # rank 0 prepared the run dir (--prepare); the other ranks wait for it
     PLOTS = ("loss.png", "step_time.png", "memory.png")
+    #: a checkpoint being written, ``checkpoints/.tmp-step_NNNNNN`` (:mod:`tessera.checkpoint.manager`)
+    PARTIAL_CHECKPOINT = ".tmp-"
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -160,17 +175,34 @@ class RunDir:
         return path
 
     def read_json(self, name: str) -> Any:
-        return json.loads((self.path / name).read_text())
+        return json.loads(read_regular(self.path / name))
 
     def read_json_if_present(self, name: str) -> Any:
         path = self.path / name
         return json.loads(path.read_text()) if path.is_file() else None
 
     def read_metrics(self) -> list[dict[str, Any]]:
-        return read_jsonl(self.metrics)
+        return read_jsonl(self.metrics, keys=("step",))
 
     def read_comm(self) -> list[dict[str, Any]]:
-        return read_jsonl(self.comm)
+        return read_jsonl(self.comm, keys=("step", "rank"))
+
+    def drop_torn_tails(self) -> None:
+        """Before ranks append to ``metrics.jsonl`` and ``comm.jsonl`` again: cut a torn last line (a
+        crash while it was written) off each, with a warning, so that the next line starts on a line of
+        its own instead of gluing onto the fragment (which would then be garbage in the middle)."""
+        for path in (self.metrics, self.comm):
+            if not (path.exists() or path.is_symlink()):
+                continue
+            with os.fdopen(open_regular(path, os.O_RDWR), "r+b") as f, writing(path):
+                data = f.read()
+                lines = _jsonl_lines(data)
+                if lines and not isinstance(_record(lines[-1][2], ()), dict):
+                    n, offset, raw = lines[-1]
+                    f.truncate(offset)
+                    _warn_torn(path, n, raw)
+                elif data and not data.endswith(b"\n"):  # a whole record, only its newline missing
+                    f.write(b"\n")
 
     def metrics_writer(self, *, resume_step: int | None) -> MetricsWriter:
         """The writer of ``metrics.jsonl`` (rank 0): a fresh run starts it empty; a resume first drops the
@@ -187,19 +219,29 @@ class RunDir:
     def read_manifest(self) -> dict[str, Any]:
         return self.read_json(self.MANIFEST)
 
+    def remove_partial_checkpoints(self) -> None:
+        """After every rank ended: the directories of saves that did not complete (a full disk, a crash).
+        The next save would remove them too, but a full disk needs their room now, and a run that ends
+        here leaves only complete checkpoints behind."""
+        import shutil
+
+        if self.checkpoints.is_dir():
+            for partial in self.checkpoints.glob(self.PARTIAL_CHECKPOINT + "*"):
+                if partial.is_dir() and not partial.is_symlink():
+                    shutil.rmtree(partial, ignore_errors=True)
+
     # ---- one run at a time ---------------------------------------------------------------------------
     @contextlib.contextmanager
     def locked(self) -> Iterator[str | None]:
         """Hold the directory for one ``tessera run`` (an exclusive ``flock`` on ``run.lock``, released
         by the kernel if the holder dies). Yields a warning when it took over the lock file of a dead
-        holder; a live holder is an error naming its pid."""
+        holder; a live holder is an error naming its pid. ``run.lock`` is never a link: a link there
+        is refused before anything is written (it would point the pid at another file)."""
         import fcntl
-        import os
-
-        from tessera.errors import TesseraError
 
         self.path.mkdir(parents=True, exist_ok=True)
-        f = open(self.path / self.LOCK, "a+")
+        lock = self.path / self.LOCK
+        f = open_lock(lock)
         try:
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -214,26 +256,53 @@ class RunDir:
                 ) from None
             f.seek(0)
             stale = f.read().strip()
-            f.seek(0)
-            f.truncate()
-            f.write(f"{os.getpid()}\n")
-            f.flush()
+            with writing(lock):
+                f.seek(0)
+                f.truncate()
+                f.write(f"{os.getpid()}\n")
+                f.flush()
             yield (
                 f"took over the lock of pid {stale}, which is gone (a run that was killed)" if stale else None
             )
-            f.seek(0)
-            f.truncate()  # a clean release leaves nothing to take over
+            with contextlib.suppress(OSError):
+                f.seek(0)
+                f.truncate()  # a clean release leaves nothing to take over
         finally:
-            f.close()
+            with contextlib.suppress(OSError):  # a write the full disk refused is not flushed again
+                f.close()
 
     # ---- rank status -------------------------------------------------------------------------------
+    def _exit_reserve(self, rank: int) -> Path:
+        return self.logs / f".rank_{rank:05d}.exit.reserve"
+
     def mark_rank_started(self, rank: int, pid: int) -> None:
+        """``rank_N.pid``, and a block of disk for the rank's exit file, taken now: a rank that ends
+        because the disk filled up can still say how it ended (:meth:`mark_rank_exited`)."""
         self.logs.mkdir(parents=True, exist_ok=True)
         self.rank_file(rank, "exit").unlink(missing_ok=True)
         write_text_atomic(self.rank_file(rank, "pid"), f"{pid}\n")
+        write_text_atomic(self._exit_reserve(rank), "room for this rank's exit code\n")
 
     def mark_rank_exited(self, rank: int, code: int) -> None:
-        write_text_atomic(self.rank_file(rank, "exit"), f"{code}\n")
+        """``rank_N.exit``; never raises (the rank is ending). On a full disk the code goes into the
+        block reserved at start (overwritten in place: no new space) and that file is renamed."""
+        exit_f, reserve = self.rank_file(rank, "exit"), self._exit_reserve(rank)
+        data = f"{code}\n".encode()
+        try:
+            write_text_atomic(exit_f, data.decode())
+        except (TesseraError, OSError):
+            with contextlib.suppress(TesseraError, OSError):
+                fd = open_regular(reserve, os.O_WRONLY)
+                try:
+                    os.pwrite(fd, data, 0)
+                    os.ftruncate(fd, len(data))
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.replace(reserve, exit_f)
+            return
+        with contextlib.suppress(OSError):
+            reserve.unlink(missing_ok=True)
 
     def rank_pid(self, rank: int) -> int | None:
         return _read_int(self.rank_file(rank, "pid"))
@@ -243,47 +312,78 @@ class RunDir:
 
     def clear_rank_status(self) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
-        for kind in ("pid", "exit", "heartbeat"):
-            for stale in self.logs.glob(f"rank_*.{kind}"):
+        for pattern in ("rank_*.pid", "rank_*.exit", "rank_*.heartbeat", ".rank_*.exit.reserve"):
+            for stale in self.logs.glob(pattern):
                 stale.unlink()
 
+    def open_rank_log(self, rank: int) -> RankLog:
+        """``rank_N.log``, appended to (never through a link)."""
+        return RankLog(open_append(self.rank_file(rank, "log")))
+
     def log_tail(self, rank: int, n: int = 15) -> list[str]:
+        path = self.rank_file(rank, "log")
+        if path.is_symlink():  # planted: its target is no log of this run, and is not shown
+            return []
         try:
-            return self.rank_file(rank, "log").read_text(errors="replace").splitlines()[-n:]
-        except OSError:
+            return read_regular(path).decode(errors="replace").splitlines()[-n:]
+        except (OSError, TesseraError):
             return []
 
 
-class MetricsWriter:
-    """Appends one JSON line per step and flushes it (a crash keeps every finished step)."""
+class RankLog:
+    """A rank's log file. A line the disk has no room for is lost rather than raised: the log is where
+    a rank reports its end, and that report must not become a second failure (the exit code, and on
+    rank 0 the console, still say what happened)."""
 
-    def __init__(self, path: Path, *, resume_step: int | None) -> None:
-        if resume_step is not None and path.is_file():
-            kept = [
-                ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= resume_step
-            ]
-            write_text_atomic(path, "".join(ln + "\n" for ln in kept))
-        elif resume_step is None and path.exists():
-            path.unlink()
-        self._f = open(path, "a")
+    def __init__(self, f: IO[str]) -> None:
+        self._f = f
 
-    def write(self, record: dict[str, Any]) -> None:
-        self._f.write(json.dumps(record, sort_keys=True) + "\n")
-        self._f.flush()
+    def write(self, text: str) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self._f.write(text)
+
+    def fileno(self) -> int:
+        return self._f.fileno()
 
     def close(self) -> None:
-        self._f.close()
+        with contextlib.suppress(OSError):
+            self._f.close()
+
+
+class MetricsWriter:
+    """Appends one JSON line per step and flushes it (a crash keeps every finished step, and tears at
+    most the last line, which readers drop)."""
+
+    def __init__(self, path: Path, *, resume_step: int | None) -> None:
+        self.path = path
+        refuse_link(path)  # nothing is read or written through a link
+        if resume_step is not None and path.exists():
+            kept = [r for r in read_jsonl(path, keys=("step",)) if r["step"] <= resume_step]
+            write_text_atomic(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
+        elif resume_step is None and path.exists():
+            path.unlink()
+        self._f = open_append(path)
+
+    def write(self, record: dict[str, Any]) -> None:
+        with writing(self.path):
+            self._f.write(json.dumps(record, sort_keys=True) + "\n")
+            self._f.flush()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._f.close()
 
 
 class CommWriter:
     """``comm.jsonl``: one line per rank per step (and per setup / checkpoint phase), appended by every
     rank to the same file; each line is one ``write`` of well under the page size, which local and
     network file systems append whole. Readers key on (phase, step, rank): a resume appends after the old
-    lines."""
+    lines (``tessera run`` cut a torn last line off first: :meth:`RunDir.drop_torn_tails`)."""
 
     def __init__(self, path: Path, *, rank: int) -> None:
         self.rank = rank
-        self._f = open(path, "a", buffering=1)
+        self.path = path
+        self._f = open_append(path)
 
     def write(self, phase: str, step: int, ops: list[dict[str, Any]]) -> None:
         rec = {
@@ -294,14 +394,74 @@ class CommWriter:
             "seconds": sum(o["seconds"] for o in ops),
             "ops": ops,
         }
-        self._f.write(json.dumps(rec, sort_keys=True) + "\n")
+        with writing(self.path):
+            self._f.write(json.dumps(rec, sort_keys=True) + "\n")
 
     def close(self) -> None:
-        self._f.close()
+        with contextlib.suppress(OSError):
+            self._f.close()
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln.strip()]
+# ---- JSON lines ----------------------------------------------------------------------------------------
+
+
+def _jsonl_lines(data: bytes) -> list[tuple[int, int, bytes]]:
+    """(line number, byte offset, bytes) of every non-blank line."""
+    out: list[tuple[int, int, bytes]] = []
+    offset = 0
+    for n, raw in enumerate(data.split(b"\n"), 1):
+        if raw.strip():
+            out.append((n, offset, raw))
+        offset += len(raw) + 1
+    return out
+
+
+def _record(raw: bytes, keys: tuple[str, ...]) -> dict[str, Any] | str:
+    """The line's record, or what is wrong with it."""
+    try:
+        rec = json.loads(raw)
+    except json.JSONDecodeError as e:
+        return f"not JSON ({e.msg})"
+    except ValueError as e:  # not UTF-8
+        return f"not JSON ({type(e).__name__})"
+    if not isinstance(rec, dict):
+        return "not a JSON object"
+    missing = [k for k in keys if not isinstance(rec.get(k), int) or isinstance(rec.get(k), bool)]
+    if missing:
+        return f"a record without an integer {missing[0]!r}"
+    return rec
+
+
+def _warn_torn(path: Path, line: int, raw: bytes) -> None:
+    text = preview(raw.decode("utf-8", errors="replace"), 60)
+    print(
+        f"tessera: warning: {path}: dropped its torn last line (line {line}: {text}), "
+        "left by a crash while it was written",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def read_jsonl(path: Path, *, keys: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file (each a JSON object; ``keys``: integer fields each must have).
+    A torn last line - what a crash in the middle of an append leaves - is dropped with one warning
+    naming the file; a bad line anywhere else is an error naming the file and the line."""
+    path = Path(path)
+    lines = _jsonl_lines(read_regular(path))
+    records: list[dict[str, Any]] = []
+    for i, (n, _, raw) in enumerate(lines):
+        rec = _record(raw, keys)
+        if isinstance(rec, dict):
+            records.append(rec)
+        elif i == len(lines) - 1:
+            _warn_torn(path, n, raw)
+        else:
+            raise TesseraError(
+                f"{path}, line {n}: {rec}: {preview(raw.decode('utf-8', errors='replace'), 80)}",
+                fix=f"restore the file from a copy, or delete line {n} "
+                "(only a torn last line, as a crash leaves it, is dropped by itself)",
+            )
+    return records
 
 
 def _read_int(path: Path) -> int | None:

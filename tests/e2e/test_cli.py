@@ -89,9 +89,15 @@ def test_run_resume_through_deepspeed_launcher(tmp_path):
     # a fresh run on a dir with checkpoints is refused (never mixes or overwrites)
     p = tessera("run", RECIPE, *common)
     assert p.returncode == ExitCode.USER_ERROR and "--resume" in p.stderr
-    # resume to 9 steps through the launcher again
+    # resume to 9 steps through the launcher again, after a crash tore the last lines of the JSONL files
+    with rd.metrics.open("a") as f, rd.comm.open("a") as g:
+        f.write('{"step": 7, "lo')
+        g.write('{"phase": "st')
     p = tessera("run", RECIPE, *common[:-2], "train.steps=9", "checkpoint.every=3", "--resume")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    torn = [ln for ln in p.stderr.splitlines() if "dropped its torn last line" in ln]
+    assert len(torn) == 2 and str(rd.metrics) in torn[0] and str(rd.comm) in torn[1], p.stderr[-3000:]
+    assert {r["phase"] for r in rd.read_comm()} >= {"setup", "step", "checkpoint"}
     after = read_metrics(out)
     assert [r["step"] for r in after] == list(range(1, 10))
     assert [r["loss"] for r in after[:6]] == [r["loss"] for r in first]

@@ -193,18 +193,32 @@ def test_a_taken_port_is_refused_before_launch(tmp_path):
     assert "Traceback" not in p.stderr and not RunDir(tmp_path / "x").logs.exists()
 
 
-def test_a_full_disk_during_a_save_is_one_clear_error(reference, tmp_path):
-    """The checkpoint directory on a tmpfs with room for about one checkpoint: the second save runs out
-    of space; the run exits 2 with one line naming ENOSPC, the path and the rank; step 2 stays complete
-    and `latest`."""
-    one = sum(f.stat().st_size for f in (RunDir(reference / "zero2").checkpoints / step_dir_name(2)).rglob("*") if f.is_file())  # fmt: skip
+@pytest.mark.parametrize("where", ["checkpoints", "run dir"])
+def test_a_full_disk_during_a_save_is_one_clear_error(reference, tmp_path, where):
+    """A tmpfs with room for about one checkpoint, mounted as the checkpoint directory or as the whole run
+    directory (then the ranks' exit files and the supervisor's writes find the disk full too): the second
+    save runs out of space; the run exits 2 with one line naming ENOSPC, the path and the rank, and no
+    traceback; step 2 stays complete and `latest`; no partial save or temporary is left. The run-dir case
+    also plants a link where DeepSpeed copies its recovery script: the link is replaced, never written
+    through."""
+    ref = RunDir(reference / "zero2")
+    one = sum(f.stat().st_size for f in (ref.checkpoints / step_dir_name(2)).rglob("*") if f.is_file())
     out = tmp_path / "full"
     ckpts = RunDir(out).checkpoints
-    ckpts.mkdir(parents=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(one * 1.6)}", "tmpfs", str(ckpts)], capture_output=True)  # fmt: skip
+    mount = ckpts if where == "checkpoints" else out
+    mount.mkdir(parents=True)
+    size = int(one * 1.6)
+    if where == "run dir":  # room for everything else a run writes (tmpfs counts whole pages)
+        size += sum(-(-f.stat().st_size // 4096) * 4096 for f in ref.path.rglob("*") if f.is_file() and "step_" not in str(f))  # fmt: skip
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], capture_output=True)  # fmt: skip
     if mounted.returncode != 0:
         pytest.skip(f"mounting a tmpfs needs root: {mounted.stderr.decode().strip()}")
+    outside = tmp_path / "outside.py"
+    outside.write_text("precious\n")
     try:
+        if where == "run dir":
+            ckpts.mkdir()
+            (ckpts / "zero_to_fp32.py").symlink_to(outside)
         p = tessera("run", RECIPES["zero2"], *COMMON, f"run.out_dir={out}")
         assert p.returncode == ExitCode.USER_ERROR, p.stdout[-3000:] + p.stderr[-3000:]
         err = [ln for ln in p.stderr.splitlines() if "ENOSPC" in ln]
@@ -213,13 +227,33 @@ def test_a_full_disk_during_a_save_is_one_clear_error(reference, tmp_path):
         latest = CheckpointManager(ckpts, keep=5, rank=0, world_size=2).latest()
         assert latest is not None and latest.name == step_dir_name(2)
         CheckpointManager(ckpts, keep=5, rank=0, world_size=2).verify(latest)  # every file intact
+        left = [str(f) for f in out.rglob("*") if ".tmp-" in f.name or f.name.endswith(".reserve")]
+        assert not left and RunDir(out).rank_exit(0) == ExitCode.USER_ERROR
+        if where == "run dir":
+            assert outside.read_text() == "precious\n" and not (ckpts / "zero_to_fp32.py").is_symlink()
     finally:
-        subprocess.run(["umount", str(ckpts)], capture_output=True)
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
 def test_hung_without_restarts_exits_hung_with_the_diagnosis_in_the_summary(tmp_path):
+    """Three cases in one command (each launch costs ~15 s here). Launch 1: rank 1 hangs on entering its
+    model build; before its first step the hang watchdog judges it by stop.startup_timeout_s and names
+    the phase, and the one restart allowed starts over. Launch 2: W&B online with no server (a closed
+    local port) falls back to offline with one warning and trains; then rank 0 hangs in step 3 and, no
+    restart left, the run exits HUNG with the diagnosis in the summary."""
+    import socket
+
     out = tmp_path / "hung"
-    env = {**os.environ, "TESSERA_FAULTS": "hang:rank=0:step=3"}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    env = {
+        **os.environ,
+        "TESSERA_FAULTS": "hang:rank=1:phase=model_build,hang:rank=0:step=3",
+        "WANDB_BASE_URL": f"http://127.0.0.1:{closed}",
+        "WANDB_API_KEY": "0" * 40,
+    }
+    startup = 15  # well above an unloaded start-up phase here (imports: ~5 s), far below the default 600
     t0 = time.monotonic()
     p = tessera(
         "run",
@@ -227,13 +261,35 @@ def test_hung_without_restarts_exits_hung_with_the_diagnosis_in_the_summary(tmp_
         *COMMON,
         "train.steps=4",
         f"run.out_dir={out}",
+        "run.restarts=1",
         "stop.hang_timeout_s=5",
+        f"stop.startup_timeout_s={startup}",
+        "tracking.wandb.mode=online",
+        "tracking.wandb.init_timeout_s=2",
         env=env,
     )
     assert p.returncode == ExitCode.HUNG, p.stdout[-3000:] + p.stderr[-3000:]
-    failed = RunDir(out).read_summary()["failed"]
+    rd = RunDir(out)
+    summary = rd.read_summary()
+    restart = json.loads(rd.launch.read_text())["restart"]  # (launch 2 never finished: no summary record)
+    assert restart["reason"] == "HUNG" and restart["failed_rank"] == 1 and restart["checkpoint"] is None
+    head = "hung: rank 1 stuck in phase model build for "
+    assert restart["detail"].startswith(head), restart["detail"]
+    waited, _, where = restart["detail"][len(head) :].partition(" s (")
+    assert startup <= int(waited) <= startup + 5 and where.startswith("no collective, faults.py:")
+    assert restart["detail"].endswith(f"(stop.startup_timeout_s={startup})")
+    assert "restart 1/1: HUNG (rank 1)" in p.stdout
+    hung_at = (rd / RunDir.FAULTS_FIRED / "hang_rank-1_phase-model_build").stat().st_mtime
+    assert rd.launch.stat().st_mtime - hung_at < startup + 30  # diagnosed and restarted within the timeout
+    warnings = [ln for ln in (p.stdout + p.stderr).splitlines() if "W&B" in ln]
+    assert len(warnings) == 1 and "could not start within 2 s" in warnings[0], warnings
+    assert "mirroring offline instead" in warnings[0] and "Traceback" not in p.stdout + p.stderr
+    assert list((out / "wandb").glob("offline-run-*"))
+    failed = summary["failed"]
     assert failed["reason"] == "HUNG" and failed["rank"] == 0 and "rank 1 is waiting in" in failed["detail"]
-    assert time.monotonic() - t0 < 5 + 30 + 60  # the timeout + 30 s, plus start-up and two steps
+    assert failed["detail"].endswith("(stop.hang_timeout_s=5)")
+    # two start-ups, the start-up timeout, two steps and the hang timeout, with 30 s to spare each
+    assert time.monotonic() - t0 < startup + 5 + 2 * 30 + 2 * 60
 
 
 def test_a_second_sigint_stops_at_once(tmp_path):

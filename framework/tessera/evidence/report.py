@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tessera.atomic import write_text_atomic
+from tessera.atomic import atomic_file, write_text_atomic
 from tessera.evidence.compare import REPORT, VERDICT, RunData, timed
 
 PLOTS = ("loss.png", "grad_norm.png", "step_time.png", "memory.png", "comm_fraction.png", "where.png")
@@ -49,6 +49,7 @@ def render_markdown(prereg: dict[str, Any], sha: str, result: dict[str, Any], pn
         "",
         f"**Verdict: {result['verdict']}**",
         "",
+        *([f"Note: {result['unequal_length']['note']}.", ""] if result.get("unequal_length") else []),
         f"Pre-registration: `preregistration.json`, sha256 `{sha}`"
         + ("" if prereg.get("registered_before_runs", True) else " (registered after the runs existed)"),
         "",
@@ -142,8 +143,11 @@ def plot_comparison(out: Path, result: dict[str, Any], runs: list[RunData]) -> l
 
     def save(fig: Any, name: str) -> None:
         fig.tight_layout()
-        fig.savefig(out / name, dpi=110)
-        plt.close(fig)
+        try:  # savefig to a path would follow a link there: the bytes go to a temporary, renamed over it
+            with atomic_file(out / name) as f:
+                fig.savefig(f, format="png", dpi=110)
+        finally:
+            plt.close(fig)
         written.append(out / name)
 
     blues = iter(["#1f5fa8", "#5b9bd5", "#9dc3e6", "#2e8bc0", "#b4d4ee"])

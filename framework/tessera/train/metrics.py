@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from tessera.atomic import atomic_file
 from tessera.rundir import RunDir
 
 
@@ -45,8 +46,11 @@ def plot_run(
         ax.set_ylabel(ylabel)
         ax.set_title(title)
         fig.tight_layout()
-        fig.savefig(run_dir / name, dpi=110)
-        plt.close(fig)
+        try:  # savefig to a path would follow a link there: the bytes go to a temporary, renamed over it
+            with atomic_file(run_dir / name) as f:
+                fig.savefig(f, format="png", dpi=110)
+        finally:
+            plt.close(fig)
         out.append(run_dir / name)
 
     out: list[Path] = []
