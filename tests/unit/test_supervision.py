@@ -146,3 +146,265 @@ def test_taking_over_a_killed_runs_directory_releases_its_shared_memory(tmp_path
     finally:
         for f in [*mine, other]:
             f.unlink(missing_ok=True)
+
+
+# ---- bounded start-up (issue 38 item 3) and the minor supervision defects (item 11) --------------------
+
+
+def test_a_startup_phase_gets_its_own_timeout_and_is_named(tmp_path):
+    """Before its first step a rank is judged by stop.startup_timeout_s per phase (not left unjudged): the
+    diagnosis names the rank, the phase, the line it is at and the setting; a rank waiting for rank 0's
+    preparation is not judged itself, and a rank that never wrote a heartbeat is stuck in its launch."""
+    rd = RunDir(tmp_path)
+    waiting = {"op": "broadcast", "group": "world", "bytes": 8, "since": time.time()}
+    _beat(rd, 0, step=0, phase="checkpoint load", progress=9, armed=False, at="manager.py:212 load")
+    _beat(rd, 1, step=0, phase="checkpoint load", progress=9, armed=False, op=waiting)
+    dog = HangWatchdog(rd, 2, timeout_s=300, startup_timeout_s=0.3)
+    assert dog.check() is None  # first sight: the clocks start
+    time.sleep(0.4)
+    got = dog.check()
+    assert got is not None and got.rank == 0 and got.code == ExitCode.HUNG
+    assert got.how == (
+        "hung: rank 0 stuck in phase checkpoint load for 0 s (no collective, manager.py:212 load); "
+        "rank 1 is waiting in broadcast on group world (8 B) (stop.startup_timeout_s=0.3)"
+    )
+    # the ranks wait for rank 0's preparation while it makes progress: nobody is hung
+    _beat(rd, 1, step=0, phase="wait prepare", progress=1, armed=False)
+    dog = HangWatchdog(rd, 2, timeout_s=300, startup_timeout_s=0.3)
+    for progress in range(3):
+        _beat(rd, 0, step=0, phase="data prepare", progress=progress, armed=False)
+        assert dog.check() is None
+        time.sleep(0.2)
+    time.sleep(0.2)
+    got = dog.check()  # rank 0's preparation stopped moving: it is named, rank 1 waits for it
+    assert got is not None and got.rank == 0, got
+    assert "rank 0 stuck in phase data prepare for" in got.how
+    assert "rank 1 is waiting for rank 0 to prepare the run directory" in got.how
+    # the first step of a resumed process is still start-up; a rank with no heartbeat is stuck in launch
+    _beat(rd, 0, step=7, phase="step", progress=3, armed=False, at="engine.py:88 train_step")
+    rd.rank_file(1, "heartbeat").unlink()
+    dog = HangWatchdog(rd, 2, timeout_s=300, startup_timeout_s=0.3)
+    assert dog.check() is None
+    time.sleep(0.4)
+    got = dog.check()
+    assert got is not None and got.rank == 1
+    assert got.how.startswith("hung: rank 1 stuck in phase launch for 0 s (no heartbeat yet")
+    assert "rank 0 is in step (no collective, engine.py:88 train_step)" in got.how
+    # neither a multi-node run (remote heartbeats need not show here) nor a disabled timeout judges it
+    assert HangWatchdog(rd, 2, 300, startup_timeout_s=0.3, local=False).check() is None
+    _beat(rd, 0, step=0, phase="model build", progress=3, armed=False)
+    dog = HangWatchdog(rd, 2, 300, startup_timeout_s=None)
+    assert dog.check() is None and (time.sleep(0.4) or dog.check()) is None
+
+
+def test_a_frozen_rank_is_diagnosed_at_the_step_it_froze_in(tmp_path, monkeypatch):
+    """11a: a SIGSTOPped rank was reported "at step 2" when it stopped at step 6: the heartbeat thread
+    writes every 2 s, and fast steps moved on in between. A new step is written at once now."""
+    import tessera.launch.watchdog as watchdog
+    from tessera.train.heartbeat import Heartbeat
+
+    class Counter:
+        current, completed = None, 0
+
+    rd = RunDir(tmp_path)
+    rd.logs.mkdir(parents=True)
+    _beat(
+        rd,
+        0,
+        step=6,
+        phase="step",
+        progress=50,
+        op={"op": "all_reduce", "group": "dp", "bytes": 16, "since": 0},
+    )
+    hb = Heartbeat(rd.rank_file(1, "heartbeat"), 1, Counter())
+    for step in range(1, 7):  # six fast steps, well inside one heartbeat interval
+        hb.set(step=step, phase="data")
+        hb.set(phase="step")
+        if step < 6:
+            hb.set(phase="step end")
+    hb._stop.set()  # the process froze (SIGSTOP) in step 6: nothing writes its heartbeat any more
+    assert json.loads(rd.rank_file(1, "heartbeat").read_text())["step"] == 6
+    monkeypatch.setattr(watchdog, "FROZEN_S", 0.2)
+    dog = HangWatchdog(rd, 2, timeout_s=0.2)
+    dog.check()
+    time.sleep(0.4)
+    got = dog.check()
+    assert got is not None and got.rank == 1
+    assert "rank 1 stopped writing its heartbeat (process frozen?) at step 6" in got.how, got.how
+
+
+def test_startup_phase_faults():
+    got = parse_faults("hang:rank=0:phase=checkpoint_load,hang:phase=wandb_start")
+    assert got == [Fault("hang", rank=0, phase="checkpoint load"), Fault("hang", phase="wandb start")]
+    assert got[0].spec == "hang:rank=0:phase=checkpoint_load"
+    with pytest.raises(RecipeError) as e:
+        parse_faults("hang:phase=lunch")
+    assert "unknown start-up phase 'lunch'" in str(e.value) and "checkpoint_load" in str(e.value)
+
+
+@pytest.fixture
+def unreachable_wandb(monkeypatch):
+    """W&B online with no server: WANDB_BASE_URL at a closed local port (refused at once, no network)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)  # a key, so that W&B really tries the server
+    monkeypatch.setenv("WANDB_SILENT", "true")
+
+
+def test_wandb_online_without_a_server_falls_back_to_offline_once_or_is_an_error(
+    tmp_path, unreachable_wandb, capsys
+):
+    from tessera.config.schema import WandbSection
+    from tessera.track.wandb_tracker import WandbTracker
+
+    rd = RunDir(tmp_path)
+    t0 = time.monotonic()
+    tracker = WandbTracker(
+        WandbSection(mode="online", init_timeout_s=1), run_dir=rd, manifest={"a": 1}, resume=False
+    )
+    assert time.monotonic() - t0 < 30
+    tracker.log({"step": 1, "loss": 2.5}, 1)
+    tracker.finish()
+    assert tracker.dir is not None and "offline-run-" in tracker.dir and tracker.run_id in tracker.dir
+    err = capsys.readouterr().err
+    warnings = [ln for ln in err.splitlines() if "warning" in ln]
+    assert len(warnings) == 1 and "Traceback" not in err, err
+    assert warnings[0].startswith("[tessera] warning: W&B online could not start within 1 s (CommError: ")
+    assert "mirroring offline instead" in warnings[0] and "tracking.wandb.required: true" in warnings[0]
+    with pytest.raises(RecipeError) as e:  # required: the rank's bad-input exit (2), naming the setting
+        WandbTracker(
+            WandbSection(mode="online", init_timeout_s=1, required=True), run_dir=rd, manifest={}, resume=True
+        )
+    assert e.value.field == "tracking.wandb.required" and "W&B online could not start within 1 s" in str(
+        e.value
+    )
+    assert "tracking.wandb.init_timeout_s" in e.value.fix
+
+
+# A launcher in miniature, shaped like `deepspeed` (runner -> per-node agent -> ranks): the runner exits 0
+# when its agent was killed by a signal (deepspeed's runner does: it propagates only positive codes), the
+# agent polls its ranks and on a failure stops the others (SIGTERM) and exits with that code, like
+# deepspeed.launcher.launch; each rank dies with its agent (PR_SET_PDEATHSIG, as Tessera's ranks do).
+_FAKE_LAUNCHER = r"""
+import os, subprocess, sys, time
+role, run_dir, lines = sys.argv[1], sys.argv[2], int(sys.argv[3])
+me = [sys.executable, __file__]
+if role == "runner":
+    agent = subprocess.Popen([*me, "agent", run_dir, str(lines)])
+    agent.wait()
+    sys.exit(agent.returncode if agent.returncode > 0 else 0)
+if role == "agent":
+    ranks = [subprocess.Popen([*me, str(r), run_dir, str(lines)]) for r in range(2)]
+    while ranks:
+        for p in list(ranks):
+            if p.poll() is None:
+                continue
+            if p.returncode != 0:
+                for q in ranks:
+                    q.terminate()
+                for q in ranks:
+                    q.wait(timeout=10)
+                sys.exit(p.returncode % 256)
+            ranks.remove(p)
+        time.sleep(0.2)
+    sys.exit(0)
+import signal
+from tessera.rundir import RunDir
+from tessera.train.guard import _die_with_parent
+_die_with_parent()
+rd, rank = RunDir(run_dir), int(role)
+signal.signal(signal.SIGTERM, lambda *a: (rd.mark_rank_exited(rank, 143), sys.exit(143)))
+rd.mark_rank_started(rank, os.getpid())
+for i in range(lines):
+    print(f"rank {rank} line {i}", flush=True)
+    time.sleep(0.01)
+if lines:
+    rd.mark_rank_exited(rank, 0)
+    sys.exit(0)
+time.sleep(3600)
+"""
+
+
+def _fake_launch(run_dir: Path, lines: int = 0) -> list[str]:
+    import sys
+
+    script = run_dir.parent / "fake_launcher.py"
+    script.write_text(_FAKE_LAUNCHER)
+    return [sys.executable, str(script), "runner", str(run_dir), str(lines)]
+
+
+def _supervise_in_thread(cmd: list[str], run_dir: Path):
+    import threading
+
+    from tessera.launch.launcher import run_and_monitor
+
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(r=run_and_monitor(cmd, {}, run_dir, 2, grace_s=5)))
+    t.start()
+    rd = RunDir(run_dir)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not all(rd.rank_pid(r) for r in (0, 1)):
+        time.sleep(0.05)
+    return t, out, [rd.rank_pid(r) for r in (0, 1)]
+
+
+def test_a_killed_launcher_is_named_not_rank_0(tmp_path):
+    """11c: SIGKILL of the per-node launcher (deepspeed.launcher.launch) takes its ranks with it; the
+    supervisor reaps them as orphans and names the launcher. A rank killed by itself is still the rank."""
+    import signal
+
+    import psutil
+
+    try:
+        t, out, pids = _supervise_in_thread(_fake_launch(tmp_path / "run"), tmp_path / "run")
+        agent = psutil.Process(pids[0]).ppid()
+        time.sleep(1.0)  # the supervisor has seen the ranks (it polls every 0.25 s) before anything dies
+        os.kill(agent, signal.SIGKILL)
+        t.join(timeout=60)
+        code, failure = out["r"]
+        # (the runner exited 0, as deepspeed's does when its agent died by a signal; tessera run then exits
+        # failure.code)
+        assert code != 0 and failure.rank is None and failure.code == ExitCode.RANK_LOST, failure
+        assert failure.culprit == f"the launcher fake_launcher.py (pid {agent})"
+        assert failure.how == "died (killed by a signal?) and its ranks 0, 1 with it"
+        assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids)
+
+        t, out, pids = _supervise_in_thread(_fake_launch(tmp_path / "run2"), tmp_path / "run2")
+        time.sleep(1.0)
+        os.kill(pids[1], signal.SIGKILL)  # the agent is alive: it reaps rank 1, stops rank 0 and exits
+        t.join(timeout=60)
+        code, failure = out["r"]
+        assert failure.rank == 1 and failure.culprit == "rank 1" and failure.code == ExitCode.RANK_LOST
+        assert failure.how.startswith("died without exiting")
+    finally:  # a failed assertion leaves no fake launcher behind
+        for child in psutil.Process().children(recursive=True):
+            if "fake_launcher.py" in " ".join(child.cmdline()):
+                child.kill()
+
+
+def test_a_closed_reader_of_tessera_runs_output_is_no_traceback(tmp_path):
+    """11b: `tessera run ... | head -1`: the reader goes away while the ranks print. The supervisor's
+    output goes to /dev/null from then on; no BrokenPipeError traceback, no exit 1 from rich, and the
+    process ends with the run's own exit code."""
+    import subprocess
+    import sys
+
+    child = f"""
+import sys
+from pathlib import Path
+from rich.console import Console
+from tessera.launch.launcher import run_and_monitor
+print("launch ...", flush=True)
+rc, failure = run_and_monitor({_fake_launch(tmp_path / "run", lines=300)!r}, {{}}, Path({str(tmp_path / "run")!r}), 2)
+Console().print("[bold green]done[/]  final loss 1.0")
+print("run dir: ...")
+sys.exit(rc if failure is None else 99)
+"""
+    p = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout.readline() == b"launch ...\n"
+    p.stdout.close()  # `head -1` exits
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err.decode()
+    assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()

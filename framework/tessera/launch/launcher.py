@@ -37,8 +37,10 @@ def _venv_bin(name: str) -> str:
 
 def parse_hostfile(path: str) -> list[tuple[str, int]]:
     """``host slots=N`` lines (DeepSpeed's format); comments and blank lines ignored."""
+    from tessera.config.loader import read_config_file  # regular file, size-bounded
+
     p = Path(path)
-    if not p.is_file():
+    if not p.exists():  # a FIFO or a device exists: read_config_file names it
         raise RecipeError(
             "hostfile not found",
             field="run.hostfile",
@@ -46,7 +48,7 @@ def parse_hostfile(path: str) -> list[tuple[str, int]]:
             fix="give a file of lines like 'node1 slots=8'",
         )
     hosts: list[tuple[str, int]] = []
-    for i, line in enumerate(p.read_text().splitlines(), 1):
+    for i, line in enumerate(read_config_file(p, field="run.hostfile", what="host").splitlines(), 1):
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
@@ -185,10 +187,66 @@ def build_command(
 
 @dataclass
 class RankFailure:
-    rank: int
+    rank: int | None  # None: not a rank failed but the process that started them (``who``)
     how: str
     log_tail: list[str]
     code: int | None = None  # the rank's exit code, when it wrote one
+    who: str | None = None  # e.g. "the launcher deepspeed.launcher.launch (pid 4242)"
+
+    @property
+    def culprit(self) -> str:
+        """What failed, for the diagnosis: "rank 1", or the launcher process."""
+        return self.who or f"rank {self.rank}"
+
+
+_PR_SET_CHILD_SUBREAPER, _PR_GET_CHILD_SUBREAPER = 36, 37
+
+
+def _child_subreaper(on: bool) -> bool | None:
+    """Make this process the reaper of its orphaned descendants (Linux ``PR_SET_CHILD_SUBREAPER``); returns
+    the previous setting (None where it cannot be set). A rank whose parent, the per-node launcher, dies
+    first is killed by its parent-death signal and then reparented here: reaping it is how the supervisor
+    tells "the launcher died and took its ranks" from "a rank died" (which the launcher reaps itself)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        was = ctypes.c_int(0)
+        if libc.prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(was), 0, 0, 0) != 0:
+            return None
+        if libc.prctl(_PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) != 0:
+            return None
+        return bool(was.value)
+    except (OSError, AttributeError):
+        return None
+
+
+def _reap(pid: int) -> bool:
+    """Reap ``pid`` if it is a finished child of this process (an orphaned rank); True when it was."""
+    try:
+        return os.waitpid(pid, os.WNOHANG)[0] == pid
+    except (ChildProcessError, OSError):
+        return False
+
+
+def _parent_of(pid: int) -> tuple[int, str] | None:
+    """(pid, name) of the process that started ``pid``: the per-node launcher, e.g. (4242,
+    "deepspeed.launcher.launch"), or torchrun."""
+    try:
+        ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        argv = Path(f"/proc/{ppid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except (OSError, ValueError, IndexError):
+        return None
+    argv = [a for a in argv if a]
+    if "-m" in argv[:-1]:
+        name = argv[argv.index("-m") + 1]
+    elif len(argv) > 1 and os.path.basename(argv[0]).startswith("python"):
+        name = os.path.basename(argv[1])
+    else:
+        name = os.path.basename(argv[0]) if argv else "?"
+    return ppid, name
 
 
 def _alive(pid: int) -> bool:
@@ -203,9 +261,22 @@ def _alive(pid: int) -> bool:
             return False
 
 
-def _scan(rd: RunDir, world: int, pids: dict[int, int], dead_seen: dict[int, float]) -> RankFailure | None:
+class _Ranks:
+    """What the supervisor knows of the rank processes: pid, the process that started each (its per-node
+    launcher), when each was first seen dead, and which ones this process reaped as orphans."""
+
+    def __init__(self) -> None:
+        self.pids: dict[int, int] = {}
+        self.parents: dict[int, tuple[int, str]] = {}
+        self.dead_seen: dict[int, float] = {}
+        self.orphaned: set[int] = set()
+
+
+def _scan(rd: RunDir, world: int, ranks: _Ranks) -> RankFailure | None:
     """The rank that failed first: a vanished process beats a non-zero exit, which beats a rank that was
-    only terminated because another one failed."""
+    only terminated because another one failed. Ranks that all vanished as orphans (reaped here, not by
+    their launcher) died with their launcher, which is named instead."""
+    pids, dead_seen = ranks.pids, ranks.dead_seen
     vanished: list[tuple[float, int]] = []
     exited: list[tuple[int, float, int, int]] = []
     for rank in range(world):
@@ -213,6 +284,9 @@ def _scan(rd: RunDir, world: int, pids: dict[int, int], dead_seen: dict[int, flo
             pid = rd.rank_pid(rank)
             if pid is not None:
                 pids[rank] = pid
+                parent = _parent_of(pid)
+                if parent is not None and parent[0] not in (os.getpid(), 1):  # not orphaned already
+                    ranks.parents[rank] = parent
         exit_f = rd.rank_file(rank, "exit")
         code = rd.rank_exit(rank)
         if code is not None:
@@ -221,8 +295,22 @@ def _scan(rd: RunDir, world: int, pids: dict[int, int], dead_seen: dict[int, flo
                 exited.append((prio, exit_f.stat().st_mtime, rank, code))
         elif rank in pids and not _alive(pids[rank]):
             dead_seen.setdefault(rank, time.monotonic())
+            if _reap(pids[rank]):
+                ranks.orphaned.add(rank)
             if time.monotonic() - dead_seen[rank] > 0.5 and not exit_f.is_file():  # not mid-write
                 vanished.append((dead_seen[rank], rank))
+    if vanished and all(r in ranks.orphaned and r in ranks.parents for _, r in vanished):
+        rank = min(vanished)[1]
+        ppid, name = ranks.parents[rank]
+        lost = sorted(r for _, r in vanished)
+        return RankFailure(
+            None,
+            f"died (killed by a signal?) and its rank{'s' if len(lost) > 1 else ''} "
+            f"{', '.join(map(str, lost))} with it",
+            _launcher_tail(rd),
+            code=ExitCode.RANK_LOST,
+            who=f"the launcher {name} (pid {ppid})",
+        )
     if vanished:
         rank = min(vanished)[1]
         return RankFailure(
@@ -238,7 +326,25 @@ def _scan(rd: RunDir, world: int, pids: dict[int, int], dead_seen: dict[int, flo
     return None
 
 
+def _group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of the process group ``pgid``: the launcher's whole tree."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
+                out.append(int(entry.name))
+    return out
+
+
 def _stop_group(proc: subprocess.Popen, pids: dict[int, int]) -> None:
+    """SIGTERM to the launcher's process group and the ranks, SIGKILL to what is left after 5 s. Done
+    when the whole group is gone, not only the launcher's first process: deepspeed.launcher.launch
+    outlives the runner while it stops its ranks (up to 30 s for a stopped one), and logging to the
+    pipe of a ``tessera run`` that already exited printed a BrokenPipeError traceback."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for target in [proc.pid, *pids.values()]:
             try:
@@ -248,11 +354,15 @@ def _stop_group(proc: subprocess.Popen, pids: dict[int, int]) -> None:
                     os.kill(target, sig)
             except OSError:
                 pass
-        try:
-            proc.wait(timeout=5)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            if (
+                proc.poll() is not None
+                and not _group_members(proc.pid)
+                and not any(map(_alive, pids.values()))
+            ):
+                return
+            time.sleep(0.1)
 
 
 LAUNCHER_LOG = "launcher.log"  # in logs/: the launcher's own INFO / WARNING lines
@@ -269,7 +379,7 @@ class _LauncherLines:
     """The launcher's stdout (which the ranks inherit): its log lines go to ``logs/launcher.log``, the rest
     (rank 0's progress and messages) to the console as they come; ``--verbose`` prints everything."""
 
-    def __init__(self, stream: Any, log: Path) -> None:
+    def __init__(self, stream: Any, log: Any) -> None:
         import threading
 
         self.stream, self.log = stream, log
@@ -279,23 +389,52 @@ class _LauncherLines:
 
     def _pump(self) -> None:
         out = sys.stdout.buffer
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log, "ab") as log:
+        with self.log as log:  # opened (never through a link) before the launcher started
             for line in iter(self.stream.readline, b""):
                 if _LOG_LINE.match(line):
-                    log.write(line)
-                    log.flush()
+                    try:
+                        log.write(line)
+                        log.flush()
+                    except OSError:  # a full disk: the line is lost, the pipe keeps draining
+                        pass
                     if not self.verbose:
                         continue
                 try:
                     out.write(line)
                     out.flush()
                 except (OSError, ValueError):  # our own stdout closed: keep draining the pipe
-                    pass
+                    release_closed_console()
 
     def finish(self, proc: subprocess.Popen) -> None:
         """After the launcher ended (or was stopped): let the pump drain what is left."""
         self.thread.join(timeout=10)
+
+
+def release_closed_console() -> None:
+    """Our stdout / stderr is a pipe whose reader went away (``tessera run ... | head -1``): point it at
+    /dev/null. The run goes on under supervision and ends with its own exit code; without this the next
+    line printed raises BrokenPipeError (a traceback, exit 1), rich exits 1 on it, and the interpreter
+    reports the unflushed buffer at exit. A pipe without readers polls POLLERR on its write end."""
+    import select
+
+    for fd in (1, 2):
+        try:
+            poller = select.poll()
+            poller.register(fd, select.POLLOUT)
+            gone = any(ev & select.POLLERR for _, ev in poller.poll(0))
+        except (OSError, ValueError):
+            continue
+        if gone:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, fd)
+            os.close(devnull)
+
+
+def _launcher_tail(rd: RunDir, n: int = 15) -> list[str]:
+    try:
+        return (rd.logs / LAUNCHER_LOG).read_text(errors="replace").splitlines()[-n:]
+    except OSError:
+        return []
 
 
 class _Signals:
@@ -315,7 +454,13 @@ class _Signals:
     def _on(self, signum: int, frame: object) -> None:
         self.times.append(time.monotonic())
         if len(self.times) == 1:
-            (self.rd / RunDir.PREEMPT).write_text(f"{signal.Signals(signum).name}\n")
+            from tessera.atomic import write_text_atomic
+            from tessera.errors import TesseraError
+
+            try:  # never through a link planted there
+                write_text_atomic(self.rd / RunDir.PREEMPT, f"{signal.Signals(signum).name}\n")
+            except (OSError, TesseraError) as e:
+                print(f"tessera: cannot ask the ranks to checkpoint: {e}", file=sys.stderr, flush=True)
             print(
                 f"tessera: {signal.Signals(signum).name}: checkpointing the current step, then stopping "
                 "(again to stop at once)",
@@ -379,11 +524,16 @@ def _run_and_monitor(
     rd.clear_rank_status()
     for stale in (RunDir.PREEMPT, RunDir.PREPARED):
         (rd / stale).unlink(missing_ok=True)
+    rd.drop_torn_tails()  # an earlier launch that crashed mid-line: the ranks append on a line of their own
+    from tessera.atomic import open_append
+
+    launcher_log = open_append(rd.logs / LAUNCHER_LOG, binary=True)  # a link there: refused before launch
     env = {**os.environ, **env_add, SUPERVISOR_ENV: supervisor_token()}
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE)
-    sorter = _LauncherLines(proc.stdout, rd.logs / LAUNCHER_LOG)
-    pids: dict[int, int] = {}
-    dead_seen: dict[int, float] = {}
+    sorter = _LauncherLines(proc.stdout, launcher_log)
+    ranks = _Ranks()
+    pids = ranks.pids
+    reaper_was = _child_subreaper(True)
     failure: RankFailure | None = None
     failed_at = 0.0
     signals = _Signals(rd)
@@ -391,38 +541,52 @@ def _run_and_monitor(
         while True:
             rc = proc.poll()
             if len(signals.times) >= 2:
-                _stop_group(proc, pids)
+                _stop_group(proc, ranks.pids)
                 return ExitCode.INTERRUPTED, None
             if signals.times and time.monotonic() - signals.times[0] > grace_s:
                 print(
                     f"tessera: the ranks did not checkpoint within {grace_s:g} s; stopping them",
                     file=sys.stderr,
                 )
-                _stop_group(proc, pids)
+                _stop_group(proc, ranks.pids)
                 return ExitCode.TERMINATED, None
+            release_closed_console()
             if failure is None:
-                failure = _scan(rd, world, pids, dead_seen)
+                failure = _scan(rd, world, ranks)
                 if failure is None and watchdog is not None and rc is None:
                     failure = watchdog.check()  # type: ignore[attr-defined]
                     if failure is not None:  # a hang: nothing will exit by itself
-                        _stop_group(proc, pids)
+                        _stop_group(proc, ranks.pids)
                         break
                 if failure is not None:
                     failed_at = time.monotonic()
             if rc is not None:
                 break
             if failure is not None and time.monotonic() - failed_at > GRACE_S:
-                _stop_group(proc, pids)
+                _stop_group(proc, ranks.pids)
                 break
             time.sleep(POLL_S)
     except KeyboardInterrupt:  # not the main thread: no handlers were installed
-        _stop_group(proc, pids)
+        _stop_group(proc, ranks.pids)
         return ExitCode.INTERRUPTED, None
     finally:
         signals.restore()
         sorter.finish(proc)
-    # the launcher is gone; make sure no rank outlives it
-    for pid in pids.values():
+        release_closed_console()
+        if reaper_was is not None:
+            _child_subreaper(reaper_was)
+    try:
+        return _settle(proc, rd, world, ranks, failure)
+    finally:
+        for pid in [*pids.values(), *(p for p, _ in ranks.parents.values())]:
+            _reap(pid)  # orphans reparented here while we were their reaper: no zombies left behind
+
+
+def _settle(
+    proc: subprocess.Popen, rd: RunDir, world: int, ranks: _Ranks, failure: RankFailure | None
+) -> tuple[int, RankFailure | None]:
+    """After the launcher ended: no rank outlives it, and the failure is the one that came first."""
+    for pid in ranks.pids.values():
         if _alive(pid):
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -431,9 +595,21 @@ def _run_and_monitor(
     rc = proc.returncode if proc.returncode is not None else ExitCode.FAILED
     if failure is not None and failure.code == ExitCode.HUNG:
         return ExitCode.HUNG, failure
-    if rc != 0:  # re-scan with everything settled: a vanished rank beats the first exit we saw
+    if rc < 0 and failure is None:  # the launcher itself was killed (its ranks then by us, just above)
+        return ExitCode.RANK_LOST, RankFailure(
+            None,
+            f"was killed by {signal.Signals(-rc).name}",
+            _launcher_tail(rd),
+            code=ExitCode.RANK_LOST,
+            who=f"the launcher {os.path.basename(proc.args[0])} (pid {proc.pid})",  # type: ignore[index]
+        )
+    if rc != 0 or any(rd.rank_exit(r) != ExitCode.OK for r in range(world)):
+        # re-scan with everything settled: a vanished rank beats the first exit we saw (the deepspeed
+        # runner exits 0 when its per-node launcher was killed: the ranks' status tells). A rank first
+        # seen dead now needs a second look half a second later to count as vanished.
+        _scan(rd, world, ranks)
         time.sleep(0.6)
-        failure = _scan(rd, world, pids, dead_seen) or failure
+        failure = _scan(rd, world, ranks) or failure
     if failure is not None and rc == 0:
         rc = ExitCode.FAILED
     return rc, failure

@@ -85,6 +85,7 @@ def supervise_ranks(
     from tessera.launch.launcher import run_and_monitor
 
     rc, failure = run_and_monitor(cmd, env, rd.path, world, grace_s=grace_s, watchdog=watchdog)
+    rd.remove_partial_checkpoints()  # every rank has ended: a failed save's room is given back now
     if failure is not None and failure.code in ORDERLY_EXITS[1:] and failure.code != ExitCode.DIVERGED:
         code = ExitCode(failure.code)
         hint = " (continue with --resume)" if code in (ExitCode.PREEMPTED, ExitCode.TIME_LIMIT) else ""
@@ -92,14 +93,15 @@ def supervise_ranks(
         return int(code), failure
     if failure is not None:
         if not (failure.rank == 0 and failure.code == ExitCode.USER_ERROR):  # rank 0's error is on screen
-            _console().print(
-                f"[bold red]rank {failure.rank} {failure.how}[/]; last log lines ({rd.rank_file(failure.rank, 'log')}):"
-            )
+            from tessera.launch.launcher import LAUNCHER_LOG
+
+            log = rd.logs / LAUNCHER_LOG if failure.rank is None else rd.rank_file(failure.rank, "log")
+            _console().print(f"[bold red]{failure.culprit} {failure.how}[/]; last log lines ({log}):")
             for line in failure.log_tail:
                 print(f"  | {line}")
         code = failure.code if failure.code not in (None, ExitCode.TERMINATED) else ExitCode.FAILED
         print(
-            f"tessera: {what} failed: rank {failure.rank} {failure.how} (exit code {int(code)})",
+            f"tessera: {what} failed: {failure.culprit} {failure.how} (exit code {int(code)})",
             file=sys.stderr,
         )
         return int(code), failure
@@ -281,7 +283,7 @@ def start_run(
         write_recipe(recipe, rd)
         launch = {"command": printable, "argv": sys.argv, "resume": resume, **(launch_record or {})}
         rd.write_json(RunDir.LAUNCH, launch)
-        con.print(f"[bold]launch[/] {printable}")
+        con.print(f"[bold]launch[/] {printable}", soft_wrap=True)  # one line: copy-pasteable
         return _supervise(recipe, rd, cmd, env, device=device, flags=flags, launch=launch), rd
 
 
@@ -334,8 +336,10 @@ def _supervise(
     world = recipe.run.world_size
 
     def once(c: list[str], e: dict[str, str]) -> tuple[int, Any]:
-        timeout = recipe.stop.hang_timeout_s
-        dog = HangWatchdog(rd, world, timeout) if timeout else None
+        # after a rank's first step stop.hang_timeout_s, before it stop.startup_timeout_s per phase
+        timeout, startup = recipe.stop.hang_timeout_s, recipe.stop.startup_timeout_s
+        local = not recipe.run.hostfile  # a multi-node run's remote heartbeats may never show here
+        dog = HangWatchdog(rd, world, timeout, startup_timeout_s=startup, local=local)
         grace = recipe.run.preempt_grace_s
         return supervise_ranks(c, e, rd, world, what="run", grace_s=grace, watchdog=dog)
 
@@ -361,7 +365,7 @@ def _supervise(
         record = {
             "attempt": attempt,
             "reason": ExitCode(code).name if code in tuple(ExitCode) else f"exit {code}",
-            "detail": failure.how if failure is not None else None,
+            "detail": _detail(failure),
             "failed_rank": failure.rank if failure is not None else None,
             "failed_at_step": records[-1]["step"] if records else 0,
             "checkpoint": latest.name if latest is not None else None,
@@ -371,7 +375,7 @@ def _supervise(
         lost = f", {record['time_lost_s']:.1f} s of training lost" if record["time_lost_s"] else ""
         _console().print(
             f"[bold yellow]restart {attempt}/{recipe.run.restarts}[/]: {record['reason']}"
-            + (f" (rank {record['failed_rank']})" if record["failed_rank"] is not None else "")
+            + (f" ({failure.culprit})" if failure is not None else "")
             + f" after step {record['failed_at_step']}; {where}{lost}"
         )
         resume = latest is not None
@@ -385,24 +389,40 @@ def _supervise(
             "exit_code": int(code),
             "reason": ExitCode(code).name if code in tuple(ExitCode) else f"exit {code}",
             "rank": failure.rank,
-            "detail": failure.how,
+            "detail": _detail(failure),
         }
-        rd.write_json(RunDir.SUMMARY, summary)
+        from tessera.atomic import DiskFull
+
+        try:
+            rd.write_json(RunDir.SUMMARY, summary)
+        except DiskFull as e:  # the run's own exit code says more than this record would
+            print(
+                f"tessera: warning: the failure is not recorded in summary.json: {e.message}", file=sys.stderr
+            )
     return code
+
+
+def _detail(failure: Any) -> str | None:
+    """A failure's diagnosis for the records; one that is not a rank's (the launcher) names what failed."""
+    if failure is None:
+        return None
+    return failure.how if failure.who is None else f"{failure.culprit} {failure.how}"
 
 
 def _check_writable(run_dir: Path) -> None:
     """The run directory can be created and written, checked before anything starts."""
     import os
 
+    from tessera.atomic import DiskFull, write_bytes_atomic
+
     probe = run_dir / f".write-test-{os.getpid()}"
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        probe.write_text("")
+        write_bytes_atomic(probe, b"\n", durable=False)  # a byte: a disk with no room left fails here
         probe.unlink()
-    except OSError as e:
+    except (OSError, DiskFull) as e:
         raise TesseraError(
-            f"the run directory cannot be written: {e.strerror or e}",
+            f"the run directory cannot be written: {e.reason if isinstance(e, DiskFull) else e.strerror or e}",
             field="run.out_dir",
             value=str(run_dir),
             fix="point run.out_dir (or run.name under runs/) at a writable directory",

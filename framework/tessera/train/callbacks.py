@@ -55,9 +55,11 @@ class WandbCallback(Callback):
     def on_run_start(self, ctx: RunContext) -> None:
         from tessera.track.wandb_tracker import WandbTracker
 
+        ctx.beat(phase="wandb start")  # its own start-up phase in the heartbeat (a server that never answers)
         self.tracker = WandbTracker(
             ctx.recipe.tracking.wandb, run_dir=ctx.run_dir, manifest=ctx.manifest, resume=ctx.resumed
         )
+        ctx.beat(phase="run start")
 
     def on_step_end(self, ctx: RunContext, rec: dict[str, Any], ops: list[dict[str, Any]]) -> None:
         self.tracker.log(rec, rec["step"])

@@ -4,6 +4,9 @@ A comma-separated list of faults, each ``kind[:key=value...]``:
 
     kill:rank=1:step=7          rank 1 SIGKILLs itself at the start of step 7 (a lost rank)
     hang:rank=1:step=5          rank 1 stops inside step 5 and never returns (the hang watchdog's case)
+    hang:rank=0:phase=checkpoint_load
+                                rank 0 stops when it enters that start-up phase (heartbeat.STARTUP_PHASES,
+                                ``_`` for a space): the start-up watchdog's case (stop.startup_timeout_s)
     slow:rank=1:factor=3        rank 1's forward passes take 3x as long (a straggler)
     crash_in_save:rank=0:step=4 rank 0 dies after writing its shards of step 4's checkpoint, before the
                                 checkpoint is complete (``latest`` must keep pointing at the previous one)
@@ -45,11 +48,14 @@ class Fault:
     rank: int | None = None
     step: int | None = None
     factor: float = 1.0
+    phase: str | None = None  # a start-up phase (hang only)
 
     @property
     def spec(self) -> str:
         parts = [self.kind] + [f"rank={self.rank}"] * (self.rank is not None)
         parts += [f"step={self.step}"] * (self.step is not None)
+        if self.phase is not None:
+            parts.append(f"phase={self.phase.replace(' ', '_')}")
         parts += [f"factor={self.factor:g}"] * (self.kind in ("slow", "spike"))
         return ":".join(parts)
 
@@ -62,7 +68,7 @@ def _bad(spec: str, why: str) -> RecipeError:
         f"cannot read the fault {spec!r}: {why}",
         field=ENV,
         value=spec,
-        fix="write kind[:rank=R][:step=S][:factor=F], kind one of " + ", ".join(KINDS),
+        fix="write kind[:rank=R][:step=S][:factor=F][:phase=P], kind one of " + ", ".join(KINDS),
     )
 
 
@@ -87,11 +93,18 @@ def parse_faults(text: str) -> list[Fault]:
                     args[key] = int(val)
                 elif key == "factor":
                     args[key] = float(val)
+                elif key == "phase" and kind == "hang":
+                    from tessera.train.heartbeat import STARTUP_PHASES
+
+                    args[key] = val.replace("_", " ")
+                    if args[key] not in STARTUP_PHASES:
+                        names = ", ".join(p.replace(" ", "_") for p in STARTUP_PHASES)
+                        raise _bad(spec, f"unknown start-up phase {val!r} (one of {names})")
                 else:
                     raise _bad(spec, f"unknown key {key!r}")
             except ValueError:
                 raise _bad(spec, f"{key} must be a number, not {val!r}") from None
-        needs_step = kind not in ("slow",)
+        needs_step = kind not in ("slow",) and not (kind == "hang" and "phase" in args)
         if needs_step and "step" not in args:
             raise _bad(spec, "it needs a step")
         if kind == "slow" and args.get("factor", 0) <= 1:
@@ -108,6 +121,17 @@ def fault_from_env() -> FaultInjection | None:
     return FaultInjection(faults) if faults else None
 
 
+def _marker(run_dir: Any, f: Fault) -> Path:
+    return run_dir / run_dir.FAULTS_FIRED / f.spec.replace(":", "_").replace("=", "-")
+
+
+def _fire(run_dir: Any, f: Fault, rank: int, where: str) -> None:
+    from tessera.atomic import write_text_atomic
+
+    write_text_atomic(_marker(run_dir, f), f"rank {rank} {where}\n")  # never through a link
+    print(f"[tessera] fault injection: {f.spec} fires on rank {rank}", flush=True)
+
+
 class FaultInjection(Callback):
     def __init__(self, faults: list[Fault]) -> None:
         self.faults = faults
@@ -117,16 +141,26 @@ class FaultInjection(Callback):
 
     # ---- once per run directory ---------------------------------------------------------------------
     def _marker(self, ctx: RunContext, f: Fault) -> Path:
-        return ctx.run_dir / ctx.run_dir.FAULTS_FIRED / f.spec.replace(":", "_").replace("=", "-")
+        return _marker(ctx.run_dir, f)
 
     def _due(self, ctx: RunContext, f: Fault, kind: str, step: int | None = None) -> bool:
-        return f.kind == kind and f.here(ctx.rank, step) and not self._marker(ctx, f).exists()
+        return (
+            f.kind == kind
+            and f.phase is None
+            and f.here(ctx.rank, step)
+            and not _marker(ctx.run_dir, f).exists()
+        )
 
     def _fire(self, ctx: RunContext, f: Fault) -> None:
-        m = self._marker(ctx, f)
-        m.parent.mkdir(parents=True, exist_ok=True)
-        m.write_text(f"rank {ctx.rank} at step {ctx.step}\n")
-        print(f"[tessera] fault injection: {f.spec} fires on rank {ctx.rank}", flush=True)
+        _fire(ctx.run_dir, f, ctx.rank, f"at step {ctx.step}")
+
+    def on_phase(self, run_dir: Any, rank: int, phase: str) -> None:
+        """A rank entering a start-up phase (before any RunContext exists): a ``hang`` there stops it."""
+        for f in self.faults:
+            if f.kind == "hang" and f.phase == phase and f.here(rank) and not _marker(run_dir, f).exists():
+                _fire(run_dir, f, rank, f"in phase {phase}")
+                while True:  # outside any collective; the heartbeat thread keeps beating
+                    time.sleep(3600)
 
     # ---- the faults ---------------------------------------------------------------------------------
     def _param(self, ctx: RunContext) -> torch.nn.Parameter:
@@ -181,7 +215,9 @@ class FaultInjection(Callback):
         if pid is not None:
             os.kill(pid, signal.SIGTERM)  # tessera run writes the request, as for a real one
         else:
-            (ctx.run_dir / ctx.run_dir.PREEMPT).write_text("fault injection\n")
+            from tessera.atomic import write_text_atomic
+
+            write_text_atomic(ctx.run_dir / ctx.run_dir.PREEMPT, "fault injection\n")
 
     def _slow_down(self, ctx: RunContext, f: Fault) -> None:
         started: list[float] = []

@@ -16,6 +16,7 @@ Nothing here imports torch at module level: the command line imports this module
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -104,17 +105,22 @@ def load_run_recipe(run_dir: RunDir) -> Recipe:
     return validate_recipe(yaml.safe_load(run_dir.recipe.read_text()))
 
 
-def prepare_as_rank0(run_dir: RunDir) -> tuple[Recipe, Any, Any]:
+def prepare_as_rank0(
+    run_dir: RunDir, *, phase: Callable[[str], None] = lambda name: None
+) -> tuple[Recipe, Any, Any]:
     """Rank 0 of a ``tessera run`` launch: the planner's layout for ``parallel: auto`` (the recipe is
     rewritten with it), the model checks, the data, plan.json; then :data:`RunDir.PREPARED` releases the
     other ranks. Returns the recipe as written, its layout and the data, which rank 0 then uses as they
-    are (the other ranks read the recipe back)."""
+    are (the other ranks read the recipe back). ``phase``: told "prepare" and "data prepare" (the
+    heartbeat's phases, each bounded by the supervisor's ``stop.startup_timeout_s``)."""
     from tessera.config.loader import ResolvedRecipe
     from tessera.device import resolve_device
 
+    phase("prepare")
     resolved = ResolvedRecipe(load_run_recipe(run_dir))
     device = resolve_device(resolved.recipe.run.device)
     layout = check_model(resolved, device)
+    phase("data prepare")
     data = prepare_run_dir(resolved.recipe, run_dir, root=Path.cwd())
     run_dir.write_json(RunDir.PLAN, plan_record(resolved, layout, device))
     seq_len = resolved.recipe.data.seq_len
@@ -123,11 +129,13 @@ def prepare_as_rank0(run_dir: RunDir) -> tuple[Recipe, Any, Any]:
     return resolved.recipe, layout, data
 
 
-def wait_prepared(run_dir: RunDir) -> None:
+def wait_prepared(run_dir: RunDir, *, phase: Callable[[str], None] = lambda name: None) -> None:
     """A rank other than 0 of a ``tessera run`` launch: import what its engine will need (while rank 0
-    imports the same for its checks), then wait for rank 0 to prepare the run directory. No time limit:
-    if rank 0 fails, the launcher stops this rank (and if ``tessera run`` dies, the supervisor guard
-    does)."""
+    imports the same for its checks), then wait for rank 0 to prepare the run directory. The wait is
+    bounded from outside: if rank 0 fails, the launcher stops this rank; if rank 0's preparation makes
+    no progress for ``stop.startup_timeout_s``, the supervisor's watchdog stops the run naming rank 0
+    (this rank's heartbeat says "wait prepare", which is not judged itself); if ``tessera run`` dies,
+    the supervisor guard ends it."""
     import transformers.modeling_utils  # noqa: F401  (every engine builds or reads an HF model)
 
     from tessera.plan.layout import recipe_uses_deepspeed
@@ -135,6 +143,7 @@ def wait_prepared(run_dir: RunDir) -> None:
     if recipe_uses_deepspeed(load_run_recipe(run_dir)):
         import deepspeed  # noqa: F401  (only the layouts DeepSpeed shards import it)
 
+    phase("wait prepare")
     marker = run_dir / RunDir.PREPARED
     while not marker.is_file():
         time.sleep(0.02)

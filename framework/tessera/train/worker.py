@@ -229,26 +229,37 @@ def setup(run_dir: RunDir, start: Start, heartbeat: Any = None) -> tuple[RunCont
 
     use_venv_build_tools()  # DeepSpeed's CPU comm op as make setup built it, not rebuilt here
     rank, local_rank, world = _rank_env()
+    fault = fault_from_env()
+
+    def phase(name: str) -> None:
+        """Enter a start-up phase (heartbeat.STARTUP_PHASES): the heartbeat says it at once, and the
+        supervisor bounds each phase by stop.startup_timeout_s; a fault injected there fires."""
+        if heartbeat is not None:
+            heartbeat.set(phase=name)
+        if fault is not None:
+            fault.on_phase(run_dir, rank, name)
+
     recipe, layout, data = None, None, None
     if start.prepare:  # a tessera run launch: rank 0 prepares the run dir while the others wait
         from tessera.train.prepare import prepare_as_rank0, wait_prepared
 
         if rank == 0:
-            recipe, layout, data = prepare_as_rank0(run_dir)
+            recipe, layout, data = prepare_as_rank0(run_dir, phase=phase)
         else:
-            wait_prepared(run_dir)
+            wait_prepared(run_dir, phase=phase)
     recipe = recipe if recipe is not None else load_run_recipe(run_dir)
     device = resolve_device(recipe.run.device)
     if device == "cuda":
         torch.cuda.set_device(local_rank)
     layout = _layout(recipe, world, layout)
-    fault = fault_from_env()
     # count every collective from here on, before DeepSpeed / megatron-core bind torch.distributed names
     counter = install(group_namer(layout))
+    phase("rendezvous")
     init_distributed(device, layout)
     ckpt = CheckpointManager(run_dir.checkpoints, keep=recipe.checkpoint.keep, rank=rank, world_size=world)
     resume_from, reshard = None, False
     if start.resume:
+        phase("checkpoint verify")
         *point, reshard = _resume_point(
             ckpt, layout, run_dir, same_layout=start.same_layout, chosen=start.resume_from
         )
@@ -256,12 +267,16 @@ def setup(run_dir: RunDir, start: Start, heartbeat: Any = None) -> tuple[RunCont
     src = start.convert_from
     hf_source = src is not None and is_hf_dir(src)
     if src is not None and not hf_source:
+        phase("checkpoint verify")
         resume_from, reshard = (src, ckpt.verify(src, any_world=True)), True
     stage_dir = None
     if reshard and not dist_checkpointing_reshards(resume_from[1], layout):  # type: ignore[index]
+        phase("reshard")
         stage_dir = stage_on_rank0(resume_from[0], run_dir)  # type: ignore[index]
 
+    phase("data load")
     data = data if data is not None else _load_data(run_dir, recipe)
+    phase("model build")
     source = ModelSource.of(recipe, vocab_size=data.vocab_size, weights=src if hf_source else stage_dir)
     engine = engine_class(layout.engine)(source, recipe, layout, device=device)
     counter.namer = group_namer(layout, engine.named_groups())
@@ -299,13 +314,17 @@ def setup(run_dir: RunDir, start: Start, heartbeat: Any = None) -> tuple[RunCont
         manifest, run_dir, source, resume_from[0] if resume_from and src is None else None, rank=rank
     )
     if hf_source:
+        phase("reshard")
         import_reshard(ctx, None, src, tag=None, verify=start.verify)  # type: ignore[arg-type]
     elif reshard:
         assert resume_from is not None
+        phase("reshard")
         tag = None if src is not None else layout_tag(layout.to_dict())
         resume_from = import_reshard(ctx, resume_from, stage_dir, tag=tag, verify=start.verify)
     if resume_from is not None and src is None:
+        phase("checkpoint load")
         _restore(ctx, *resume_from, strict=start.strict)
+    phase("run start")
     manifest["resumed_from"] = str(resume_from[0]) if resume_from else None
     _evidence_inputs(ctx, data, device)
     if rank == 0:
@@ -445,11 +464,16 @@ def run_rank(run_dir: str | Path, start: Start = Start(), *, keep_process_group:
     ``deepspeed.initialize``."""
     rd = RunDir(run_dir)
     rank, _, _ = _rank_env()
-    rd.mark_rank_started(rank, os.getpid())
+    try:  # a full disk, or a link planted where a rank file goes: one line, no log to write it to
+        rd.mark_rank_started(rank, os.getpid())
+        log = rd.open_rank_log(rank)
+    except TesseraError as e:
+        sys.stderr.write(f"[rank {rank}] error: {e.render()}\n")
+        rd.mark_rank_exited(rank, int(ExitCode.USER_ERROR))
+        return int(ExitCode.USER_ERROR)
     from tessera.train.guard import guard_rank
 
     guard_rank(lambda: rd.mark_rank_exited(rank, int(ExitCode.TERMINATED)))
-    log = open(rd.rank_file(rank, "log"), "a", buffering=1)
     if rank != 0:  # rank 0 keeps the console (progress bar); the others log to their file only
         os.dup2(log.fileno(), sys.stdout.fileno())
         os.dup2(log.fileno(), sys.stderr.fileno())
@@ -484,9 +508,18 @@ def run_rank(run_dir: str | Path, start: Start = Start(), *, keep_process_group:
         code = ExitCode(e.code)
         if rank == 0:
             report(f"[tessera] stopped: {e} (exit code {int(code)} {code.name})\n")
-    except Exception:
-        code = ExitCode.FAILED
-        report(f"[rank {rank}] failed:\n{traceback.format_exc()}")
+    except Exception as e:
+        from tessera.atomic import disk_error
+
+        if disk_error(e):  # a write the file system refused, inside a library: one line, like ours
+            code = ExitCode.USER_ERROR
+            report(
+                f"[rank {rank}] error: the file system refused a write ({disk_error(e)}): {e}\n"
+                "  fix: free space (or quota) there, or move run.out_dir to a larger disk; then --resume\n"
+            )
+        else:
+            code = ExitCode.FAILED
+            report(f"[rank {rank}] failed:\n{traceback.format_exc()}")
     finally:
         if dist.is_initialized() and not (keep_process_group and code in ORDERLY_EXITS):
             try:
