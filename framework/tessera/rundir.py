@@ -55,7 +55,8 @@ class ExitCode(IntEnum):
     THROUGHPUT_FLOOR = 5  # stop rule: tokens/s below stop.min_tokens_per_s over its window
     TIME_LIMIT = 6  # stop rule: stop.max_time_s reached; a final checkpoint was saved
     PREEMPTED = 7  # SIGTERM / SIGINT to tessera run: the current step was checkpointed; --resume continues
-    HUNG = 8  # the hang watchdog stopped the job (a rank made no progress for stop.hang_timeout_s)
+    HUNG = 8  # the hang watchdog stopped the job (no progress for stop.hang_timeout_s; before step 1: one
+    # start-up phase longer than stop.startup_timeout_s)
     RANK_LOST = 9  # a rank died without exiting (killed by a signal, the OOM killer)
     INTERRUPTED = 130  # Ctrl-C twice (128 + SIGINT): stopped at once
     TERMINATED = 143  # stopped by SIGTERM (128 + 15): the launcher stopping the survivors of a failure
