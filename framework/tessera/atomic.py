@@ -108,17 +108,21 @@ def writing(path: Path) -> Iterator[None]:
         raise
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a ``stat`` / ``lstat`` mode is, in words ("a regular file", "a directory", "a symbolic link",
+    "a FIFO", ...): the one wording of every refusal of a file that is not what Tessera expects."""
     for test, what in (
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISLNK, "a symbolic link"),
         (stat.S_ISFIFO, "a FIFO"),
         (stat.S_ISSOCK, "a socket"),
         (stat.S_ISCHR, "a character device"),
         (stat.S_ISBLK, "a block device"),
-        (stat.S_ISDIR, "a directory"),
     ):
         if test(mode):
             return what
-    return "not a regular file"
+    return "a special file"
 
 
 def open_regular(path: Path, flags: int, mode: int = 0o666) -> int:
@@ -135,7 +139,7 @@ def open_regular(path: Path, flags: int, mode: int = 0o666) -> int:
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise UnsafeFile(path, _kind(st.st_mode))
+            raise UnsafeFile(path, file_kind(st.st_mode))
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
     except BaseException:
         os.close(fd)
@@ -169,7 +173,7 @@ def read_regular(path: Path) -> bytes:
     with open(fd, "rb", closefd=True) as f:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise UnsafeFile(path, _kind(st.st_mode))
+            raise UnsafeFile(path, file_kind(st.st_mode))
         return f.read()
 
 

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from tessera.atomic import sha256_file
+from tessera.atomic import file_kind, sha256_file
 from tessera.errors import CheckpointError, preview
 from tessera.rundir import RunDir
 
@@ -190,20 +190,6 @@ def meta_problem(meta: Any) -> tuple[str, str | None] | None:
 # ---- reading and verifying -------------------------------------------------------------------------
 
 
-def _what_is(mode: int) -> str | None:
-    """None for a regular file or a directory, else what the entry is (from ``lstat``: no link followed)."""
-    for test, what in (
-        (stat.S_ISLNK, "a symbolic link"),
-        (stat.S_ISFIFO, "a FIFO (named pipe)"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-    ):
-        if test(mode):
-            return what
-    return None if stat.S_ISREG(mode) or stat.S_ISDIR(mode) else "not a regular file"
-
-
 def walk_regular(path: Path) -> list[str]:
     """Every regular file under checkpoint directory ``path``, relative and sorted, found with ``lstat``
     alone: a symbolic link (wherever it points), a FIFO, a socket or a device anywhere under it is a
@@ -225,8 +211,8 @@ def walk_regular(path: Path) -> list[str]:
             ) from None
         for e in entries:
             mode = e.stat(follow_symlinks=False).st_mode
-            what = _what_is(mode)
-            if what is not None:
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                what = file_kind(mode)
                 target = f" (to {os.readlink(e.path)})" if stat.S_ISLNK(mode) else ""
                 raise CheckpointError(
                     f"{what}{target} inside a checkpoint; refused before anything was opened",
@@ -251,7 +237,7 @@ def read_meta(path: Path) -> dict[str, Any]:
     except FileNotFoundError:
         st = None
     if st is None or not stat.S_ISREG(st.st_mode):
-        what = "no meta.json" if st is None else f"meta.json is {_what_is(st.st_mode)}"
+        what = "no meta.json" if st is None else f"meta.json is {file_kind(st.st_mode)}"
         raise CheckpointError(
             f"checkpoint is incomplete ({what})", field="checkpoint", value=str(meta_path), fix=FIX
         )

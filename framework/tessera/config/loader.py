@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from tessera.atomic import file_kind
 from tessera.config.schema import Recipe
 from tessera.errors import RecipeError, preview
 
@@ -62,14 +63,6 @@ def project_root(start: Path) -> Path | None:
 #: such as /dev/zero or a log file given by mistake must not be read into memory)
 MAX_CONFIG_BYTES = 1 << 20
 
-_KINDS = (
-    (stat.S_ISDIR, "a directory"),
-    (stat.S_ISFIFO, "a FIFO"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
-    (stat.S_ISSOCK, "a socket"),
-)
-
 
 def read_config_file(path: str | Path, *, field: str, what: str, limit: int = MAX_CONFIG_BYTES) -> str:
     """The text of a small input file (a recipe, an include, an acceptance YAML, a DeepSpeed JSON):
@@ -91,9 +84,8 @@ def read_config_file(path: str | Path, *, field: str, what: str, limit: int = MA
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            kind = next((k for test, k in _KINDS if test(st.st_mode)), "a special file")
             raise RecipeError(
-                f"the {what} file is {kind}, not a regular file",
+                f"the {what} file is {file_kind(st.st_mode)}, not a regular file",
                 field=field,
                 value=str(p),
                 fix=f"give the path of a regular {what} file",

@@ -90,15 +90,7 @@ def atomic_torch_save(obj: Any, target: Path) -> None:
     """``torch.save`` to a temp file beside ``target``, fsync, then ``os.replace`` onto it."""
     import torch
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _temp_name(target)  # not mkstemp: that makes the file 0600 regardless of the umask
-    try:
-        with open(tmp, "xb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    from tessera.atomic import atomic_file
+
+    with atomic_file(target) as f:
+        torch.save(obj, f)
