@@ -482,6 +482,11 @@ def run_rank(run_dir: str | Path, start: Start = Start(), *, keep_process_group:
     code = ExitCode.OK
 
     def _on_term(signum, frame):  # the launcher stops the survivors when a peer failed
+        # once: DeepSpeed's launcher and the supervisor both send SIGTERM, and a second SystemExit raised
+        # inside the clean-up below would skip the exit file and leave through the interpreter's exit,
+        # whose atexit hooks (W&B's service teardown, its service already stopped) print tracebacks; a
+        # clean-up that hangs is SIGKILLed by the supervisor after 5 s
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise SystemExit(ExitCode.TERMINATED)
 
     def report(msg: str) -> None:
