@@ -300,14 +300,11 @@ def file_problem(root: Path, rel: str, cache: dict[str, Any] | None = None) -> s
     return None
 
 
-def scan_pickles(ckpt_dir: Path, files: list[str] | None = None) -> None:
-    """Raise :class:`CheckpointError` naming the first file of ``ckpt_dir`` (``files``: relative paths;
-    default: every file under it, after refusing any that is not a regular file) whose pickles name a
-    global off the allow-list."""
-    from tessera.checkpoint.index import walk_regular  # refuses links, FIFOs and devices first
-
+def scan_pickles(ckpt_dir: Path, files: list[str]) -> None:
+    """Raise :class:`CheckpointError` naming the first of ``files`` (paths relative to ``ckpt_dir``, each
+    already known to be a regular file: :func:`tessera.checkpoint.index.walk_regular`) whose pickles name
+    a global off the allow-list."""
     root = Path(ckpt_dir)
-    files = walk_regular(root) if files is None else files
     cache: dict[str, Any] = {}
     for rel in files:
         problem = file_problem(root, rel, cache)
