@@ -28,16 +28,51 @@ class RunSpec:
     fault: str | None = None
 
 
+# What every rank imports: loaded once in the forkserver, whose forks become the ranks (a spawned rank
+# pays ~8 s of imports; several runs per set of ranks already spare the repeats within one fixture).
+PRELOAD = ["torch", "torch.distributed", "deepspeed", "transformers", "megatron.core", "tessera.train.worker"]
+RANK_ENV = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}  # what set_rank_env sets before the imports
+
+
+def rank_context():
+    """The multiprocessing context for rank processes: forkserver with PRELOAD imported, under RANK_ENV.
+    The server holds no threads (the imports start none), so its forks are as clean as spawned
+    processes; each rank still takes the test process's environment of the moment (:func:`_with_env`)."""
+    from multiprocessing import forkserver
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    saved = {k: os.environ.get(k) for k in RANK_ENV}
+    os.environ.update(RANK_ENV)
+    try:
+        forkserver.ensure_running()  # started once per test session, with RANK_ENV for its imports
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return ctx
+
+
+def _with_env(env: dict[str, str]) -> None:
+    """A forked rank's environment := the test process's when it started the rank (as with spawn)."""
+    os.environ.clear()
+    os.environ.update(env)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, runs: list[RunSpec]) -> None:
+def _rank_main(rank: int, world: int, port: int, runs: list[RunSpec], env: dict[str, str]) -> None:
     """One rank running one or more runs in turn (several runs per process spare the imports). A run
     may be expected to fail with a given code (a stop rule, bad input); the next one then still runs."""
     from tessera.launch.local import set_rank_env
+
+    _with_env(env)
 
     set_rank_env(rank, world, port)
     import torch
@@ -75,9 +110,10 @@ def spawn_ranks(
     """Start ``world`` processes, wait, return their exit codes (killing all on timeout). ``run_dir`` may
     be a list of runs done one after the other by the same processes (0 when each ended as expected)."""
     runs = [RunSpec(str(run_dir), resume)] if isinstance(run_dir, Path) else run_dir
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, runs)) for r in range(world)]
+    env = dict(os.environ)
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, runs, env)) for r in range(world)]
     with _running(procs, timeout, port):
         pass
     return [p.exitcode for p in procs]
@@ -135,8 +171,10 @@ def train_runs(specs: dict[Path, tuple], *, world: int) -> dict[Path, list[dict]
     return {d: read_metrics(d) if RunDir(d).metrics.is_file() else [] for d in specs}
 
 
-def _fn_main(rank: int, world: int, port: int, fn, args: tuple, queue) -> None:
+def _fn_main(rank: int, world: int, port: int, fn, args: tuple, queue, env: dict[str, str]) -> None:
     from tessera.launch.local import set_rank_env
+
+    _with_env(env)
 
     set_rank_env(rank, world, port)
     import torch
@@ -158,10 +196,11 @@ def _fn_main(rank: int, world: int, port: int, fn, args: tuple, queue) -> None:
 def run_on_ranks(fn, world: int, *args, timeout: float = 600) -> list:
     """Run importable ``fn(*args)`` on ``world`` gloo ranks; returns each rank's result, raising with the
     rank's traceback if one failed."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     queue = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_fn_main, args=(r, world, port, fn, args, queue)) for r in range(world)]
+    env = dict(os.environ)
+    procs = [ctx.Process(target=_fn_main, args=(r, world, port, fn, args, queue, env)) for r in range(world)]
     results: dict[int, object] = {}
     with _running(procs, timeout, port):
         for _ in range(world):
@@ -463,10 +502,15 @@ def hf_loss_on_step(model, run_dir: Path, step: int) -> float:
         return float(summed_token_loss(model(input_ids=ids).logits, labels)) / label_tokens(labels)
 
 
-def assert_hf_export_replays_the_run(run_dir: Path, ckpt_step: int, out: Path, *, rel: float = 1e-6) -> dict:
+def assert_hf_export_replays_the_run(
+    run_dir: Path, ckpt_step: int, out: Path, *, rel: float = 1e-6, tamper: bool = False
+) -> dict:
     """``tessera convert`` of the run's step ``ckpt_step`` checkpoint to an HF directory: it loads with
     ``from_pretrained`` (and its tokenizer with ``AutoTokenizer``), and that model's token-normalised
-    loss on the global batch of step ``ckpt_step + 1`` equals the loss the run logged for that step."""
+    loss on the global batch of step ``ckpt_step + 1`` equals the loss the run logged for that step. Its
+    config.json and generation_config.json carry the special-token ids of the run's tokenizer (a run from
+    scratch: exactly its bos, eos and pad); the console has no warning and no progress bar.
+    ``tamper``: `tessera verify` then fails a copy whose config.json names another eos."""
     import subprocess
     import sys
 
@@ -489,11 +533,43 @@ def assert_hf_export_replays_the_run(run_dir: Path, ckpt_step: int, out: Path, *
     assert verify["ok"] and verify["weights_ok"] and report["step"] == ckpt_step
     assert verify["logits"]["max_abs_diff"] <= 1e-5 and not verify["missing_in_b"]
     assert AutoTokenizer.from_pretrained(str(out)).vocab_size > 0
+    assert "Warning" not in p.stderr and "it/s]" not in p.stderr and "%|" not in p.stderr, p.stderr[-2000:]
+    tok = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
+    keys = ("bos_token_id", "eos_token_id", "pad_token_id")  # a run from scratch: exactly the tokenizer's
+    assert report["token_ids"] == {k: getattr(tok, k) for k in keys}
+    for name in ("config.json", "generation_config.json"):
+        written = json.loads((out / name).read_text())
+        assert {k: written.get(k) for k in keys} == report["token_ids"], (name, written)
+    if tamper:
+        _assert_verify_fails_a_tampered_eos(src, out, int(tok.eos_token_id))
     model = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True).eval()
     loss = hf_loss_on_step(model, run_dir, ckpt_step + 1)
     logged = next(r["loss"] for r in rd.read_metrics() if r["step"] == ckpt_step + 1)
     assert abs(loss - logged) <= rel * abs(logged), (loss, logged)
     return report
+
+
+def _assert_verify_fails_a_tampered_eos(ckpt: Path, export: Path, eos: int) -> None:
+    """`tessera verify CKPT COPY` of an export whose config.json says eos 2 more than its tokenizer: exit 1,
+    the special-token check failing with both values named, everything else equal."""
+    import contextlib
+    import io
+    import shutil
+
+    from tessera.cli import main
+
+    copy = export.parent / f"{export.name}-tampered"
+    shutil.copytree(export, copy)
+    cfg = json.loads((copy / "config.json").read_text())
+    cfg["eos_token_id"] = eos + 2
+    (copy / "config.json").write_text(json.dumps(cfg))
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        assert main(["verify", str(ckpt), str(copy), "--prompts", "1", "--json"]) == 1
+    report = json.loads(printed.getvalue())
+    assert report["weights_ok"] and report["logits"]["ok"] and not report["ok"]
+    assert [t["problems"] for t in report["special_tokens"]] == [
+        [f"config.json eos_token_id={eos + 2}, the tokenizer's eos_token is {eos}"]
+    ]
 
 
 def relayout(src: Path, dst: Path, overrides: list[str], *, at_step: int | None = None) -> Path:

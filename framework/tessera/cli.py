@@ -10,6 +10,10 @@
     tessera manifest show RUN | tessera manifest diff RUN_A RUN_B [--json]
     tessera config show R.yaml [key=value ...]
 
+Overrides (``key=value``) may stand before or after the flags. ``run --dry-run`` makes every check a
+launch makes (the data too: the first records of each file, read as the ranks read them), then prints
+the ``tessera run`` line to copy and the launcher command that line will start.
+
 User mistakes (recipe, override, layout, data, checkpoint) exit with code 2 and a short message that
 names the field, the value and the fix; no traceback.
 """
@@ -104,7 +108,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from tessera.config.loader import load_recipe
     from tessera.device import resolve_device
     from tessera.plan.hardware import load_hardware
-    from tessera.plan.search import DEFAULT_HARDWARE, plan_recipe
+    from tessera.plan.search import DEFAULT_HARDWARE, check_recipe_layout, plan_recipe
+    from tessera.plan.table import COLUMNS, cells
 
     if args.calibrate:
         return _plan_calibrate(args)
@@ -125,52 +130,29 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.measured:
         return _plan_measured(args, hw)
     result = plan_recipe(recipe, world_size=ws, hardware=hw)
+    if not recipe.parallel.auto:
+        result.recipe_layout = check_recipe_layout(recipe, hardware=hw, world_size=ws)
     if args.json:
         print(json.dumps(result.to_json(), indent=2))
         return 0
     con = _console()
-    con.width = max(con.width, 150)
-    gib = 2**30
+    con.width = max(con.width, 160)
     table = Table(title=f"{args.recipe} on {ws} x {hw.name} ({len(result.candidates)} layouts fit)")
-    for col in (
-        "#",
-        "engine",
-        "dp",
-        "tp",
-        "pp",
-        "vpp",
-        "ep",
-        "zero",
-        "mb",
-        "mem GiB/rank",
-        "comm GB/step",
-        "bubble",
-        "step s",
-        "MFU",
-    ):
-        table.add_column(col, justify="right" if col not in ("engine",) else "left")
+    for col in COLUMNS:  # headers and cells from the one list: they cannot drift apart
+        table.add_column(col.header, justify=col.justify)
     for i, c in enumerate(result.candidates[: args.top]):
-        lay = c.layout
-        style = "bold green" if i == 0 else None
-        table.add_row(
-            str(i + 1),
-            lay.engine,
-            *(str(getattr(lay, k)) for k in ("dp", "tp", "pp", "vpp", "ep", "zero")),
-            "opt+params" if lay.offload_params else ("opt" if lay.offload_optimizer else "-"),
-            str(lay.micro_batch),
-            f"{c.memory.total / gib:.1f}",
-            f"{sum(c.comm_bytes.values()) / 1e9:.2f}",
-            f"{c.bubble:.3f}",
-            f"{c.time.step_s:.3g}",
-            f"{c.time.mfu:.3f}",
-            style=style,
-        )
+        table.add_row(*cells(i, c), style="bold green" if i == 0 else None)
     con.print(table)
     if result.chosen is None:
         con.print("[bold red]nothing fits[/]")
     else:
-        con.print(f"[bold]chosen[/]  {result.chosen.layout.describe()}")
-    con.print(f"[bold]rejected[/] {len(result.rejected)} layouts, e.g.:")
+        con.print(f"[bold]chosen[/]  {result.chosen.layout.describe()}", soft_wrap=True)
+    own = result.recipe_layout
+    if own is not None:
+        style = "bold green" if own.fits else "bold red"
+        con.print(f"[{style}]recipe[/]  {own.message(result.chosen)}", soft_wrap=True, highlight=False)
+    if result.rejected:
+        con.print(f"[bold]rejected[/] {len(result.rejected)} layouts, e.g.:")
     seen: set[str] = set()
     for r in result.rejected:
         head = r.reason.split(":")[0]
@@ -180,7 +162,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         lay = r.layout
         con.print(
             f"  {lay.get('engine')} dp={lay.get('dp')} tp={lay.get('tp')} pp={lay.get('pp')} "
-            f"ep={lay.get('ep')} zero={lay.get('zero')}: {r.reason}",
+            f"ep={lay.get('ep')} zero={lay.get('zero')}"
+            + (f" recompute={lay['recompute']}" if lay.get("recompute", "none") != "none" else "")
+            + f": {r.reason}",
             soft_wrap=True,
         )
     return 0
@@ -287,6 +271,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         f"converted {rec['source']} (step {rec['step']}, {rec['sharding']}) -> {args.out}: {rec['tensors']} tensors"
     )
     print(f"tokenizer: {rec['tokenizer'] or 'none found beside the checkpoint'}")
+    if rec.get("token_ids"):  # what generate stops on, as written to config.json and generation_config.json
+        print("special tokens: " + ", ".join(f"{k} {v}" for k, v in rec["token_ids"].items()))
     if isinstance(rec["verify"], dict):
         from tessera.checkpoint.verify import render
 
@@ -448,11 +434,29 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     return 0
 
 
+class _IntermixedParser(argparse.ArgumentParser):
+    """A verb's parser that takes its positionals (the recipe, the overrides) on either side of its flags:
+    ``tessera run R.yaml --dry-run train.steps=3`` (argparse's ``parse_known_intermixed_args``). A parser
+    with sub-commands (``manifest``, ``config``) parses as usual: argparse refuses to intermix those."""
+
+    _intermixing = False
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        nested = any(a.nargs in (argparse.PARSER, argparse.REMAINDER) for a in self._get_positional_actions())
+        if nested or self._intermixing:  # parse_known_intermixed_args calls back here for its two passes
+            return super().parse_known_args(args, namespace)
+        self._intermixing = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixing = False
+
+
 def build_parser() -> argparse.ArgumentParser:
     from tessera.engines.registry import ENGINE_NAMES
 
     ap = argparse.ArgumentParser(prog="tessera", description="distributed training recipes for HF models")
-    sub = ap.add_subparsers(dest="command", required=True)
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=_IntermixedParser)
     r = sub.add_parser("run", help="train a recipe on N ranks")
     r.add_argument("recipe")
     r.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.zero=3 optim.lr=3e-4")
@@ -478,7 +482,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="STEP_DIR",
         help="resume from this checkpoint of the run (a checkpoints/step_* dir or its name), not the latest",
     )
-    r.add_argument("--dry-run", action="store_true", help="print the command and the layout; start nothing")
+    r.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="every check, the data's first records included; print the layout and the commands; start nothing",
+    )
     r.add_argument(
         "--verbose", action="store_true", help="launcher INFO lines and library warnings on the console too"
     )
@@ -489,7 +497,12 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("recipe", nargs="?", default=None)
     cp.add_argument("overrides", nargs="*", help="dotted overrides, applied to candidate and baseline")
     cp.add_argument("--baseline", default="ddp", help="'ddp' (engine ddp, same ranks) or a baseline recipe")
-    cp.add_argument("--seeds", type=int, default=2, help="baseline seeds (the noise floor needs 2 or more)")
+    cp.add_argument(
+        "--seeds",
+        type=int,
+        default=2,
+        help="baseline seeds (the noise floor and the cost ratios' spread need 2 or more)",
+    )
     cp.add_argument(
         "--out",
         default=None,

@@ -24,6 +24,7 @@ SHAPE = [
     "parallel.global_batch=4",
     "train.steps=1",
     "checkpoint.at_end=false",
+    "data.eval.max_samples=4",  # one held-out batch: the eval after the step saves nothing for backward
 ]
 ENGINES = {
     "hf_tp1": ["parallel.engine=deepspeed", "parallel.zero=0"],

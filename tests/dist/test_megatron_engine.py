@@ -33,7 +33,10 @@ R = REPO / "recipes"
 LLAMA, MIXTRAL = R / "tiny-llama-cpu.yaml", R / "tiny-mixtral-cpu.yaml"
 GPT2, QWEN2 = R / "tiny-gpt2-cpu.yaml", R / "tiny-qwen2-cpu.yaml"
 LLAMA4 = R / "tiny-llama4l-cpu-mcore-pp2-vpp2.yaml"
-COMMON = [f"train.steps={STEPS}"]
+# two held-out global batches (of 256 rows by default): each layout's forward-only schedule and the sum
+# across batches are compared all the same, at an eighth of the eval's cost (it outweighed the 10 steps)
+EVAL = "data.eval.max_samples=32"
+COMMON = [f"train.steps={STEPS}", EVAL]
 # 2-rank layouts: name -> (recipe, reference name)
 TWO = {
     "dp2_distopt": (R / "tiny-llama-cpu-mcore-dp2-distopt.yaml", "llama"),
@@ -92,7 +95,7 @@ def runs(tmp_path_factory):
         two[name] = (recipe, [*COMMON, f"model.moe_aux_loss_coeff={AUX_COEFF}", *over], False)
     # first halves of the resume checks (checkpoint at step 5), on the dist_checkpointing paths
     for k in ("dp2_distopt", "tp2"):
-        two[f"resume_{k}"] = (TWO[k][0], ["train.steps=5"], False)
+        two[f"resume_{k}"] = (TWO[k][0], ["train.steps=5", EVAL], False)
     # a NaN gradient norm at step 3 (checkpoints every 2): the run stops with DIVERGED, latest is step 2
     two["nan_tp2"] = (
         TWO["tp2"][0],

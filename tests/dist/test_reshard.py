@@ -28,6 +28,7 @@ from helpers import (
 from tessera.checkpoint.index import read_meta, step_dir_name, verify_checkpoint
 from tessera.checkpoint.reshard import layout_tag
 from tessera.checkpoint.verify import compare, open_side
+from tessera.config.loader import load_recipe
 from tessera.rundir import RunDir
 
 pytestmark = pytest.mark.slow
@@ -58,7 +59,9 @@ CHANGES = {
     "ds_z0_to_z2": ("ds_z0", ["parallel.zero=2"], 2),
     "ds_z2_to_mc_tp2_ds": ("ds_z2", ["parallel.engine=megatron", "parallel.tp=2", "parallel.zero=2"], 2),
 }
-CKPT = ["train.steps=10", "checkpoint.every=5", "checkpoint.keep=3"]
+# two held-out global batches (of 256 rows by default): nothing here compares eval losses
+EVAL = "data.eval.max_samples=32"
+CKPT = ["train.steps=10", "checkpoint.every=5", "checkpoint.keep=3", EVAL]
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +75,7 @@ def runs(tmp_path_factory):
 
     hf = save_pretrained_tiny(base / "hf_pretrained")
     two = {k: (rec, [*CKPT, *ov], False) for k, (rec, ov) in ORIGINALS.items() if "1" not in k}
-    two["pretrained_z3"] = (LLAMA, [*pretrained(hf), "parallel.zero=3"], False)
+    two["pretrained_z3"] = (LLAMA, [*pretrained(hf), "parallel.zero=3", EVAL], False)
     batch(two, 2)
 
     def changes(world: int) -> dict:
@@ -84,22 +87,29 @@ def runs(tmp_path_factory):
     one = {"mc_tp1": (ORIGINALS["mc_tp1"][0], [*CKPT, *ORIGINALS["mc_tp1"][1]], False)}
     batch({**one, **changes(1)}, 1)  # mc_tp1 first: a source of the 2-rank changes
     batch(changes(2), 2)
-    batch({"pretrained_tp2_pp2": (R / "tiny-llama-cpu4-mcore-tp2-pp2.yaml", pretrained(hf), False)}, 4)
+    batch(
+        {"pretrained_tp2_pp2": (R / "tiny-llama-cpu4-mcore-tp2-pp2.yaml", [*pretrained(hf), EVAL], False)}, 4
+    )
     out["_hf"] = hf
     return out
 
 
 def save_pretrained_tiny(path):
-    """A tiny Llama written by save_pretrained (seed 7: not the weights any run initialises)."""
+    """A tiny Llama written by save_pretrained (seed 7: not the weights any run initialises) with its
+    tokenizer (the recipe's stdlib BPE, as the other runs use), which a pretrained run then takes."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tessera.config.loader import load_recipe
+    from tessera.data import prepare_data
     from tessera.models.hf import load_hf_config
 
+    recipe = load_recipe(LLAMA).recipe
     torch.manual_seed(7)
-    model = AutoModelForCausalLM.from_config(load_hf_config(load_recipe(LLAMA).recipe.model, vocab_size=512))
+    model = AutoModelForCausalLM.from_config(load_hf_config(recipe.model, vocab_size=512))
     model.save_pretrained(path, safe_serialization=True)
+    bpe = prepare_data(recipe.data, root=REPO).tokenizer_dir  # cached: the runs below reuse it
+    AutoTokenizer.from_pretrained(bpe, local_files_only=True).save_pretrained(path)
     return path
 
 
@@ -165,12 +175,20 @@ def test_same_layout_refuses_a_change(runs, tmp_path):
 def test_pretrained_first_step_is_the_hf_models_loss(runs, name):
     """``model.pretrained`` from a save_pretrained directory under deepspeed ZeRO-3 and megatron TP2 x PP2:
     the first step's loss is the HF model's own loss on that batch (each megatron rank read only the
-    tensors of its stage, lazily)."""
+    tensors of its stage, lazily). The run took the model directory's tokenizer (data.tokenizer: auto) and
+    its manifest says so."""
     from transformers import AutoModelForCausalLM
+
+    from tessera.data.tokenizer import tokenizer_hash_on_disk
 
     model = AutoModelForCausalLM.from_pretrained(str(runs["_hf"]), local_files_only=True).eval()
     want = hf_loss_on_step(model, runs["_base"] / name, 1)
     assert_close_rel(losses(runs[name]), [want], 1e-5)
+    manifest = RunDir(runs["_base"] / name).read_manifest()
+    assert manifest["recipe"]["data"]["tokenizer"] == str(runs["_hf"])
+    recipe = load_recipe(LLAMA, pretrained(runs["_hf"])).recipe
+    own = tokenizer_hash_on_disk(recipe.data, "", root=REPO, cache_dir=REPO / recipe.data.cache_dir)
+    assert manifest["tokenizer"] == {"source": "model", "path": str(runs["_hf"]), "sha256": own}
 
 
 def test_ep2_export_to_hf_reproduces_the_run(runs, tmp_path):
@@ -179,6 +197,16 @@ def test_ep2_export_to_hf_reproduces_the_run(runs, tmp_path):
     loss the run logged."""
     report = assert_hf_export_replays_the_run(runs["_base"] / "mc_ep2", 5, tmp_path / "hf")
     assert report["sharding"] == "megatron-distributed-optimizer"
+
+
+def _cli(capsys, *args: str) -> tuple[int, str]:
+    """``tessera ARGS`` in this process (a refusal before launch: no fresh interpreter to import the
+    libraries again): its exit code and stderr."""
+    from tessera.cli import main
+
+    capsys.readouterr()
+    code = main(list(args))
+    return code, capsys.readouterr().err
 
 
 def _convert(*args: str) -> subprocess.CompletedProcess:
@@ -216,7 +244,7 @@ def test_convert_to_an_engine_layout_and_resume_it(runs, tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
-def test_convert_refuses_a_damaged_source(runs, tmp_path, damage):
+def test_convert_refuses_a_damaged_source(runs, tmp_path, capsys, damage):
     """A damaged checkpoint or HF directory: exit 2 naming the file, before any rank starts, and nothing
     at --out."""
     import shutil
@@ -236,7 +264,8 @@ def test_convert_refuses_a_damaged_source(runs, tmp_path, damage):
     for src, victim in ((ckpt, ckpt / "mp_rank_00_model_states.pt"), (hf, hf / "model.safetensors")):
         out = tmp_path / f"out-{src.name}"
         extra = ["--recipe", str(LLAMA)] if src == hf else []
-        p = _convert(str(src), "--to", "deepspeed", "--layout", "zero=3", *extra, "--out", str(out))
-        assert p.returncode == 2, (damage, src, p.stderr[-2000:])
-        assert str(victim) in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+        args = [str(src), "--to", "deepspeed", "--layout", "zero=3", *extra, "--out", str(out)]
+        code, err = _cli(capsys, "convert", *args)
+        assert code == 2, (damage, src, err[-2000:])
+        assert str(victim) in err and "Traceback" not in err, err[-2000:]
         assert not out.exists() and not list(tmp_path.glob(".tmp-out-*"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -33,9 +34,46 @@ def test_dry_run_prints_command_and_layout(tmp_path):
     assert not RunDir(tmp_path).logs.exists()  # nothing started
 
 
+def _printed(stdout: str, label: str) -> str:
+    """The line a dry run prints under ``label``: the command to run, or what the launcher receives."""
+    lines = stdout.splitlines()
+    heads = [i for i, ln in enumerate(lines) if ln.startswith(label)]
+    assert len(heads) == 1, stdout
+    return lines[heads[0] + 1]
+
+
 def test_dry_run_torchrun_and_hostfile(tmp_path):
-    p = tessera("run", RECIPE, "run.launcher=torchrun", "--dry-run")
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"content": f"document {i} " * 8}) + "\n" for i in range(40)))
+    data = ["data.source=files", f"data.files=[{docs}]", f"run.out_dir={tmp_path / 'run'}"]
+    # overrides on either side of the flags
+    p = tessera("run", RECIPE, "run.launcher=torchrun", *data, "--dry-run", "data.text_field=content")
     assert p.returncode == 0 and "--nproc_per_node=2" in p.stdout and "-m tessera.train.worker" in p.stdout
+    # what the launcher receives is labelled as such: the worker's --prepare included (it needs the run
+    # directory `tessera run` writes first); the command to copy is `tessera run` with the same arguments
+    assert _printed(p.stdout, "the launcher will receive").endswith(f"--run-dir {tmp_path / 'run'} --prepare")
+    assert _printed(p.stdout, "run it with").endswith(
+        shlex.join(["tessera", "run", RECIPE, "run.launcher=torchrun", *data, "data.text_field=content"])
+    )
+    # the data is read as the ranks read it, bounded: the first 16 of the 40 records; nothing written
+    assert "16 records, data.text_field 'content' holds text" in p.stdout
+    assert not (tmp_path / "run").exists()
+    # run as printed without `tessera run` having written the run directory: one line saying so, exit 2
+    received = shlex.split(_printed(p.stdout, "the launcher will receive"))
+    worker = received[received.index("-m") + 1 :]
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    w = subprocess.run(
+        [sys.executable, "-m", *worker], cwd=REPO, capture_output=True, text=True, env=env, timeout=120
+    )
+    assert w.returncode == 2 and "Traceback" not in w.stderr, w.stderr
+    assert f"--run-dir = '{tmp_path / 'run'}': not a run directory" in w.stderr
+    # a wrong text_field is the run's own error, before any launch
+    p = tessera("run", RECIPE, *data, "--dry-run")
+    assert p.returncode == ExitCode.USER_ERROR and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr == (
+        "tessera: error: data.text_field = 'text': column 'text' not found in docs.jsonl (columns: content)\n"
+        "  fix: set data.text_field to the column that holds the text\n"
+    )
     hf = tmp_path / "hostfile"
     hf.write_text("localhost slots=2\n")
     p = tessera("run", RECIPE, f"run.hostfile={hf}", "--dry-run")
@@ -43,6 +81,23 @@ def test_dry_run_torchrun_and_hostfile(tmp_path):
     hf.write_text("localhost slots=4\n")
     p = tessera("run", RECIPE, f"run.hostfile={hf}", "--dry-run")
     assert p.returncode == 2 and "run.world_size" in p.stderr and "4 slots" in p.stderr
+
+
+def test_overrides_on_either_side_of_the_flags():
+    from tessera.cli import build_parser
+
+    ap = build_parser()
+    for argv, overrides in (
+        (["run", RECIPE, "--dry-run", "train.steps=3", "--resume", "a=1"], ["train.steps=3", "a=1"]),
+        (["compare", "--seeds", "3", RECIPE, "train.steps=3", "--out", "x"], ["train.steps=3"]),
+        (["plan", RECIPE, "--world-size", "8", "train.steps=3", "--json"], ["train.steps=3"]),
+        (["config", "show", "--json", RECIPE, "train.steps=3"], ["train.steps=3"]),
+    ):
+        args = ap.parse_args(argv)
+        assert (args.recipe, args.overrides) == (RECIPE, overrides), argv
+    assert ap.parse_args(["config", "show", RECIPE, "--json"]).overrides == []
+    with pytest.raises(SystemExit):  # an unknown flag is still refused, wherever it stands
+        ap.parse_args(["run", RECIPE, "train.steps=3", "--dry-rum"])
 
 
 @pytest.mark.slow
@@ -156,8 +211,15 @@ def test_launchers_and_engines_agree(tmp_path):
     runs = {}
     for name, extra in (("torchrun", ["run.launcher=torchrun"]), ("hostfile", [f"run.hostfile={hf}"])):
         out = tmp_path / name
-        p = tessera("run", RECIPE, f"run.out_dir={out}", f"run.master_port={free_port()}", "train.steps=3",
-                    "tracking.wandb.mode=disabled", *extra)  # fmt: skip
+        args = ["run", RECIPE, f"run.out_dir={out}", f"run.master_port={free_port()}", "train.steps=3",
+                "tracking.wandb.mode=disabled", *extra]  # fmt: skip
+        if name == "torchrun":  # the command a dry run prints, pasted into a shell as printed
+            dry = tessera(*args, "--dry-run")
+            assert dry.returncode == 0, dry.stderr
+            line = _printed(dry.stdout, "run it with")
+            p = subprocess.run(line, shell=True, cwd=REPO, capture_output=True, text=True, timeout=300)
+        else:
+            p = tessera(*args)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
         runs[name] = read_metrics(out)
     assert [r["step"] for r in runs["torchrun"]] == [1, 2, 3]
@@ -169,6 +231,27 @@ def test_launchers_and_engines_agree(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "parallel.zero=2 (set by configs/deepspeed/zero2.yaml) does not apply to engine 'ddp'" in p.stderr
     assert "engine=ddp" in p.stdout and "zero=0 " in p.stdout
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_the_launchers_misleading_rank_line_stays_off_the_console(tmp_path, capfd, monkeypatch, verbose):
+    """deepspeed.launcher.launch names the last rank it started when any rank fails (rank 1 when rank 0
+    died): that line goes to logs/launcher.log only, even with --verbose; other launcher output stays."""
+    from tessera.launch.launcher import LAUNCHER_LOG, VERBOSE_ENV, run_and_monitor
+
+    if verbose:
+        monkeypatch.setenv(VERBOSE_ENV, "1")
+    wrong = (
+        "[2026-12-05 19:09:22,267] [ERROR] [launch.py:259:sigkill_handler] ['numactl', '-m', '0', '-C', '1', "
+        "'python3.11', '-u', '-m', 'tessera.train.worker', '--local_rank=1'] exits with return code = -9"
+    )
+    info = "[2026-12-05 19:09:20,001] [INFO] [launch.py:245:main] process 4242 spawned"
+    lines = [info, "[tessera] step 1/4  loss 6.2617", wrong, "node1: " + wrong, "Traceback: kept"]
+    script = "".join(f"print({ln!r})\n" for ln in lines)
+    assert run_and_monitor([sys.executable, "-c", script], {}, tmp_path, 1)[0] == 0
+    shown = capfd.readouterr().out.splitlines()
+    assert shown == [*([info] if verbose else []), "[tessera] step 1/4  loss 6.2617", "Traceback: kept"]
+    assert (RunDir(tmp_path).logs / LAUNCHER_LOG).read_text().splitlines() == [info, wrong, "node1: " + wrong]
 
 
 @pytest.mark.slow
@@ -201,7 +284,7 @@ def test_sigkill_of_one_rank_fails_fast_and_names_it(tmp_path):
             time.sleep(0.5)
         else:
             pytest.fail("run never reached step 3")
-        victim = RunDir(out).rank_pid(1)
+        victim = RunDir(out).rank_pid(0)  # rank 0: the deepspeed launcher's own line would say rank 1
         t0 = time.monotonic()
         os.kill(victim, signal.SIGKILL)
         output, _ = proc.communicate(timeout=90)
@@ -211,10 +294,14 @@ def test_sigkill_of_one_rank_fails_fast_and_names_it(tmp_path):
             proc.kill()
     assert proc.returncode != 0
     assert elapsed < 60, elapsed
-    assert "rank 1 died" in output, output[-3000:]
+    # the rank that failed first is named once, in the verdict; the launcher's line naming rank 1 is not shown
+    verdict = "tessera: run failed: rank 0 died without exiting (killed by a signal, e.g. SIGKILL or the OOM killer)"
+    assert output.count("rank 0 died") == 1 and f"{verdict} (exit code {int(ExitCode.RANK_LOST)})" in output
+    assert "sigkill_handler" not in output and "local_rank=1" not in output, output[-3000:]
+    assert "sigkill_handler" in (RunDir(out).logs / "launcher.log").read_text()
     # no rank survives the run
-    rank0 = RunDir(out).rank_pid(0)
-    assert not Path(f"/proc/{rank0}").exists() or "Z" in Path(f"/proc/{rank0}/stat").read_text().split()[2]
+    rank1 = RunDir(out).rank_pid(1)
+    assert not Path(f"/proc/{rank1}").exists() or "Z" in Path(f"/proc/{rank1}/stat").read_text().split()[2]
 
 
 @pytest.mark.slow
@@ -243,7 +330,10 @@ def test_plan_json_contract_and_known_8b_answer():
     p = tessera("plan", "recipes/llama3-8b-pretrain-h100x8-zero3.yaml", "--world-size", "8", "--json")
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
-    assert set(out) == {"chosen", "candidates", "rejected"}
+    assert set(out) == {"recipe_layout", "chosen", "candidates", "rejected"}
+    assert (
+        out["recipe_layout"]["fits"] is True
+    )  # the shipped recipe's own layout (ZeRO-3 + optimizer offload)
     for c in out["candidates"]:
         assert {"dp", "tp", "pp", "vpp", "ep", "zero", "micro_batch"} <= set(c["layout"])
         assert {"params", "grads", "optimizer", "activations", "total"} <= set(c["memory_bytes_per_rank"])

@@ -156,11 +156,11 @@ def test_user_deepspeed_json_conflict_names_both(tmp_path, capsys):
         capsys, "run", str(DEFAULT_RECIPE), f"parallel.deepspeed_config={ds}", "--dry-run"
     )
     assert code == 0, err
-    ds.write_text(json.dumps({"optimizer": {"type": "Adam"}}))
+    ds.write_text(json.dumps({"optimizer": {"type": "Lamb"}}))  # Tessera builds AdamW itself
     code, _, err = _run_cli(
         capsys, "run", str(DEFAULT_RECIPE), f"parallel.deepspeed_config={ds}", "--dry-run"
     )
-    assert code == 2 and "'optimizer'" in err
+    assert code == 2 and "optimizer.type = 'Lamb'" in err and "Traceback" not in err
 
 
 def test_user_deepspeed_json_is_merged():
@@ -291,3 +291,162 @@ def test_every_shipped_layer_validates_strictly(tmp_path):
     for path in sorted((REPO / "recipes").glob("*.yaml")):
         r = load_recipe(path).recipe
         assert validate_recipe(yaml.safe_load(yaml.safe_dump(r.to_dict(), sort_keys=False))) == r
+
+
+# ---- the tokenizer of a pretrained model; special-token ids (issue 30, items 2 and 5) --------------------
+
+PRETRAINED = ["model.hf_config=null", "model.pretrained=true"]
+BPE_IDS = {"bos_token_id": None, "eos_token_id": 0, "pad_token_id": 1}  # Tessera's trained BPE
+
+
+def _model_dir(path, *, tokenizer: bool = True, **config):
+    """A directory as save_pretrained leaves it, as far as the recipe checks read it (no weights)."""
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": "llama", **config}))
+    if tokenizer:
+        (path / "tokenizer.json").write_text("{}")
+        (path / "tokenizer_config.json").write_text("{}")
+    return path
+
+
+def test_a_pretrained_model_defaults_to_its_own_tokenizer(tmp_path):
+    """`model.hf_config=null` clears the inline config an include gives; `data.tokenizer: auto` (the
+    stdlib data layer's and the default) is then the model directory, and bpe for a model trained from
+    scratch; the resolved recipe the ranks read resolves to itself."""
+    import yaml
+
+    from tessera.config.loader import validate_recipe
+
+    d = _model_dir(tmp_path / "model")
+    r = load_recipe(DEFAULT_RECIPE, [*PRETRAINED, f"model.path={d}"])
+    assert r.recipe.model.hf_config is None and r.recipe.model.path == str(d)
+    assert r.source_of("model.hf_config") == "override model.hf_config=null"
+    assert r.recipe.data.tokenizer == str(d) and r.recipe.data.tokenizer_override is False
+    assert validate_recipe(yaml.safe_load(yaml.safe_dump(r.recipe.to_dict(), sort_keys=False))) == r.recipe
+    assert load_recipe(DEFAULT_RECIPE).recipe.data.tokenizer == "bpe"
+    random_init = load_recipe(DEFAULT_RECIPE, ["model.hf_config=null", f"model.path={d}"]).recipe
+    assert random_init.data.tokenizer == "bpe"  # a config directory without its weights: from scratch
+    same = load_recipe(
+        DEFAULT_RECIPE, [*PRETRAINED, f"model.path={d}/", f"data.tokenizer={tmp_path}/./model"]
+    )
+    assert same.recipe.data.tokenizer == f"{tmp_path}/./model"  # the model's own, spelled otherwise
+
+
+@pytest.mark.parametrize("other", ["bpe", "dir"])
+def test_another_tokenizer_for_a_pretrained_model_needs_the_override(tmp_path, other):
+    d = _model_dir(tmp_path / "model")
+    spec = "bpe" if other == "bpe" else str(_model_dir(tmp_path / "tok"))
+    given = [*PRETRAINED, f"model.path={d}", f"data.tokenizer={spec}"]
+    with pytest.raises(RecipeError) as e:
+        load_recipe(DEFAULT_RECIPE, given)
+    what = "a BPE trained on this corpus" if other == "bpe" else f"the tokenizer in {spec}"
+    assert (e.value.field, e.value.value) == ("data.tokenizer", spec)
+    assert e.value.message == (
+        f"model.pretrained loads the weights of {d}, which were trained with that directory's tokenizer; "
+        f"{what} gives other token ids to the same embeddings"
+    )
+    assert e.value.fix == (
+        "data.tokenizer=auto (the model's own tokenizer), or keep it and set data.tokenizer_override=true "
+        f"if this tokenizer is the one {d} was trained with"
+    )
+    r = load_recipe(DEFAULT_RECIPE, [*given, "data.tokenizer_override=true"]).recipe
+    assert r.data.tokenizer == spec and r.data.tokenizer_override is True
+
+
+def test_a_pretrained_model_without_its_tokenizer_is_refused_before_launch(tmp_path, capsys):
+    d = _model_dir(tmp_path / "model", tokenizer=False)
+    code, _, err = _run_cli(capsys, "run", str(DEFAULT_RECIPE), *PRETRAINED, f"model.path={d}", "--dry-run")
+    assert code == 2 and "Traceback" not in err
+    assert err.splitlines() == [
+        f"tessera: error: data.tokenizer = '{d}': no tokenizer files (tokenizer.json, tokenizer_config.json, "
+        "vocab/merges, *.model) in the directory (a model saved without its tokenizer; data.tokenizer "
+        "defaults to a pretrained model.path's own)",
+        f"  fix: save the tokenizer this model was trained with into {d} (tokenizer.save_pretrained), or set "
+        "data.tokenizer to its directory (with data.tokenizer_override=true when model.pretrained)",
+    ]
+
+
+def test_both_model_sources_name_the_override_that_clears_one(tmp_path):
+    d = _model_dir(tmp_path / "model")
+    with pytest.raises(RecipeError) as e:
+        load_recipe(DEFAULT_RECIPE, [f"model.path={d}"])  # the include's inline config stays
+    assert (e.value.field, e.value.value) == ("model.path", str(d))
+    assert e.value.message.endswith("; both are set")
+    assert e.value.fix == (
+        "to use the directory, clear the inline config with the override model.hf_config=null "
+        "(or `hf_config: null` under model:); to use the inline config, model.path=null"
+    )
+    assert load_recipe(DEFAULT_RECIPE, [f"model.path={d}", "model.hf_config=null"]).recipe.model.path == str(
+        d
+    )
+
+
+def test_a_model_from_scratch_gets_its_tokenizers_special_token_ids(tmp_path):
+    """The config (and the generation config a model copies from it) of a model trained from scratch
+    names the tokenizer's bos / eos / pad, not its family's defaults (Llama: bos 1 = the BPE's pad,
+    eos 2); a pretrained model keeps its own."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tessera.config.schema import ModelSection
+    from tessera.models.hf import load_hf_config
+
+    section = load_recipe(DEFAULT_RECIPE).recipe.model
+    assert (load_hf_config(section).bos_token_id, load_hf_config(section).eos_token_id) == (1, 2)
+    cfg = load_hf_config(section, token_ids=BPE_IDS)
+    with torch.device("meta"):
+        gen = AutoModelForCausalLM.from_config(cfg).generation_config
+    for c in (cfg, gen):
+        assert (c.bos_token_id, c.eos_token_id, c.pad_token_id) == (None, 0, 1)
+    d = _model_dir(tmp_path / "model", bos_token_id=6, eos_token_id=7, hidden_size=8, num_attention_heads=2)
+    own = load_hf_config(ModelSection(path=str(d), pretrained=True), token_ids=BPE_IDS)
+    assert (own.bos_token_id, own.eos_token_id, own.pad_token_id) == (6, 7, None)
+
+
+def test_special_token_ids_written_and_checked_against_the_tokenizer():
+    from types import SimpleNamespace
+
+    from tessera.models.hf import set_token_ids, token_id_conflicts
+
+    # a pretrained config keeps what agrees: an id the tokenizer lacks, an eos list holding its eos
+    cfg = SimpleNamespace(bos_token_id=9, eos_token_id=[5, 0], pad_token_id=None)
+    set_token_ids(cfg, BPE_IDS, keep_own=True)
+    assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (9, [5, 0], 1)
+    cfg = SimpleNamespace(bos_token_id=1, eos_token_id=2, pad_token_id=None)
+    set_token_ids(cfg, BPE_IDS, keep_own=True)
+    assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (1, 0, 1)
+    set_token_ids(cfg, BPE_IDS)  # from scratch: exactly the tokenizer's
+    assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (None, 0, 1)
+
+    old_export = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None}
+    assert token_id_conflicts("config.json", old_export, BPE_IDS) == [
+        "config.json eos_token_id=2, the tokenizer's eos_token is 0"
+    ]
+    assert token_id_conflicts("config.json", {"eos_token_id": 0, "pad_token_id": 3}, BPE_IDS) == [
+        "config.json pad_token_id=3, the tokenizer's pad_token is 1"
+    ]
+    assert token_id_conflicts("config.json", {"pad_token_id": 1}, BPE_IDS) == [
+        "config.json eos_token_id=None, the tokenizer's eos_token is 0"
+    ]
+    assert token_id_conflicts("generation_config.json", {"pad_token_id": 1}, BPE_IDS) == []
+    assert token_id_conflicts("config.json", {"bos_token_id": 1, "eos_token_id": [7, 0]}, BPE_IDS) == []
+
+
+def test_the_manifest_names_the_tokenizer_used():
+    from tessera.evidence.manifest import capture_manifest, tokenizer_record
+
+    def source(model: dict, tok: str) -> str:
+        return tokenizer_record({"model": model, "data": {"tokenizer": tok}}, "/t", "h")["source"]
+
+    pretrained = {"path": "models/m", "pretrained": True}
+    assert [source(pretrained, "models/m"), source(pretrained, "./models/m/"), source(pretrained, "tok")] == [
+        "model", "model", "dir"
+    ]  # fmt: skip
+    assert source({"hf_config": {"model_type": "llama"}}, "bpe") == "bpe"
+    assert source({"path": "models/m", "pretrained": False}, "models/m") == "dir"
+    recipe = {"model": pretrained, "data": {"tokenizer": "models/m"}}
+    m, _ = capture_manifest(recipe=recipe, recipe_hash="r", layout={}, data_fingerprint={}, tokenizer_hash="h",
+                            launcher_command=None, world_size=1, seed=0, device="cpu", tokenizer_dir="/abs/m")  # fmt: skip
+    assert (
+        m["tokenizer"] == {"source": "model", "path": "/abs/m", "sha256": "h"} and m["tokenizer_hash"] == "h"
+    )

@@ -853,3 +853,211 @@ def test_calibration_fits_zero2s_hooks_from_a_run_with_accumulation(tmp_path):
     alone, report = calibrate([runs["zero2"], runs["zero2_mb2"]], base)
     assert alone.grad_hook_s is None and report["grad_hook_per_run"] == []
     assert alone.engine_efficiency["deepspeed"] < 0.25  # the hooks' seconds counted as compute
+
+
+# ---- the plan table, recompute and offload in the search, the recipe's own layout -----------------------
+
+PLAN_LINE = re.compile(
+    r"^# plan \(tessera plan, ([\w-]+)\): ([\d.]+) GiB/rank, ([\d.]+) s/step, MFU ([\d.]+), bubble ([\d.]+)$",
+    re.M,
+)
+
+
+def test_plan_table_headers_sit_over_their_cells():
+    """The table's headers and each row's cells come from one list of columns: as many cells as headers,
+    and a known candidate's cells under the right headers (the old table had no offload header, so
+    "mem GiB/rank" sat over the micro-batch)."""
+    from tessera.plan.table import COLUMNS, cells, headers
+
+    r = plan(
+        _cfg("llama-3-8b"),
+        world_size=8,
+        seq_len=8192,
+        global_batch=64,
+        precision="bf16",
+        hardware=H100,
+        engines=("deepspeed",),
+        micro_batches=(1, 2),
+    )
+    names = headers()
+    assert len(names) == len(set(names)) == len(COLUMNS)
+    rows = [cells(i, c) for i, c in enumerate(r.candidates)]
+    assert rows and all(len(row) == len(names) for row in rows)
+    (i, c), *_ = [(i, c) for i, c in enumerate(r.candidates) if c.layout.offload_optimizer]
+    row = dict(zip(names, rows[i], strict=True))
+    assert row["mem GiB/rank"] == f"{c.memory.total / GiB:.1f}" and row["mb"] == str(c.layout.micro_batch)
+    assert row["offload"] == ("opt+params" if c.layout.offload_params else "opt") and row["zero"] == "3"
+    assert row["act GiB"] == f"{c.memory.activations / GiB:.1f}" and row["#"] == str(i + 1)
+    assert (
+        row["recompute"] == {"none": "-"}.get(c.recompute, c.recompute)
+        and row["step s"] == f"{c.time.step_s:.3g}"
+    )
+
+
+def test_plan_cli_prints_each_value_under_its_header(capsys):
+    """What `tessera plan` prints: the rendered rich table's header cells over the first row's cells."""
+    from tessera.cli import main
+    from tessera.config.loader import load_recipe
+    from tessera.plan.search import plan_recipe
+
+    recipe = REPO / "recipes" / "bench-llama-1b-h200.yaml"
+    assert main(["plan", str(recipe), "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    head = next(x for x in lines if "mem GiB/rank" in x)
+    first = lines[lines.index(head) + 2]
+    table = dict(zip((h.strip() for h in head.strip("┃").split("┃")), (v.strip() for v in first.strip("│").split("│")), strict=True))  # fmt: skip
+    best = plan_recipe(load_recipe(recipe).recipe, world_size=1, hardware=load_hardware("h200-141g")).chosen
+    assert table["#"] == "1" and table["engine"] == best.layout.engine == "deepspeed"
+    assert table["mem GiB/rank"] == f"{best.memory.total / GiB:.1f}" and table["mb"] == str(
+        best.layout.micro_batch
+    )
+    assert table["offload"] == "-" and table["recompute"] == "-" and table["MFU"] == f"{best.time.mfu:.3f}"
+    assert "recipe  the recipe's layout fits: 32.3 GiB of 131.3 GiB per rank, 0.24 s/step" in out
+
+
+def test_recompute_is_searched_per_engine_and_priced():
+    """plan_recipe searches none / selective / full where the engine runs it (selective on megatron only),
+    and recompute's extra forward FLOPs are in the step time: full = one more forward of the layers,
+    selective = the attention core's forward."""
+    from tessera.config.loader import load_recipe
+    from tessera.plan.search import plan_recipe
+    from tessera.plan.time_estimate import recompute_flops_per_token
+
+    recipe = load_recipe(REPO / "recipes" / "llama3-8b-pretrain-h100x8-tp2-pp2.yaml").recipe
+    r = plan_recipe(recipe, world_size=8, hardware=H100)
+    seen = {(c.layout.engine, c.recompute) for c in r.candidates}
+    assert {("megatron", "selective"), ("megatron", "full"), ("deepspeed", "full")} <= seen
+    assert ("deepspeed", "selective") not in seen and ("ddp", "selective") not in seen
+    assert all(c.layout.recompute == c.recompute for c in r.candidates)  # the layout says what it runs
+    f = model_facts(_cfg("llama-3-8b"))
+    same = {}
+    for c in r.candidates:
+        key = (
+            c.layout.engine,
+            c.layout.dp,
+            c.layout.tp,
+            c.layout.pp,
+            c.layout.vpp,
+            c.layout.zero,
+            c.layout.micro_batch,
+        )
+        same.setdefault(key, {})[c.recompute] = c
+    trio = next(v for v in same.values() if {"none", "selective", "full"} <= set(v))
+    none, sel, full = trio["none"], trio["selective"], trio["full"]
+    base = flops_per_token(f, 8192)
+    for c, rc in ((sel, "selective"), (full, "full")):
+        extra = recompute_flops_per_token(f, 8192, rc)
+        assert c.time.compute_s == pytest.approx(none.time.compute_s * (base + extra) / base, rel=1e-12)
+        assert c.time.recompute_s == pytest.approx(c.time.compute_s * extra / (base + extra), rel=1e-12)
+        assert c.time.mfu < none.time.mfu and c.memory.activations < none.memory.activations
+    assert recompute_flops_per_token(f, 8192, "selective") == 4 * 32 * 32 * 128 * 8192
+    assert full.memory.activations < sel.memory.activations
+
+
+def test_offload_pays_the_host_link_and_the_cpu_adam_step():
+    """ZeRO-3 on 8 x H100: optimizer offload adds the CPU Adam step (28 bytes a parameter at 1/8 of the
+    node's host-memory bandwidth) and the bf16 parameters' copy back up the 55 GB/s link to the step,
+    the fp32 gradients' copy down hides behind the last backward; parameter offload copies the partition
+    up every forward and backward. At equal step time the layout with less offload ranks first."""
+    from tessera.plan.estimate import largest_shard
+    from tessera.plan.search import rank_key
+
+    f = model_facts(_cfg("llama-3-8b"))
+    kw = dict(seq_len=8192, precision="bf16", recompute="none", hardware=H100)
+    base = dict(engine="deepspeed", world_size=8, zero=3, grad_accum=8)
+    plain = step_time(f, _layout(**base), **kw)
+    opt = step_time(f, _layout(**base, offload_optimizer=True), **kw)
+    both = step_time(f, _layout(**base, offload_optimizer=True, offload_params=True), **kw)
+    shard = -(-largest_shard(f, _layout(**base)).total // 8)
+    assert H100.host_link_bandwidth == 55e9 and H100.host_memory_bandwidth == 614e9
+    cpu_adam, up, down = shard * 28 / (614e9 / 8), 2 * shard / 55e9, 4 * shard / 55e9
+    assert opt.optimizer_s == pytest.approx(cpu_adam + up, rel=1e-12)
+    assert opt.step_s - plain.step_s == pytest.approx(cpu_adam + up - plain.optimizer_s, rel=1e-9)
+    assert opt.host_link_s == pytest.approx(down + up, rel=1e-12) and plain.host_link_s == 0.0
+    assert both.host_link_s == pytest.approx(down + up + 2 * 8 * 2 * shard / 55e9, rel=1e-12)
+    cpu = load_hardware(HW / "cpu-2core.yaml")
+    assert cpu.host_link_bandwidth == 5e9 and not cpu.can_offload  # recorded, and no offload planned on CPU
+    r = plan(_cfg("llama-3-8b"), world_size=8, seq_len=8192, global_batch=64, precision="bf16",
+             hardware=H100, engines=("deepspeed",), micro_batches=(1,), attn_implementation="sdpa")  # fmt: skip
+    assert [rank_key(c) for c in r.candidates] == sorted(rank_key(c) for c in r.candidates)
+    z3 = [c for c in r.candidates if c.layout.zero == 3 and c.recompute == "none"]
+    assert [(c.layout.offload_optimizer, c.layout.offload_params) for c in z3[:2]] == [
+        (True, False),
+        (True, True),
+    ]
+    assert z3[0].time.step_s == z3[1].time.step_s  # the parameters' copies hide in each pass's window
+
+
+def _recipe_fit(name: str, *overrides: str):
+    from tessera.config.loader import load_recipe
+    from tessera.plan.search import check_recipe_layout, hardware_for
+
+    r = load_recipe(REPO / "recipes" / name, list(overrides)).recipe
+    return check_recipe_layout(r, hardware=hardware_for(r, device="cuda"))
+
+
+def test_every_gpu_recipe_fits_by_the_planner_with_the_plan_in_its_header():
+    """Each shipped GPU recipe's own layout fits its hardware profile per the planner, and the plan line
+    of its comment header carries the planner's figures (memory per rank, step time, MFU, bubble)."""
+    from tessera.config.loader import load_recipe
+
+    gpu = [p for p in sorted((REPO / "recipes").glob("*.yaml")) if load_recipe(p).recipe.run.device == "cuda"]
+    assert len(gpu) >= 6 and (REPO / "recipes" / "llama3-70b-pretrain-h100x64-zero3.yaml") in gpu
+    for path in gpu:
+        fit = _recipe_fit(path.name)
+        assert fit.fits, f"{path.name}: {fit.message()}"
+        (line,) = PLAN_LINE.findall(path.read_text())
+        c = fit.estimate
+        assert line == (
+            fit.hardware.name,
+            f"{c.memory.total / GiB:.1f}",
+            f"{c.time.step_s:.3g}",
+            f"{c.time.mfu:.3f}",
+            f"{c.bubble:.3f}",
+        ), path.name
+
+
+@pytest.mark.parametrize(
+    ("recipe", "overrides", "need", "first_fix"),
+    [
+        ("llama3-8b-pretrain-h100x8-zero3.yaml", ["parallel.offload_optimizer=false"], 75.4,
+         ["parallel.offload_optimizer=true"]),
+        ("llama3-8b-pretrain-h100x8-tp2-pp2.yaml", ["parallel.recompute=none"], 123.9,
+         ["parallel.recompute=selective"]),
+    ],
+)  # fmt: skip
+def test_a_recipe_layout_that_does_not_fit_says_which_change_makes_it_fit(recipe, overrides, need, first_fix):
+    """The issue's two 8B layouts: what they need of the 74.5 GiB, and the one-field changes that fit,
+    fastest first, each with the figures the recipe with that override really gets."""
+    fit = _recipe_fit(recipe, *overrides)
+    assert not fit.fits and round(fit.estimate.memory.total / GiB, 1) == need
+    assert fit.fixes and [f.text for f in fit.fixes[:1]] == first_fix
+    msg = fit.message()
+    assert msg.startswith(f"the recipe's layout does not fit: it needs {need} GiB of 74.5 GiB per rank; set ")
+    for fix in fit.fixes:
+        again = _recipe_fit(recipe, *overrides, *fix.text.split())
+        assert again.fits and again.estimate.memory.total == fix.estimate.memory.total
+        assert again.estimate.time.step_s == fix.estimate.time.step_s
+    shown = fit.fixes[:3]
+    assert msg.endswith(" or ".join(
+        f"{f.text} ({f.estimate.memory.total / GiB:.1f} GiB, {f.estimate.time.step_s:.3g} s/step)" for f in shown
+    ))  # fmt: skip
+    j = json.loads(json.dumps(fit.to_json()))
+    assert j["fits"] is False and j["message"] == msg and j["fixes"][0]["overrides"]
+
+
+def test_plan_json_says_whether_the_recipes_layout_fits(capsys):
+    """`tessera plan --json`: the recipe's layout with its verdict and fixes next to the search."""
+    from tessera.cli import main
+
+    recipe = REPO / "recipes" / "bench-llama-1b-h200.yaml"
+    assert main(["plan", str(recipe), "parallel.engine=megatron", "data.seq_len=8192", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    own = out["recipe_layout"]
+    assert own["fits"] is False and own["problem"].startswith("does not fit: needs")
+    assert (
+        own["estimate"]["layout"]["engine"] == "megatron" and own["estimate"]["layout"]["recompute"] == "none"
+    )
+    assert own["fixes"][0]["overrides"] == {"parallel.recompute": "selective"}
+    assert own["fixes"][0]["memory_total_bytes"] <= own["device_memory_bytes"]

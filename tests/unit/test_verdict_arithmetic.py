@@ -141,7 +141,10 @@ def test_preregistration_cannot_change_after_registration(tmp_path):
 def test_bad_input_is_refused_before_any_run(tmp_path, capsys, args, field):
     out = tmp_path / "cmp"
     assert main(["compare", "recipes/tiny-llama-cpu.yaml", *args, "--out", str(out)]) == 2
-    assert field in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert field in err
+    if "noise_floor_multiple" in args[0]:  # named before the cost ratios' need of two seeds
+        assert "a noise floor needs at least two baseline seeds" in err
     assert not out.exists()  # nothing registered, nothing started
 
 
@@ -346,3 +349,155 @@ def test_what_may_differ_between_candidate_and_baseline(tmp_path):
     check_same_work(c2, [b2])  # the same LR at every step: judged on the common steps
     other_seed = _with_manifest(tmp_path / "b3", "baseline", seed=2)
     check_same_work(cand, [base, other_seed])  # only the first baseline is the same-seed reference
+
+
+# ---- cost ratios against the baseline's seed spread; the claim ----------------------------------------
+
+
+def test_seed_spread_is_one_statistic_for_the_noise_floor_and_the_ratios(tmp_path):
+    from tessera.evidence.compare import seed_spread
+
+    assert seed_spread([1.0, 1.58]) == pytest.approx(0.58 / math.sqrt(2), rel=1e-12)
+    assert seed_spread([0.9, 1.0, 1.1]) == pytest.approx(0.1, rel=1e-12)
+    assert seed_spread([1.0]) is None and seed_spread([]) is None
+    # a constant gap between two seeds: the noise floor at every step is that same spread
+    runs = [RunData.read(fake_run(tmp_path / f"b{k}", seed=k, loss=[5.0 + 0.3 * k] * 12, step_s=[0.1] * 12), "baseline") for k in range(2)]  # fmt: skip
+    floor = noise_floor(runs, "loss")
+    assert sorted(floor) == list(range(1, 13))
+    assert list(floor.values()) == pytest.approx([seed_spread([5.0, 5.3])] * 12, rel=1e-12)  # 0.3 / sqrt 2
+
+
+def test_cost_ratio_carries_the_spread_of_the_baselines_own_ratios():
+    from tessera.evidence.compare import cost_ratio
+
+    # three baseline seeds at 900 / 1000 / 1100 tokens/s: their own ratios 0.9 / 1.0 / 1.1, spread 0.1
+    got = cost_ratio(1150.0, [900.0, 1000.0, 1100.0], better="higher")
+    assert got["ratio"] == pytest.approx(1.15, rel=1e-12) and got["baseline_mean"] == pytest.approx(1000.0)
+    assert got["baseline_ratios"] == pytest.approx([0.9, 1.0, 1.1], rel=1e-12)
+    assert got["spread"] == pytest.approx(0.1, rel=1e-12) and got["half_width"] == pytest.approx(0.1)
+    assert got["effect"] == "win"  # 1.15 - 1 > 0.1
+    assert cost_ratio(1050.0, [900.0, 1000.0, 1100.0], better="higher")["effect"] == "not distinguishable"
+    assert cost_ratio(850.0, [900.0, 1000.0, 1100.0], better="higher")["effect"] == "loss"
+    assert cost_ratio(850.0, [900.0, 1000.0, 1100.0], better="higher", multiple=2.0)["effect"] == "not distinguishable"  # fmt: skip
+    # two identical baselines 1.58x apart in median step time (issue 30): a candidate as fast as the faster
+    # one reads as a 0.775x step time, yet lies inside the baseline's own spread of 0.318
+    step = cost_ratio(0.1, [0.1, 0.158], better="lower")
+    assert step["ratio"] == pytest.approx(100 / 129, rel=1e-12)
+    assert step["baseline_ratios"] == pytest.approx([100 / 129, 158 / 129], rel=1e-12)
+    assert step["spread"] == pytest.approx(58 / 129 / math.sqrt(2), rel=1e-12)  # 0.31792
+    assert step["effect"] == "not distinguishable"
+    assert cost_ratio(0.1, [0.2, 0.21], better="lower")["effect"] == "win"  # lower step time
+    assert cost_ratio(2.0, [1.0], better="lower")["effect"] == "no spread (one baseline run)"
+    assert cost_ratio(None, [1.0, 1.1], better="lower")["effect"] == "not measured"
+
+
+@pytest.mark.parametrize(
+    ("measured", "threshold", "op", "half", "outcome"),
+    [
+        (1.15, 1.1, ">=", 0.1, "not distinguishable"),  # 1.05 < 1.1 <= 1.25
+        (1.15, 1.0, ">=", 0.1, "holds"),  # 1.05 >= 1.0
+        (1.15, 1.3, ">=", 0.1, "refuted"),  # 1.25 < 1.3
+        (1.5, 1.0, ">=", 0.5, "holds"),  # the interval's edge on the threshold holds
+        (1.15, 1.1, ">=", 0.0, "holds"),  # no spread: the value alone
+        (1.15, 1.2, ">=", None, "refuted"),
+        (1.2, 1.25, "<=", 0.1, "not distinguishable"),  # 1.1 <= 1.25 < 1.3
+        (1.2, 1.35, "<=", 0.1, "holds"),
+        (1.2, 1.05, "<=", 0.1, "refuted"),  # 1.1 > 1.05
+        (None, 1.0, ">=", 0.1, "not measured"),
+        (float("nan"), 1.0, "<=", 0.1, "not measured"),
+    ],
+)
+def test_a_ratio_is_judged_against_its_spread(measured, threshold, op, half, outcome):
+    from tessera.evidence.compare import judge_ratio
+
+    assert judge_ratio(measured, threshold, op, half) == outcome
+
+
+def test_verdict_of_the_outcomes():
+    from tessera.evidence.compare import verdict_of
+
+    assert verdict_of(["holds", "holds"]) == "PASS"
+    assert verdict_of(["holds", "not distinguishable"]) == "INCONCLUSIVE"
+    assert verdict_of(["not distinguishable", "refuted"]) == "FAIL"
+    assert verdict_of(["holds", "not measured"]) == "FAIL"
+    assert verdict_of([]) == "FAIL"  # nothing checked cannot pass
+
+
+def test_judge_a_candidate_inside_the_baselines_spread_is_inconclusive(tmp_path):
+    """The same candidate (0.1 s per step) against two baselines 1.58x apart (0.1 and 0.158 s) and against
+    two that agree (0.12 and 0.121 s), under throughput_ratio_min 1.1: by its value alone it passes both;
+    against the spread it passes only where the baselines agree."""
+    loss = [6.0 - 0.01 * i for i in range(10)]
+
+    def read(name, role, seed, t):
+        return RunData.read(fake_run(tmp_path / name, seed=seed, loss=loss, step_s=[t] * 10), role)
+
+    cand = read("c", "candidate", 1, 0.1)
+    acc = {"warmup_steps": 0, "throughput_ratio_min": 1.1, "peak_memory_ratio_max": 1.0, "loss_tolerance": {"abs": 1e-9}}  # fmt: skip
+    wide = judge(acc, cand, [read("b1", "baseline", 1, 0.1), read("b2", "baseline", 2, 0.158)])
+    tps = {c["threshold_name"]: c for c in wide["checks"]}["throughput_ratio_min"]
+    assert tps["measured"] == pytest.approx(158 / 129, rel=1e-12)  # 1.2248: above 1.1 by value
+    assert tps["spread"] == pytest.approx(58 / 129 / math.sqrt(2), rel=1e-12)
+    assert tps["half_width"] == pytest.approx(58 / 129 / math.sqrt(2), rel=1e-12)  # 1 x the spread
+    assert tps["outcome"] == "not distinguishable" and not tps["passed"] and not tps["refutes_claim"]
+    assert wide["verdict"] == "INCONCLUSIVE" and wide["ratio_spread_multiple"] == 1.0
+    ratios = wide["cost_ratios"]
+    assert ratios["throughput"]["effect"] == ratios["step_time_p50"]["effect"] == "not distinguishable"
+    assert ratios["step_time_p50"]["ratio"] == pytest.approx(100 / 129, rel=1e-12)
+    assert ratios["peak_memory"]["spread"] == 0.0 and ratios["peak_memory"]["effect"] == "not distinguishable"
+    assert ratios["cost_per_1b_tokens"]["ratio"] is None  # no price given
+    tight = judge(acc, cand, [read("b3", "baseline", 1, 0.12), read("b4", "baseline", 2, 0.121)])
+    tps = {c["threshold_name"]: c for c in tight["checks"]}["throughput_ratio_min"]
+    assert tps["measured"] == pytest.approx(1.2049792531120331, rel=1e-12)  # 10000 / mean(8333.3, 8264.5)
+    assert tps["spread"] == pytest.approx(0.0058681060679382, rel=1e-9)
+    assert tps["outcome"] == "holds" and tight["verdict"] == "PASS"
+    assert tight["cost_ratios"]["throughput"]["effect"] == "win"
+
+
+@pytest.mark.parametrize(
+    ("acceptance", "layout", "world", "claim"),
+    [
+        ({"loss_tolerance": {"abs": 0.02}, "throughput_ratio_min": 1.1}, {"engine": "deepspeed", "zero": 2, "dp": 2, "tp": 1}, 2,
+         "Claim: DeepSpeed ZeRO-2 on 2 ranks reaches the DDP baseline's loss within 0.02 nats, at >= 1.1x its throughput."),
+        ({"throughput_ratio_min": 0.9, "peak_memory_ratio_max": 0.6}, {"engine": "megatron", "tp": 2, "pp": 2, "vpp": 1, "zero": 0, "sequence_parallel": True}, 4,
+         "Claim: megatron-core TP2 PP2 SP on 4 ranks runs at >= 0.9x the throughput and <= 0.6x the peak memory per rank of the DDP baseline."),
+        ({"warmup_steps": 5, "loss_tolerance": {"noise_floor_multiple": 0.01, "rel": 1e-4}, "grad_norm_tolerance": {"noise_floor_multiple": 0.1},
+          "eval_loss_ratio_max": 1.001, "time_to_first_step_ratio_max": 2.0, "throughput_ratio_min": None},
+         {"engine": "deepspeed", "zero": 3, "offload_optimizer": True}, 8,
+         "Claim: DeepSpeed ZeRO-3 offload optimizer on 8 ranks reaches the DDP baseline's loss within 0.0001x its value or "
+         "0.01x the seed-to-seed spread (the widest), grad norm within 0.1x the seed-to-seed spread and final eval loss "
+         "within 1.001x, at <= 2x its time to first step."),
+    ],
+    ids=["zero2-loss-throughput", "megatron-costs-only", "offload-quality-and-ttfs"],
+)  # fmt: skip
+def test_the_claim_under_test_in_one_sentence(acceptance, layout, world, claim):
+    from tessera.evidence.compare import claim_sentence
+
+    assert claim_sentence(acceptance, layout, world, {"engine": "ddp", "dp": world}) == claim
+
+
+def test_cost_ratio_thresholds_need_two_baseline_seeds(tmp_path, capsys):
+    """A throughput, memory or start-up threshold is judged against the baseline's seed spread: one seed
+    has none, refused before anything is registered (the loss bands here are rel / abs, which need none)."""
+    out = tmp_path / "cmp"
+    args = ["acceptance.loss_tolerance={rel: 0.0001}", "acceptance.grad_norm_tolerance=null", "--seeds", "1"]
+    assert main(["compare", "recipes/tiny-llama-cpu.yaml", *args, "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        "tessera: error: --seeds = 1: throughput_ratio_min, peak_memory_ratio_max, time_to_first_step_ratio_max "
+        "are judged against the baseline's seed-to-seed spread, which needs at least two baseline runs\n"
+        "  fix: pass --seeds 2 or more (with --runs: two or more baseline runs), or unset "
+        "acceptance.throughput_ratio_min, acceptance.peak_memory_ratio_max, acceptance.time_to_first_step_ratio_max\n"
+    )
+    assert not out.exists()
+
+
+def test_cost_per_1b_tokens_has_its_unit():
+    from tessera.evidence.report import cost_unit
+
+    assert cost_unit({"name": "cpu-2core", "calibrated": False, "price_per_device_hour": 0.03}) == (
+        "price units per 1B tokens, at 0.03 per device-hour (price_per_device_hour of hardware profile "
+        "cpu-2core, in the currency it is written in)"
+    )
+    assert cost_unit({"name": "h100-sxm-80g", "price_per_device_hour": None}) == (
+        "n/a: the hardware profile has no price_per_device_hour"
+    )

@@ -56,6 +56,7 @@ def _rank(rank: int, world: int, layout_name: str, recipe_file: str, port: int, 
 
     import deepspeed
     import megatron.core  # noqa: F401  (imported before the measurement, as in a run)
+    import torch
     import transformers  # noqa: F401
 
     from tessera.config.loader import load_recipe
@@ -63,6 +64,7 @@ def _rank(rank: int, world: int, layout_name: str, recipe_file: str, port: int, 
     from tessera.hostmem import lean_construction
     from tessera.plan.layout import layout_from_recipe
 
+    torch.set_num_threads(1)  # ranks share the host's cores; one thread each, as the test harness
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     with tempfile.TemporaryDirectory() as d:
         recipe_path = Path(d) / "recipe.yaml"
@@ -108,28 +110,81 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# imported once in a forkserver whose forks are the ranks: each measured rank still imports everything
+# before it reads its RSS, so the imports (~8 s per spawned process) are paid once, not per rank
+PRELOAD = ["torch", "torch.distributed", "deepspeed", "megatron.core", "transformers", "tessera.hostmem"]
+
+
+def _context() -> Any:
+    """Forkserver with PRELOAD imported on the CPU accelerator with one OMP thread; the imports start no
+    thread, so its forks are clean processes. Started once per process (a caller may have started it)."""
+    import multiprocessing as mp
+    from multiprocessing import forkserver
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        forkserver.ensure_running()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return ctx
+
+
+def measure_all(jobs: list[tuple[str, int]], *, together: bool = False) -> dict[tuple[str, int], list]:
+    """For each (layout, world size): ``world`` ranks that build the layout's model; their records by
+    rank. ``together``: every job's ranks at once (each its own process group; a rank's peak RSS is
+    its own, so sharing the CPUs changes only the seconds), else one job after the other."""
+    ctx = _context()
+    with tempfile.TemporaryDirectory() as out:
+        waves = [jobs] if together else [[j] for j in jobs]
+        for wave in waves:
+            procs = [
+                ctx.Process(target=_rank, args=(r, world, name, LAYOUTS[name][0], port, out))
+                for name, world in wave
+                for port in [_free_port()]
+                for r in range(world)
+            ]
+            for p in procs:
+                p.start()
+            for p in procs:
+                p.join(900)
+            codes = [p.exitcode for p in procs]
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            if any(c != 0 for c in codes):  # None: still running after the wait, killed
+                raise RuntimeError(f"construction ranks of {wave} exited with {codes}")
+        return {
+            (name, world): [
+                json.loads(Path(out, f"{name}-w{world}-r{r}.json").read_text()) for r in range(world)
+            ]
+            for name, world in jobs
+        }
+
+
 def measure(layout_name: str, world: int) -> list[dict[str, Any]]:
     """Spawn ``world`` ranks that build the layout's model; their records, by rank."""
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(
-            _rank,
-            args=(world, layout_name, LAYOUTS[layout_name][0], _free_port(), out),
-            nprocs=world,
-            start_method="spawn",
-        )
-        return [json.loads(Path(out, f"{layout_name}-w{world}-r{r}.json").read_text()) for r in range(world)]
+    return measure_all([(layout_name, world)])[(layout_name, world)]
 
 
-def run(layouts: list[str]) -> dict[str, Any]:
+def run(layouts: list[str], *, together: bool = False) -> dict[str, Any]:
+    """``together``: all constructions at once (a check of the peaks: quicker on a small machine, but
+    the seconds are not each construction's own)."""
+    # the megatron layouts share one world-1 construction
+    engine = {name: "megatron" if "mcore" in LAYOUTS[name][0] else "deepspeed" for name in layouts}
+    first = {e: name for name, e in reversed(engine.items())}  # the first layout of each engine
+    jobs = [(first[e], 1) for e in dict.fromkeys(engine.values())] + [(name, 2) for name in layouts]
+    got = measure_all(jobs, together=together)
     results: dict[str, Any] = {}
-    ones: dict[str, list[dict[str, Any]]] = {}  # the megatron layouts share one world-1 construction
     for name in layouts:
-        engine = "megatron" if "mcore" in LAYOUTS[name][0] else "deepspeed"
-        if engine not in ones:
-            ones[engine] = measure(name, 1)
-        one, two = ones[engine], measure(name, 2)
+        one, two = got[(first[engine[name]], 1)], got[(name, 2)]
         ratios = [r["construction_peak"] / one[0]["construction_peak"] for r in two]
         results[name] = {"world1": one, "world2": two, "ratio_per_rank": ratios, "max_ratio": max(ratios)}
     return results

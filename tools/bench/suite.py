@@ -26,9 +26,9 @@
                 step (the planner's 25 % acceptance), and the profile fitted on all of them, in sample.
 
 Writes bench-results/<item>.json, bench-results/suite.json, bench-results/results.md, bench-results/
-suite.png, and the results section of README.md (between the bench-results markers).
+suite.png, and the results section of docs/benchmarks.md (between the bench-results markers).
 
-    python tools/bench/suite.py [--only overhead,comm,...] [--quick] [--out bench-results] [--no-readme]
+    python tools/bench/suite.py [--only overhead,comm,...] [--quick] [--out bench-results] [--no-doc]
 
 The GPU benchmark is tools/bench/gpu.sh (one H200), run apart.
 """
@@ -57,7 +57,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 ITEMS = ("overhead", "comm", "memory", "checkpoint", "scaling", "calibration")
-README_BEGIN, README_END = "<!-- bench-results:begin -->", "<!-- bench-results:end -->"
+#: the results section the suite rewrites, between these markers (the README links to it)
+RESULTS_DOC = "docs/benchmarks.md"
+RESULTS_BEGIN, RESULTS_END = "<!-- bench-results:begin -->", "<!-- bench-results:end -->"
 #: every run: no W&B, no checkpoint (the checkpoint benchmark measures those apart), eval only after the
 #: last step (outside the step periods; ~6 s of the ~30M command's end)
 QUIET = [
@@ -447,8 +449,8 @@ def machine() -> dict[str, Any]:
     mem = next(int(ln.split()[1]) * 1024 for ln in Path("/proc/meminfo").read_text().splitlines()
                if ln.startswith("MemTotal"))  # fmt: skip
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    # uncommitted changes to the code (not to README.md or bench-results/, which the suite itself writes)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", ".", ":!README.md", ":!bench-results"],
+    # uncommitted changes to the code (not to the results doc or bench-results/, which the suite itself writes)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", ".", f":!{RESULTS_DOC}", ":!bench-results"],
                            cwd=REPO, capture_output=True, text=True).stdout.strip()  # fmt: skip
     return {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -580,14 +582,14 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def update_readme(section: str) -> None:
-    readme = REPO / "README.md"
-    text = readme.read_text()
-    if README_BEGIN not in text:
-        raise SystemExit(f"bench: README.md has no {README_BEGIN} marker; add the results section first")
-    head, rest = text.split(README_BEGIN, 1)
-    tail = rest.split(README_END, 1)[1]
-    readme.write_text(f"{head}{README_BEGIN}\n{section}\n{README_END}{tail}")
+def update_results_doc(section: str, doc: Path = REPO / RESULTS_DOC) -> None:
+    """Replace what lies between the results markers of ``doc`` with ``section``."""
+    text = doc.read_text()
+    if text.count(RESULTS_BEGIN) != 1 or text.count(RESULTS_END) != 1:
+        raise SystemExit(f"bench: {doc} needs one {RESULTS_BEGIN} and one {RESULTS_END} marker")
+    head, rest = text.split(RESULTS_BEGIN, 1)
+    tail = rest.split(RESULTS_END, 1)[1]
+    doc.write_text(f"{head}{RESULTS_BEGIN}\n{section}\n{RESULTS_END}{tail}")
 
 
 def main() -> int:
@@ -602,7 +604,13 @@ def main() -> int:
     )
     ap.add_argument("--out", default=str(REPO / "bench-results"))
     ap.add_argument("--work", default=None, help="where the runs go (default: a temporary directory)")
-    ap.add_argument("--no-readme", action="store_true", help="do not rewrite README.md's results section")
+    ap.add_argument(
+        "--no-doc",
+        "--no-readme",
+        dest="no_doc",
+        action="store_true",
+        help=f"do not rewrite the results section of {RESULTS_DOC}",
+    )
     ap.add_argument("--reuse", action="store_true", help="with --work: analyse the layout runs already there")
     args = ap.parse_args()
     global REUSE
@@ -662,8 +670,8 @@ def main() -> int:
     from suite_plot import plot_suite
 
     plot_suite(res, out / "suite.png")
-    if not args.no_readme:
-        update_readme(section)
+    if not args.no_doc:
+        update_results_doc(section)
     print(section)
     print(
         f"wrote {out}/ (suite.json, results.md, suite.png) in {res['seconds'] / 60:.1f} min; runs in {work}"

@@ -6,6 +6,8 @@ is what ``save_pretrained`` writes (``model.safetensors``, sharded with an index
 directory beside ``--out`` and renamed at the end; the source is only read. Before the rename the output
 is loaded back with ``from_pretrained`` and every tensor compared with the checkpoint's (bit-exact, or
 exactly the requested dtype cast of it); the result goes into ``tessera_conversion.json`` in the output.
+``config.json`` and ``generation_config.json`` carry the special-token ids of the run's tokenizer (a
+model trained from scratch: exactly the tokenizer's; a pretrained one keeps those of its own that agree).
 """
 
 from __future__ import annotations
@@ -63,19 +65,47 @@ def tokenizer_dir_of(ckpt: Path) -> Path | None:
     return path if path is not None and path.is_dir() else None
 
 
+def _pretrained_run(ckpt: Path) -> bool:
+    """Whether the run that wrote ``ckpt`` started from a pretrained model (its recipe says so; a checkpoint
+    outside its run directory counts as pretrained: its config's own ids are then kept where they agree)."""
+    import yaml
+
+    recipe = RunDir(ckpt.parent.parent).recipe
+    try:
+        model = (yaml.safe_load(recipe.read_text()) or {}).get("model") or {}
+    except (OSError, yaml.YAMLError, AttributeError):
+        return True
+    return bool(model.get("pretrained", True))
+
+
 def convert_to_hf(
     src: Path, out: Path, *, dtype: str = "fp32", verify: bool = True, prompts: int = 4
 ) -> dict[str, Any]:
     """Write the HF directory ``out`` from Tessera checkpoint ``src``; returns the conversion record
     (with ``tessera verify``'s report of the checkpoint against the output, unless ``verify`` is off)."""
+    from tessera.checkpoint.verify import quiet_libraries
+
+    with quiet_libraries():  # no progress bars of save_pretrained / from_pretrained on the console
+        return _convert_to_hf(Path(src), Path(out), dtype=dtype, verify=verify, prompts=prompts)
+
+
+def _convert_to_hf(src: Path, out: Path, *, dtype: str, verify: bool, prompts: int) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out = Path(out)
+    from tessera.data.tokenizer import token_ids
+    from tessera.models.hf import set_token_ids
+
     _check_out(out)
     ckpt = resolve_source(src)
     state, meta = read_hf_state(ckpt)
-    want = {k: v.to(DTYPES[dtype]) for k, v in state.items()}
+    # detached: ZeRO's merged fp32 state comes as parameters that require grad
+    want = {k: v.detach().to(DTYPES[dtype]) for k, v in state.items()}
     cfg = hf_config_of(meta)
+    tok = tokenizer_dir_of(ckpt)
+    tokenizer = AutoTokenizer.from_pretrained(str(tok), local_files_only=True) if tok is not None else None
+    ids = token_ids(tokenizer) if tokenizer is not None else None
+    if ids is not None:  # before the model is built: its generation config copies them from cfg
+        set_token_ids(cfg, ids, keep_own=_pretrained_run(ckpt))
     model = AutoModelForCausalLM.from_config(cfg).to(DTYPES[dtype])
     missing, unexpected = model.load_state_dict(want, strict=False, assign=True)  # no second copy
     tied = {k for k in missing if _is_tied(model, k)}
@@ -92,9 +122,8 @@ def convert_to_hf(
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         model.save_pretrained(tmp, safe_serialization=True, max_shard_size="5GB")
-        tok = tokenizer_dir_of(ckpt)
-        if tok is not None:
-            AutoTokenizer.from_pretrained(str(tok)).save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
         record: dict[str, Any] = {
             "source": str(ckpt),
             "step": meta["step"],
@@ -103,6 +132,7 @@ def convert_to_hf(
             "layout": meta["layout"],
             "dtype": dtype,
             "tokenizer": str(tok) if tok else None,
+            "token_ids": {k: getattr(cfg, k, None) for k in ids} if ids is not None else None,
             "tensors": len(want),
             "verify": "skipped (--no-verify)",
         }
@@ -117,7 +147,11 @@ def convert_to_hf(
             if not report["ok"]:
                 raise CheckpointError(
                     "the written HF directory does not verify against the checkpoint: "
-                    + ", ".join([r["name"] for r in report["tensors"] if not r["equal"]][:4] or ["logits"]),
+                    + ", ".join(
+                        [r["name"] for r in report["tensors"] if not r["equal"]][:4]
+                        or [p for t in report["special_tokens"] for p in t["problems"]]
+                        or ["logits"]
+                    ),
                     field="--out",
                     value=str(out),
                     fix="report this as a bug (the output was not kept)",

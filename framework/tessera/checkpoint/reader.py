@@ -253,7 +253,8 @@ def _zero_merge(ckpt: Path, zero: int, kind: str | None, mp: int | None = None) 
             flat_groups.append([state[g][kind] for g in sorted(state)])
         del sd
     world = len(flat_groups)
-    with contextlib.redirect_stdout(io.StringIO()):  # its progress prints
+    # its progress prints (stdout) and its tqdm bar "Gathering sharded weights" (stderr; ZeRO-3)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         if zero <= 2:
             merged = z._get_fp32_state_dict_from_zero2_checkpoint(
                 world, flat_groups, model_states, False, paddings

@@ -4,13 +4,18 @@ Each side is an HF directory or a Tessera checkpoint of any engine and layout (r
 :mod:`tessera.checkpoint.reader`). The report: key coverage (missing, unexpected), shapes and dtypes,
 per-tensor max absolute difference and content-hash equality, the Adam moments where both sides keep
 them per parameter, and the logits of both models on fixed prompts (max absolute difference and mean
-KL divergence). The verdict: weights bit-exact (or equal after the dtype cast when the dtypes differ)
-and logits within ``1e-5`` in fp32.
+KL divergence), and for an HF directory with a tokenizer whether its ``config.json`` and
+``generation_config.json`` name the tokenizer's special tokens (an eos that is not the tokenizer's and
+``generate`` never stops). The verdict: weights bit-exact (or equal after the dtype cast when the dtypes
+differ), logits within ``1e-5`` in fp32, and the special-token ids agreeing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+import json
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +54,29 @@ class Side:
     model_dir: Path | None = None  # an HF directory loads through from_pretrained itself
 
 
+#: megatron-core's advice on importing it without TransformerEngine or Apex (true of a CPU machine, and
+#: nothing to do with reading a checkpoint; the training ranks send it to their log file)
+_IMPORT_ADVICE = r"(Transformer Engine and Apex are|Apex is) not installed"
+
+
+@contextlib.contextmanager
+def quiet_libraries() -> Iterator[None]:
+    """For the duration of a conversion or comparison: no transformers / huggingface_hub progress bars
+    (loading and writing a few files, one bar each) and no megatron-core import advice on the console;
+    both are restored afterwards (a caller that wants bars keeps them)."""
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_IMPORT_ADVICE, category=UserWarning)
+            yield
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
 def open_side(path: Path) -> Side:
     from tessera.checkpoint.convert import is_hf_dir, resolve_source, tokenizer_dir_of
 
@@ -58,7 +86,8 @@ def open_side(path: Path) -> Side:
     from tessera.checkpoint.reader import hf_config_of, read_hf_moment, read_hf_state
 
     ckpt = resolve_source(path)
-    state, meta = read_hf_state(ckpt)
+    with quiet_libraries():  # the megatron reader imports megatron-core
+        state, meta = read_hf_state(ckpt)
     return Side(
         label=str(ckpt),
         kind="checkpoint",
@@ -111,8 +140,36 @@ def _prompts(a: Side, b: Side, n: int, vocab: int) -> list[torch.Tensor]:
     return [torch.randint(0, vocab, (1, 32), generator=gen) for _ in range(n)]
 
 
-def compare(a: Side, b: Side, *, prompts: int = 4) -> dict[str, Any]:
-    """The full report and its verdict (``ok``)."""
+def special_tokens(side: Side) -> dict[str, Any] | None:
+    """An HF directory's special-token ids against its tokenizer's: ``config.json`` and
+    ``generation_config.json`` as written (not as transformers would complete them); None for a checkpoint
+    or a directory without a tokenizer."""
+    if side.kind != "hf" or side.model_dir is None or side.tokenizer_dir is None:
+        return None
+    from transformers import AutoTokenizer
+
+    from tessera.data.tokenizer import token_ids
+    from tessera.models.hf import token_id_conflicts
+
+    ids = token_ids(AutoTokenizer.from_pretrained(str(side.tokenizer_dir), local_files_only=True))
+    problems = []
+    for name in ("config.json", "generation_config.json"):
+        f = side.model_dir / name
+        if f.is_file():
+            problems += token_id_conflicts(name, json.loads(f.read_text()), ids)
+    return {"side": side.label, "tokenizer": ids, "problems": problems, "ok": not problems}
+
+
+def compare(a: Side, b: Side, *, prompts: int = 4, source_tokens: bool = True) -> dict[str, Any]:
+    """The full report and its verdict (``ok``). ``source_tokens=False`` where ``a`` is only the source a
+    conversion read: its own special-token ids are not the conversion's to judge (a pretrained directory
+    whose config.json names another eos than its tokenizer is converted as it is; the export of a run
+    from it writes the tokenizer's, :func:`tessera.models.hf.set_token_ids`)."""
+    with quiet_libraries(), torch.no_grad():  # a comparison needs no autograd (ZeRO's tensors require grad)
+        return _compare(a, b, prompts=prompts, source_tokens=source_tokens)
+
+
+def _compare(a: Side, b: Side, *, prompts: int, source_tokens: bool) -> dict[str, Any]:
     shared = sorted(set(a.state) & set(b.state))
     tensors = []
     for k in shared:
@@ -139,12 +196,15 @@ def compare(a: Side, b: Side, *, prompts: int = 4) -> dict[str, Any]:
     }
     report["optimizer"] = _compare_moments(a, b)
     report["logits"] = _compare_logits(a, b, prompts) if prompts else None
+    sides = (a, b) if source_tokens else (b,)
+    report["special_tokens"] = [t for t in map(special_tokens, sides) if t is not None]
     report["ok"] = (
         report["weights_ok"]
         and not report["missing_in_b"]
         and not report["unexpected_in_b"]
         and (report["optimizer"] is None or report["optimizer"]["ok"])
         and (report["logits"] is None or report["logits"]["ok"])
+        and all(t["ok"] for t in report["special_tokens"])
     )
     return report
 
@@ -239,6 +299,13 @@ def render(report: dict[str, Any]) -> None:
             f"logits, {lg['prompts']} prompts ({lg['dtype']})",
             f"max |A-B| {lg['max_abs_diff']:.3g} (tolerance {lg['tolerance']:g}), mean KL {lg['mean_kl']:.3g}",
             lg["ok"],
+        )
+    for tok in report.get("special_tokens") or []:
+        ids = ", ".join(f"{k.removesuffix('_token_id')} {v}" for k, v in tok["tokenizer"].items())
+        row(
+            "special tokens, " + ("A" if tok["side"] == report["a"] else "B"),
+            "; ".join(tok["problems"]) if tok["problems"] else f"config = tokenizer ({ids})",
+            tok["ok"],
         )
     con.print(t)
     con.print("[bold green]PASS[/]" if report["ok"] else "[bold red]FAIL[/]")

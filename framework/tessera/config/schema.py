@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tessera.engines.registry import ENGINE_NAMES, ENGINES
+from tessera.errors import RecipeError
 from tessera.models.families import MODEL_TYPES
 
 #: what ``parallel.zero_impl`` may say: auto, or a sharding implementation of some engine
@@ -48,8 +49,23 @@ class ModelSection(_Section):
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSection:
-        if (self.hf_config is None) == (self.path is None):
-            raise ValueError("give exactly one of model.hf_config (inline dict) or model.path (local dir)")
+        if self.hf_config is not None and self.path is not None:
+            # a recipe layer (e.g. configs/models/tiny-llama.yaml) gives an inline config and an override
+            # gives a directory, or the other way round: name the override that clears the other one
+            raise RecipeError(
+                "give exactly one of model.hf_config (inline dict) or model.path (local dir); both are set",
+                field="model.path",
+                value=self.path,
+                fix="to use the directory, clear the inline config with the override model.hf_config=null "
+                "(or `hf_config: null` under model:); to use the inline config, model.path=null",
+            )
+        if self.hf_config is None and self.path is None:
+            raise RecipeError(
+                "give exactly one of model.hf_config (inline dict) or model.path (local dir); neither is set",
+                field="model",
+                value=None,
+                fix="e.g. model.path=DIR (a save_pretrained directory) or include configs/models/tiny-llama.yaml",
+            )
         if self.hf_config is not None and "model_type" not in self.hf_config:
             raise ValueError("model.hf_config needs a model_type (one of " + ", ".join(MODEL_TYPES) + ")")
         if self.pretrained and self.path is None:
@@ -78,7 +94,15 @@ class DataSection(_Section):
     )
     text_field: str = Field("text", description="column holding the text in jsonl / parquet files")
     tokenizer: str = Field(
-        "bpe", description="'bpe' (train a byte-level BPE on the corpus) or a local tokenizer dir"
+        "auto",
+        description="auto = the pretrained model's own (model.path, with model.pretrained), else bpe; "
+        "bpe = train a byte-level BPE on the corpus; or a local tokenizer / model directory",
+    )
+    tokenizer_override: bool = Field(
+        False,
+        description="with model.pretrained: train with data.tokenizer although it is not the model "
+        "directory's own (the pretrained embeddings then read other token ids; only the vocabulary size "
+        "is checked)",
     )
     vocab_size: int = Field(512, ge=260, description="vocabulary size of the locally trained BPE")
     seq_len: int = Field(128, ge=8, description="tokens per training sample")
@@ -140,7 +164,9 @@ class ParallelSection(_Section):
     offload_optimizer: bool = Field(False, description="ZeRO optimizer-state offload to CPU (stages 1-3)")
     offload_params: bool = Field(False, description="ZeRO parameter offload to CPU (stage 3 only)")
     deepspeed_config: str | None = Field(
-        None, description="path of a user DeepSpeed JSON merged under the recipe"
+        None,
+        description='path of a user DeepSpeed JSON merged under the recipe; "auto" values are filled '
+        "from the recipe as HF Trainer does, contradictions and keys Tessera cannot take are refused",
     )
 
     @field_validator("zero")
@@ -353,5 +379,41 @@ class Recipe(_Section):
     )
     run: RunSection = Field(default_factory=RunSection)
 
+    @model_validator(mode="after")
+    def _tokenizer_of_the_model(self) -> Recipe:
+        """``data.tokenizer: auto`` becomes the pretrained model's directory (or ``bpe``), so the resolved
+        recipe, the data cache key and the manifest all name the tokenizer actually used; a pretrained
+        model with another tokenizer is refused unless ``data.tokenizer_override`` says so."""
+        model, data = self.model, self.data
+        own = model.path if model.pretrained else None
+        if data.tokenizer == "auto":
+            data.tokenizer = own if own is not None else "bpe"
+        elif own is not None and not data.tokenizer_override and not same_dir(data.tokenizer, own):
+            what = (
+                "a BPE trained on this corpus"
+                if data.tokenizer == "bpe"
+                else f"the tokenizer in {data.tokenizer}"
+            )
+            raise RecipeError(
+                f"model.pretrained loads the weights of {own}, which were trained with that directory's "
+                f"tokenizer; {what} gives other token ids to the same embeddings",
+                field="data.tokenizer",
+                value=data.tokenizer,
+                fix=f"data.tokenizer=auto (the model's own tokenizer), or keep it and set "
+                f"data.tokenizer_override=true if this tokenizer is the one {own} was trained with",
+            )
+        return self
+
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
+
+
+def same_dir(a: str, b: str) -> bool:
+    """Whether two recipe paths name the same directory, as written (no filesystem access: relative paths
+    are relative to the same working directory for data.tokenizer and model.path)."""
+    import os
+
+    def norm(p: str) -> str:
+        return os.path.normpath(os.path.abspath(os.path.expanduser(p)))
+
+    return norm(a) == norm(b)

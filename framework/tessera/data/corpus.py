@@ -204,16 +204,30 @@ def _file_format(path: Path, fmt: str) -> str:
 
 @contextlib.contextmanager
 def _quiet_datasets() -> Iterator[None]:
-    """Silence ``datasets`` progress bars (one per rank otherwise), restoring the caller's setting."""
+    """Silence ``datasets`` progress bars (one per rank otherwise) and its error log lines (a file it
+    cannot parse is reported once, by the DataError naming the reason), restoring the caller's setting."""
     from datasets.utils import logging as ds_logging
 
     was_enabled = ds_logging.is_progress_bar_enabled()
+    verbosity = ds_logging.get_verbosity()
     ds_logging.disable_progress_bar()
+    ds_logging.set_verbosity(ds_logging.CRITICAL)
     try:
         yield
     finally:
+        ds_logging.set_verbosity(verbosity)
         if was_enabled:
             ds_logging.enable_progress_bar()
+
+
+def _reason(exc: BaseException) -> str:
+    """Why ``datasets`` could not read a file: the innermost cause (its DatasetGenerationError says only
+    "An error occurred while generating the dataset")."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    if isinstance(exc, StopIteration):  # the json builder on a file without a single record
+        return "no records in it (an empty file?)"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _load_files(files: list[Path], formats: list[str], section: DataSection, cache: Path) -> list[str]:
@@ -240,29 +254,124 @@ def _load_files(files: list[Path], formats: list[str], section: DataSection, cac
                 )
             except Exception as exc:  # datasets raises many types; the user needs the file and the reason
                 raise DataError(
-                    f"could not read as {fmt}: {type(exc).__name__}: {exc}",
+                    f"could not read as {fmt}: {_reason(exc)}",
                     field="data.files",
                     value=[str(p) for p in paths],
                     fix="check the file contents, or set data.format to the format the files really have",
                 ) from exc
-            column = "text" if fmt == "text" else section.text_field
-            if column not in ds.column_names:
-                raise DataError(
-                    f"column {column!r} not found in {', '.join(p.name for p in paths)} "
-                    f"(columns: {', '.join(ds.column_names)})",
-                    field="data.text_field",
-                    value=section.text_field,
-                    fix="set data.text_field to the column that holds the text",
-                )
-            for value in ds[column]:
-                if value is None:
-                    continue
-                if not isinstance(value, str):
-                    raise DataError(
-                        f"column {column!r} holds {type(value).__name__} values, not text",
-                        field="data.text_field",
-                        value=section.text_field,
-                        fix="set data.text_field to a column of strings",
-                    )
-                docs.append(value)
+            column = _text_column(ds.column_names, fmt, paths, section)
+            docs.extend(_texts(ds[column], column, section))
     return docs
+
+
+def _text_column(columns: list[str] | None, fmt: str, paths: list[Path], section: DataSection) -> str:
+    """The column the documents are in, checked against the columns the files have."""
+    column = "text" if fmt == "text" else section.text_field
+    if column not in (columns or []):
+        raise DataError(
+            f"column {column!r} not found in {', '.join(p.name for p in paths)} "
+            f"(columns: {', '.join(columns or [])})",
+            field="data.text_field",
+            value=section.text_field,
+            fix="set data.text_field to the column that holds the text",
+        )
+    return column
+
+
+def _texts(values: Any, column: str, section: DataSection) -> list[str]:
+    """The documents of a column: strings, missing values skipped; any other type is refused."""
+    docs: list[str] = []
+    for value in values:
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise DataError(
+                f"column {column!r} holds {type(value).__name__} values, not text",
+                field="data.text_field",
+                value=section.text_field,
+                fix="set data.text_field to a column of strings",
+            )
+        docs.append(value)
+    return docs
+
+
+#: records of each file a dry run reads (:func:`sample_corpus`)
+SAMPLE_RECORDS = 16
+
+
+@dataclass
+class CorpusSample:
+    """What a dry run read: the files the data section names and the first records of each."""
+
+    files: list[Path]
+    formats: list[str]
+    records: int
+    """records read, over all files"""
+    documents: int
+    """non-empty documents among them"""
+
+
+def sample_corpus(
+    section: DataSection, *, root: Path | None = None, records: int = SAMPLE_RECORDS
+) -> CorpusSample:
+    """A dry run's check of the data, bounded: the files resolve as :func:`load_corpus` resolves them
+    (paths, globs, formats), and the first ``records`` records of each are read by the reader the ranks
+    use (the same ``datasets`` builder, streamed: it parses the file's first block, 10 MB for jsonl and
+    text, so a 10 GB corpus is neither read nor hashed whole) and checked as the ranks check them (the
+    text column, its type). A wrong ``data.text_field``, a missing file or a record that does not parse
+    in that block fails here with the error the run would give. A text file is read by lines here (its
+    document is the whole file), which decodes its first block."""
+    import itertools
+
+    root = Path.cwd() if root is None else Path(root)
+    if section.source == "stdlib":
+        files = _stdlib_files(section.max_docs)
+        return CorpusSample(files, ["text"] * len(files), len(files), len(files))
+    files = _expand_files(section.files, root)
+    formats = [_file_format(p, section.format) for p in files]
+    n_records = n_docs = 0
+    exhausted = True
+    import tempfile
+
+    from datasets import load_dataset
+
+    # a stream caches nothing; the temporary directory keeps a dry run from creating data.cache_dir
+    with _quiet_datasets(), tempfile.TemporaryDirectory(prefix="tessera-sample-") as cache:
+        for path, fmt in zip(files, formats):
+            if path.stat().st_size == 0:  # adds nothing to the run (read with the others, it is no error)
+                continue
+            # sample_by="line": a text document is the whole file, which a bounded read must not load
+            kwargs: dict[str, Any] = {"sample_by": "line"} if fmt == "text" else {}
+            try:
+                ds = load_dataset(
+                    _DATASETS_BUILDER[fmt],
+                    data_files=[str(path)],
+                    split="train",
+                    streaming=True,
+                    cache_dir=cache,
+                    **kwargs,
+                )
+                rows = list(itertools.islice(iter(ds), records))
+            except Exception as exc:  # the same wording as the full read (:func:`_load_files`)
+                raise DataError(
+                    f"could not read as {fmt}: {_reason(exc)}",
+                    field="data.files",
+                    value=[str(path)],
+                    fix="check the file contents, or set data.format to the format the files really have",
+                ) from exc
+            exhausted = exhausted and len(rows) < records
+            if not rows:
+                continue  # an empty file adds no documents to the run, and no columns to check
+            columns = list(dict.fromkeys(k for row in rows for k in row))
+            column = _text_column(columns, fmt, [path], section)
+            texts = _texts((row.get(column) for row in rows), column, section)
+            n_records += len(rows)
+            n_docs += sum(1 for t in texts if t.strip())
+    if exhausted and n_docs == 0:  # every file read to its end: the run would find nothing either
+        raise DataError(
+            "the data files hold no non-empty documents",
+            field="data.files",
+            value=section.files,
+            fix="point data.files at files with text in them",
+        )
+    return CorpusSample(files, formats, n_records, n_docs)

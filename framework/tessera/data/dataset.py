@@ -54,6 +54,9 @@ class PreparedData:
     eval_input_ids: torch.Tensor | None = None
     """the held-out rows (``data.eval``), built from documents never trained on; None without a split"""
     eval_labels: torch.Tensor | None = None
+    token_ids: dict[str, int | None] | None = None
+    """bos / eos / pad ids as the tokenizer's files define them (pad None where they have none, though
+    ``pad_id`` is then eos): what a model trained from scratch is told (None: a record from before)"""
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -152,6 +155,7 @@ def prepare_data(section: DataSection, *, root: Path | None = None) -> PreparedD
         eos_id=eos_id,
         tokenizer_dir=str(tok.tokenizer_dir),
         tokenizer_hash=tok.tokenizer_hash,
+        token_ids=tok.token_ids,
         fingerprint=fingerprint,
         cache_file=str(target),
     )

@@ -3,7 +3,8 @@
 ``tokenizer: bpe`` trains a small byte-level BPE on the corpus itself (no hub, works for any text) and
 caches it under ``<cache_dir>/tokenizers/<key>/`` where the key covers the corpus content hash, the
 vocabulary size and the ``tokenizers`` version: the same recipe on the same files reuses it, any change
-trains a new one. Otherwise ``tokenizer`` names a local directory (a tokenizer or a pretrained model).
+trains a new one. Otherwise ``tokenizer`` names a local directory (a tokenizer or a pretrained model);
+``auto`` was resolved by the recipe schema (the pretrained model's directory, else ``bpe``).
 
 The returned hash is over the saved files, not over the key, so two machines that trained "the same"
 tokenizer can prove it and a run manifest pins exactly what was used.
@@ -43,18 +44,37 @@ _TOKENIZER_NAMES = ("config.json",)
 _TOKENIZER_SUFFIXES = (".model", ".tiktoken")
 
 
+#: the special tokens whose ids a model's config (and generation config) names
+SPECIAL_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
 @dataclass
 class TokenizerInfo:
-    """A ready tokenizer with ``eos`` and ``pad`` set, where it lives, and a hash of its files."""
+    """A ready tokenizer with ``eos`` and ``pad`` set, where it lives, a hash of its files, and its special
+    token ids as its files define them (``token_ids``: pad None where the files have no pad token, even
+    though ``tokenizer`` then pads with eos)."""
 
     tokenizer: PreTrainedTokenizerBase
     tokenizer_dir: Path
     tokenizer_hash: str
+    token_ids: dict[str, int | None]
+
+
+def token_ids(tokenizer: PreTrainedTokenizerBase) -> dict[str, int | None]:
+    """``bos_token_id``, ``eos_token_id``, ``pad_token_id`` of a tokenizer (None: it has no such token)."""
+    return {k: getattr(tokenizer, k) for k in SPECIAL_TOKEN_IDS}
+
+
+def trains_bpe(section: DataSection) -> bool:
+    """Whether the section's tokenizer is a BPE trained on its corpus: ``bpe``, or ``auto`` in a data
+    section on its own (a recipe resolves ``auto`` with its model: :class:`tessera.config.schema.Recipe`;
+    without a model there is no pretrained tokenizer to default to)."""
+    return section.tokenizer in ("bpe", "auto")
 
 
 def load_tokenizer(section: DataSection, corpus: Corpus, *, root: Path, cache_dir: Path) -> TokenizerInfo:
     """The tokenizer a data section asks for (trained and cached, or loaded from a local directory)."""
-    if section.tokenizer == "bpe":
+    if trains_bpe(section):
         return _cached_bpe(corpus, section.vocab_size, cache_dir)
     return _local_tokenizer(section.tokenizer, root)
 
@@ -74,7 +94,7 @@ def tokenizer_hash_on_disk(
     """The hash :func:`load_tokenizer` would report, from the files alone (no transformers, no training):
     None where it cannot be known yet (a BPE not trained yet, a directory that is not there: the ranks
     build it or report it)."""
-    if section.tokenizer == "bpe":
+    if trains_bpe(section):
         target = _bpe_dir(content_hash, section.vocab_size, cache_dir)
         return sha256_dir(target) if target.is_dir() else None
     path = _local_dir(section.tokenizer, root)
@@ -108,7 +128,7 @@ def _cached_bpe(corpus: Corpus, vocab_size: int, cache_dir: Path) -> TokenizerIn
     from transformers import PreTrainedTokenizerFast
 
     tok = PreTrainedTokenizerFast.from_pretrained(str(target), local_files_only=True)
-    return TokenizerInfo(tok, target, sha256_dir(target))
+    return TokenizerInfo(tok, target, sha256_dir(target), token_ids(tok))
 
 
 def _train_bpe(documents: list[str], vocab_size: int) -> PreTrainedTokenizerBase:
@@ -141,8 +161,15 @@ def _tokenizer_files(path: Path) -> list[str]:
     return names
 
 
-def _local_tokenizer(spec: str, root: Path) -> TokenizerInfo:
-    """Load a local tokenizer directory offline; a tokenizer without a pad token pads with eos."""
+def check_tokenizer_dir(section: DataSection, *, root: Path) -> None:
+    """The tokenizer directory a data section names exists and holds tokenizer files, checked without a
+    tokenizer library (``tessera run`` checks it before launch); :class:`DataError` otherwise."""
+    if not trains_bpe(section):
+        _tokenizer_dir(section.tokenizer, root)
+
+
+def _tokenizer_dir(spec: str, root: Path) -> tuple[Path, list[str]]:
+    """The directory ``spec`` names and its tokenizer files (see ``_TOKENIZER_PREFIXES``)."""
     path = _local_dir(spec, root)
     if not path.is_dir():
         raise DataError(
@@ -153,13 +180,26 @@ def _local_tokenizer(spec: str, root: Path) -> TokenizerInfo:
             f"(relative paths are resolved against {root})",
         )
     names = _tokenizer_files(path)
-    if not names:
-        raise DataError(
-            "no tokenizer files (tokenizer.json, tokenizer_config.json, vocab/merges, *.model) in the directory",
-            field="data.tokenizer",
-            value=spec,
-            fix="point data.tokenizer at a directory written by save_pretrained(), or use 'bpe'",
+    if set(names) - set(_TOKENIZER_NAMES):
+        return path, names
+    what = (
+        "no tokenizer files (tokenizer.json, tokenizer_config.json, vocab/merges, *.model) in the directory"
+    )
+    fix = "point data.tokenizer at a directory written by save_pretrained(), or use 'bpe'"
+    if (path / "config.json").is_file():  # config.json alone: a model saved without its tokenizer
+        what += (
+            " (a model saved without its tokenizer; data.tokenizer defaults to a pretrained model.path's own)"
         )
+        fix = (
+            f"save the tokenizer this model was trained with into {path} (tokenizer.save_pretrained), or set "
+            "data.tokenizer to its directory (with data.tokenizer_override=true when model.pretrained)"
+        )
+    raise DataError(what, field="data.tokenizer", value=spec, fix=fix)
+
+
+def _local_tokenizer(spec: str, root: Path) -> TokenizerInfo:
+    """Load a local tokenizer directory offline; a tokenizer without a pad token pads with eos."""
+    path, names = _tokenizer_dir(spec, root)
     from transformers import AutoTokenizer
 
     try:
@@ -178,6 +218,7 @@ def _local_tokenizer(spec: str, root: Path) -> TokenizerInfo:
             value=spec,
             fix="set eos_token in its tokenizer_config.json, or use 'bpe'",
         )
+    ids = token_ids(tok)  # before the pad below, which is this run's choice, not the tokenizer's
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    return TokenizerInfo(tok, path, sha256_dir(path, names))
+    return TokenizerInfo(tok, path, sha256_dir(path, names), ids)

@@ -63,15 +63,30 @@ class ModelSource:
     #: an HF directory (safetensors) whose tensors replace the initial weights: a resharded checkpoint's
     #: staged weights; ``model.pretrained`` reads ``model.path`` the same way
     weights: Path | None = None
+    #: the tokenizer's bos / eos / pad ids, written into the config of a model trained from scratch
+    token_ids: Mapping[str, int | None] | None = None
 
     @classmethod
-    def of(cls, recipe: Recipe, *, vocab_size: int, weights: Path | None = None) -> ModelSource:
-        return cls(section=recipe.model, vocab_size=vocab_size, seed=recipe.train.seed, weights=weights)
+    def of(
+        cls,
+        recipe: Recipe,
+        *,
+        vocab_size: int,
+        weights: Path | None = None,
+        token_ids: Mapping[str, int | None] | None = None,
+    ) -> ModelSource:
+        return cls(
+            section=recipe.model,
+            vocab_size=vocab_size,
+            seed=recipe.train.seed,
+            weights=weights,
+            token_ids=token_ids,
+        )
 
     def hf_config(self) -> Any:
         from tessera.models.hf import check_vocab, load_hf_config
 
-        cfg = load_hf_config(self.section, vocab_size=self.vocab_size)
+        cfg = load_hf_config(self.section, vocab_size=self.vocab_size, token_ids=self.token_ids)
         check_vocab(cfg, self.vocab_size)
         return cfg
 

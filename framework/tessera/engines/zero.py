@@ -1,6 +1,6 @@
-"""DeepSpeed ZeRO, as both engines use it: the config built from the recipe (and where it conflicts with
-a user's JSON), ``deepspeed.initialize``, the gradient-accumulation step loop, the model-state accounting,
-and its checkpoint save / load.
+"""DeepSpeed ZeRO, as both engines use it: ``deepspeed.initialize`` on the config built from the recipe and
+the user's JSON (:mod:`tessera.engines.ds_config`), the gradient-accumulation step loop, the model-state
+accounting, and its checkpoint save / load.
 
 The deepspeed engine runs it on the HF module over the whole world; the megatron engine runs it on a
 megatron-core model over megatron's data-parallel group (``mpu``), for ZeRO 1-3 with pp = 1.
@@ -9,7 +9,6 @@ megatron-core model over megatron's data-parallel group (``mpu``), for ZeRO 1-3 
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import torch
 
 from tessera.comm.accounting import Phase
 from tessera.config.schema import Recipe
+from tessera.engines.ds_config import build_ds_config
 from tessera.engines.held import (
     ACTIVATIONS,
     deepspeed_grad_bytes,
@@ -31,110 +31,8 @@ from tessera.engines.optim import (
     materialize_adam_state,
     set_adam_step,
 )
-from tessera.errors import CheckpointError, RecipeError
+from tessera.errors import CheckpointError
 from tessera.plan.layout import ParallelLayout
-
-# recipe field -> (DeepSpeed JSON path, how the recipe value reads in DeepSpeed terms)
-_CONFLICT_KEYS: list[tuple[str, tuple[str, ...]]] = [
-    ("parallel.micro_batch", ("train_micro_batch_size_per_gpu",)),
-    ("parallel.grad_accum", ("gradient_accumulation_steps",)),
-    ("parallel.global_batch", ("train_batch_size",)),
-    ("parallel.zero", ("zero_optimization", "stage")),
-    ("optim.grad_clip", ("gradient_clipping",)),
-    ("train.precision", ("bf16", "enabled")),
-    ("train.precision", ("fp16", "enabled")),
-    ("parallel.offload_optimizer", ("zero_optimization", "offload_optimizer", "device")),
-    ("parallel.offload_params", ("zero_optimization", "offload_param", "device")),
-]
-# sections Tessera builds itself from the recipe; a user JSON may not bring its own
-_OWNED_SECTIONS = {"optimizer": "optim.*", "scheduler": "optim.schedule / optim.warmup_steps"}
-
-
-def _get_path(d: dict[str, Any], path: tuple[str, ...]) -> Any:
-    cur: Any = d
-    for p in path:
-        if not isinstance(cur, dict) or p not in cur:
-            return None
-        cur = cur[p]
-    return cur
-
-
-def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in extra.items():
-        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def build_ds_config(recipe: Recipe, layout: ParallelLayout, *, device: str) -> dict[str, Any]:
-    """The DeepSpeed JSON for this run: recipe values, plus the user's JSON where it does not conflict."""
-    zero: dict[str, Any] = {"stage": layout.zero}
-    if layout.zero > 0:
-        # contiguous, deterministic buckets; overlap only helps where there is a separate comm stream
-        zero.update(contiguous_gradients=True, overlap_comm=device == "cuda", reduce_scatter=True)
-    if layout.offload_optimizer:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": device == "cuda"}
-    if layout.offload_params:
-        zero["offload_param"] = {"device": "cpu", "pin_memory": device == "cuda"}
-    cfg: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": layout.micro_batch,
-        "gradient_accumulation_steps": layout.grad_accum,
-        "train_batch_size": layout.global_batch,
-        "gradient_clipping": recipe.optim.grad_clip,
-        "zero_optimization": zero,
-        "bf16": {"enabled": recipe.train.precision == "bf16"},
-        "fp16": {"enabled": recipe.train.precision == "fp16"},
-        "steps_per_print": 10**9,  # Tessera logs; keep DeepSpeed's own step printing quiet
-        "wall_clock_breakdown": False,
-        # torch's AdamW with offload is allowed (bit-exact resume, no JIT op build)
-        "zero_force_ds_cpu_optimizer": False,
-    }
-    user_path = recipe.parallel.deepspeed_config
-    if user_path is None:
-        return cfg
-    try:
-        from tessera.config.loader import read_config_file  # regular file, size-bounded
-
-        user = json.loads(
-            read_config_file(user_path, field="parallel.deepspeed_config", what="DeepSpeed config")
-        )
-    except FileNotFoundError:
-        raise RecipeError(
-            "DeepSpeed config file not found",
-            field="parallel.deepspeed_config",
-            value=user_path,
-            fix="give the path of an existing JSON file",
-        ) from None
-    except json.JSONDecodeError as e:
-        raise RecipeError(
-            f"not valid JSON: {e}",
-            field="parallel.deepspeed_config",
-            value=user_path,
-            fix="fix the JSON syntax",
-        ) from None
-    for section, owner in _OWNED_SECTIONS.items():
-        if section in user:
-            raise RecipeError(
-                f"'{section}' in {user_path} conflicts with the recipe, which builds it from {owner}",
-                field="parallel.deepspeed_config",
-                value=user_path,
-                fix=f"remove '{section}' from the JSON and set {owner} in the recipe",
-            )
-    for field, path in _CONFLICT_KEYS:
-        theirs = _get_path(user, path)
-        ours = _get_path(cfg, path)
-        if theirs is None or theirs == "auto":
-            continue
-        if path[-1] == "device":  # offload: recipe says on/off, the JSON says a device
-            ours, theirs = ours is not None, theirs != "none"
-        if theirs != ours:
-            raise RecipeError(
-                f"conflicts with {'.'.join(path)} = {theirs!r} in {user_path} (the recipe gives {ours!r})",
-                field=field,
-                value=ours,
-                fix=f"remove {'.'.join(path)} from the JSON or set {field} to match it",
-            )
-    return _deep_merge(cfg, user)
 
 
 class DeepSpeedRunner:

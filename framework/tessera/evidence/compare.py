@@ -16,6 +16,15 @@ Definitions (the report quotes them):
   as a share of the band (<= 1 passes), and the first step outside it.
 - Ratios are candidate / baseline, the baseline value being the mean over its seeds (time, memory) or
   the same-seed run (eval loss).
+- Seed spread of a cost ratio (step time p50, tokens/s, cost per 1B tokens, peak memory, time to first
+  step): the seed-to-seed standard deviation (ddof 1, the noise floor's statistic) of the baseline runs'
+  values over their mean, i.e. of the baseline's own ratios to itself. Two identical baselines 1.58x apart
+  give a spread of 0.32: a candidate's ratio means nothing closer to a threshold than that.
+- A cost threshold T is judged with ``h`` = :data:`RATIO_SPREAD_MULTIPLE` x the spread: ``ratio >= T``
+  holds when ratio - h >= T, is refuted when ratio + h < T, and is "not distinguishable" in between
+  (``<=`` mirrored). The effect against the baseline: a win or a loss when |ratio - 1| > h, else "not
+  distinguishable". Verdict: FAIL if any check is refuted (or could not be measured), PASS if every check
+  holds, else INCONCLUSIVE.
 """
 
 from __future__ import annotations
@@ -44,6 +53,10 @@ REPORT = "report.md"
 #: runs; it stays after (pid and start time of the compare that made the directory)
 CLAIM = "compare.lock"
 NOISE_WINDOW = 4  # steps either side averaged into the noise floor
+#: a cost ratio is distinguishable from a threshold (or from 1) when it differs by more than this many seed
+#: spreads; fixed here and written into every pre-registration (``ratio_spread_multiple``)
+RATIO_SPREAD_MULTIPLE = 1.0
+HOLDS, REFUTED, NOT_DISTINGUISHABLE, NOT_MEASURED = "holds", "refuted", "not distinguishable", "not measured"
 
 
 # ---- the comparison directory ---------------------------------------------------------------------------
@@ -413,6 +426,14 @@ def run_stats(run: RunData, *, warmup: int, price_per_device_hour: float | None 
 # ---- bands and the verdict -----------------------------------------------------------------------------
 
 
+def seed_spread(values: list[float]) -> float | None:
+    """The seed-to-seed spread of one quantity over the baseline runs: the standard deviation with ddof 1
+    (one statistic for the loss noise floor and the cost ratios); None with fewer than two values."""
+    if len(values) < 2:
+        return None
+    return float(np.std(np.asarray(values, dtype=np.float64), ddof=1))
+
+
 def noise_floor(baselines: list[RunData], key: str) -> dict[int, float]:
     """Per step: the seed-to-seed spread of ``key`` over the baseline runs (see the module docstring);
     empty with fewer than two seeds."""
@@ -420,7 +441,8 @@ def noise_floor(baselines: list[RunData], key: str) -> dict[int, float]:
         return {}
     series = [b.series(key) for b in baselines]
     steps = sorted(set.intersection(*(set(s) for s in series)))
-    var = {s: float(np.var([x[s] for x in series], ddof=1)) for s in steps}
+    # one step's spread of 2 seeds is too noisy: the variance is averaged over the window, then rooted
+    var = {s: seed_spread([x[s] for x in series]) ** 2 for s in steps}  # type: ignore[operator]
     out = {}
     for i, s in enumerate(steps):
         window = steps[max(0, i - NOISE_WINDOW) : i + NOISE_WINDOW + 1]
@@ -463,23 +485,185 @@ def band_check(
     }
 
 
-def _check(name: str, measured: float | None, threshold: float, op: str, **extra: Any) -> dict[str, Any]:
-    ok = measured is not None and math.isfinite(measured)
-    passed = ok and (measured >= threshold if op == ">=" else measured <= threshold)  # type: ignore[operator]
+#: the cost ratios the report states, each with its seed spread: (name, what of a run's statistics, the
+#: better direction, the threshold that judges it if any)
+COST_RATIOS: tuple[tuple[str, str, str, str | None], ...] = (
+    ("step_time_p50", "median step time", "lower", None),
+    ("throughput", "steady-state throughput", "higher", "throughput_ratio_min"),
+    ("cost_per_1b_tokens", "cost per 1B tokens", "lower", None),
+    ("peak_memory", "largest per-rank peak memory", "lower", "peak_memory_ratio_max"),
+    ("time_to_first_step", "time to first step", "lower", "time_to_first_step_ratio_max"),
+)
+
+
+def _cost_value(stats: dict[str, Any], name: str) -> float | None:
+    """One run's value of a cost ratio's quantity (None where the run did not measure it)."""
+    if name == "step_time_p50":
+        return (stats["step_time_s"] or {}).get("p50")
+    if name == "throughput":
+        return stats["tokens_per_s"]
+    if name == "cost_per_1b_tokens":
+        return stats["cost_per_1b_tokens"]
+    if name == "peak_memory":
+        return (
+            float(max(stats["peak_memory_bytes_per_rank"])) if stats["peak_memory_bytes_per_rank"] else None
+        )
+    return stats["time_to_first_step_s"]
+
+
+def _finite(v: float | None) -> bool:
+    return v is not None and math.isfinite(v)
+
+
+def cost_ratio(
+    candidate: float | None,
+    baselines: list[float | None],
+    *,
+    better: str,
+    multiple: float = RATIO_SPREAD_MULTIPLE,
+) -> dict[str, Any]:
+    """candidate / the baselines' mean, with the baseline's seed spread: the standard deviation (ddof 1)
+    of its own runs' ratios to their mean (:func:`seed_spread`), and the effect judged against it: a
+    "win" or "loss" (by ``better``: "higher" or "lower") only where |ratio - 1| > ``multiple`` x spread;
+    inside it the runs cannot tell the candidate from the baseline."""
+    vals = [float(v) for v in baselines if _finite(v)]
+    mean = float(np.mean(vals)) if vals else None
+    ratio = float(candidate) / mean if _finite(candidate) and mean else None
+    own = [v / mean for v in vals] if mean else []
+    spread = seed_spread(own)
+    half = multiple * spread if spread is not None else None
+    if ratio is None:
+        effect = NOT_MEASURED
+    elif half is None:
+        effect = "no spread (one baseline run)"
+    elif abs(ratio - 1.0) > half:
+        effect = "win" if (ratio > 1.0) == (better == "higher") else "loss"
+    else:
+        effect = NOT_DISTINGUISHABLE
+    return {
+        "candidate": float(candidate) if _finite(candidate) else None,
+        "baseline_mean": mean,
+        "baseline_values": vals,
+        "ratio": ratio,
+        "baseline_ratios": own,  # the baseline's own run-to-run ratios, for scale
+        "spread": spread,
+        "half_width": half,
+        "better": better,
+        "effect": effect,
+    }
+
+
+def judge_ratio(measured: float | None, threshold: float, op: str, half_width: float | None) -> str:
+    """A ratio against its threshold, ``half_width`` being its noise (multiple x seed spread; None or 0:
+    the value alone): "holds" when the whole interval measured +- half_width satisfies ``op threshold``,
+    "refuted" when none of it does, "not distinguishable" when the threshold lies inside it."""
+    if not _finite(measured):
+        return NOT_MEASURED
+    h = half_width or 0.0
+    lo, hi = measured - h, measured + h  # type: ignore[operator]
+    if op == ">=":
+        return HOLDS if lo >= threshold else REFUTED if hi < threshold else NOT_DISTINGUISHABLE
+    return HOLDS if hi <= threshold else REFUTED if lo > threshold else NOT_DISTINGUISHABLE
+
+
+def verdict_of(outcomes: list[str]) -> str:
+    """FAIL if any check is refuted or was not measured; PASS if every check holds (and there is one);
+    otherwise INCONCLUSIVE: nothing refuted, but some ratio lies within the baseline's seed spread of its
+    threshold."""
+    if not outcomes or any(o in (REFUTED, NOT_MEASURED) for o in outcomes):
+        return "FAIL"
+    return "PASS" if all(o == HOLDS for o in outcomes) else "INCONCLUSIVE"
+
+
+def _check(
+    name: str,
+    measured: float | None,
+    threshold: float,
+    op: str,
+    *,
+    half_width: float | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    outcome = judge_ratio(measured, threshold, op, half_width)
     return {
         "threshold_name": name,
         "measured": measured,
         "threshold": threshold,
         "op": op,
-        "passed": bool(passed),
-        "refutes_claim": not passed,
+        "outcome": outcome,
+        "half_width": half_width,
+        "passed": outcome == HOLDS,
+        "refutes_claim": outcome in (REFUTED, NOT_MEASURED),
         **extra,
     }
 
 
-def _mean(values: list[float | None]) -> float | None:
-    vals = [v for v in values if v is not None and math.isfinite(v)]
-    return float(np.mean(vals)) if vals else None
+def _num(x: float) -> str:
+    return format(x, ".4g")
+
+
+def _layout_name(layout: dict[str, Any]) -> str:
+    """A layout as the field names it: "DeepSpeed ZeRO-2", "megatron-core TP2 PP2", "DDP"."""
+    engine = layout.get("engine") or "?"
+    if engine == "ddp":
+        return "DDP"
+    parts = [{"deepspeed": "DeepSpeed", "megatron": "megatron-core"}.get(engine, engine)]
+    parts += [f"{a.upper()}{layout[a]}" for a in ("tp", "pp", "vpp", "ep") if (layout.get(a) or 1) > 1]
+    if layout.get("zero"):
+        parts.append(f"ZeRO-{layout['zero']}")
+    if layout.get("sequence_parallel") is True and (layout.get("tp") or 1) > 1:
+        parts.append("SP")
+    offload = [k for k in ("optimizer", "params") if layout.get(f"offload_{k}")]
+    if offload:
+        parts.append(f"offload {'+'.join(offload)}")
+    return " ".join(parts)
+
+
+def _band_words(tol: dict[str, Any], unit: str) -> str:
+    forms = []
+    if tol.get("abs") is not None:
+        forms.append(f"{_num(tol['abs'])} {unit}".rstrip())
+    if tol.get("rel") is not None:
+        forms.append(f"{_num(tol['rel'])}x its value")
+    if tol.get("noise_floor_multiple") is not None:
+        forms.append(f"{_num(tol['noise_floor_multiple'])}x the seed-to-seed spread")
+    return " or ".join(forms) + (" (the widest)" if len(forms) > 1 else "")
+
+
+def claim_sentence(
+    acceptance: dict[str, Any], cand_layout: dict[str, Any], world: int, base_layout: dict[str, Any]
+) -> str:
+    """The claim under test in one sentence, from the registered thresholds and the two layouts: what a
+    PASS asserts and any refuted threshold denies."""
+    th = thresholds_of(acceptance)
+    base = _layout_name(base_layout)
+    who = f"the {base} baseline" if base == "DDP" else f"the baseline ({base})"
+    quality = []
+    if "loss_tolerance" in th:
+        quality.append(f"loss within {_band_words(th['loss_tolerance'], 'nats')}")
+    if "grad_norm_tolerance" in th:
+        quality.append(f"grad norm within {_band_words(th['grad_norm_tolerance'], '')}")
+    if "eval_loss_ratio_max" in th:
+        quality.append(f"final eval loss within {_num(th['eval_loss_ratio_max'])}x")
+    costs = []
+    if "throughput_ratio_min" in th:
+        costs.append(f">= {_num(th['throughput_ratio_min'])}x its throughput")
+    if "peak_memory_ratio_max" in th:
+        costs.append(f"<= {_num(th['peak_memory_ratio_max'])}x its peak memory per rank")
+    if "time_to_first_step_ratio_max" in th:
+        costs.append(f"<= {_num(th['time_to_first_step_ratio_max'])}x its time to first step")
+
+    def listed(items: list[str]) -> str:
+        return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+    text = f"Claim: {_layout_name(cand_layout)} on {world} rank{'s' if world != 1 else ''}"
+    if quality:
+        text += f" reaches {who}'s {listed(quality)}"
+        if costs:
+            text += f", at {listed(costs)}"
+    else:
+        text += f" runs at {listed(costs).replace(' its ', ' the ')} of {who}"
+    return text + "."
 
 
 def judge(
@@ -489,40 +673,42 @@ def judge(
     *,
     scaling: RunData | None = None,
     price_per_device_hour: float | None = None,
+    spread_multiple: float = RATIO_SPREAD_MULTIPLE,
 ) -> dict[str, Any]:
-    """Statistics of every run and the verdict: each set threshold measured, PASS only if all hold."""
+    """Statistics of every run, every cost ratio with its seed spread, and the verdict: each set
+    threshold measured and judged (a cost ratio against its spread, see the module docstring)."""
     warmup = int(acceptance.get("warmup_steps") or 0)
     runs = [cand, *baselines, *([scaling] if scaling else [])]
     stats = {r.name: run_stats(r, warmup=warmup, price_per_device_hour=price_per_device_hour) for r in runs}
     cs, bs = stats[cand.name], [stats[b.name] for b in baselines]
     ref = baselines[0]  # the same seed as the candidate
+    ratios = {
+        name: {
+            "what": what,
+            **cost_ratio(
+                _cost_value(cs, name),
+                [_cost_value(b, name) for b in bs],
+                better=better,
+                multiple=spread_multiple,
+            ),
+        }
+        for name, what, better, _ in COST_RATIOS
+    }
     checks = []
     th = thresholds_of(acceptance)
-    if "throughput_ratio_min" in th:
-        base = _mean([b["tokens_per_s"] for b in bs])
-        checks.append(
-            _check("throughput_ratio_min", _ratio(cs["tokens_per_s"], base), th["throughput_ratio_min"], ">=")
-        )
-    if "peak_memory_ratio_max" in th:
-        base = _mean([max(b["peak_memory_bytes_per_rank"] or [0]) for b in bs])
-        checks.append(
-            _check(
-                "peak_memory_ratio_max",
-                _ratio(max(cs["peak_memory_bytes_per_rank"] or [0]), base),
-                th["peak_memory_ratio_max"],
-                "<=",
+    for name, _, better, threshold in COST_RATIOS:
+        if threshold in th:
+            r = ratios[name]
+            checks.append(
+                _check(
+                    threshold,
+                    r["ratio"],
+                    th[threshold],
+                    ">=" if better == "higher" else "<=",
+                    half_width=r["half_width"],
+                    spread=r["spread"],
+                )
             )
-        )
-    if "time_to_first_step_ratio_max" in th:
-        base = _mean([b["time_to_first_step_s"] for b in bs])
-        checks.append(
-            _check(
-                "time_to_first_step_ratio_max",
-                _ratio(cs["time_to_first_step_s"], base),
-                th["time_to_first_step_ratio_max"],
-                "<=",
-            )
-        )
     bands = {}
     for key, name in (("loss", "loss_tolerance"), ("grad_norm", "grad_norm_tolerance")):
         if name not in th:
@@ -549,8 +735,13 @@ def judge(
         one = stats[scaling.name]["tokens_per_s"]
         scaling_eff = _ratio(cs["tokens_per_s"], one * cand.world) if one else None
     return {
-        "verdict": "PASS" if checks and all(c["passed"] for c in checks) else "FAIL",
+        "verdict": verdict_of([c["outcome"] for c in checks]),
+        "claim": claim_sentence(
+            acceptance, cand.manifest.get("layout") or {}, cand.world, ref.manifest.get("layout") or {}
+        ),
         "checks": checks,
+        "cost_ratios": ratios,
+        "ratio_spread_multiple": spread_multiple,
         "first_divergent_step": {k: b["first_step_outside"] for k, b in bands.items()},
         "bands": bands,
         "noise_floor": {k: noise_floor(baselines, k) for k in ("loss", "grad_norm") if len(baselines) >= 2},

@@ -172,6 +172,23 @@ def files_digest(paths: list[Path]) -> str:
     return sha256_bytes("".join(f"{p.name}:{sha256_file(p)}\n" for p in sorted(paths)).encode())
 
 
+def tokenizer_record(recipe: dict[str, Any], tokenizer_dir: str, tokenizer_hash: str) -> dict[str, Any]:
+    """Which tokenizer a run used: ``source`` "model" (the pretrained model directory's own), "bpe"
+    (trained on the corpus) or "dir" (another local directory), where it is and the sha256 of its files
+    (``tokenizer_hash``)."""
+    from tessera.config.schema import same_dir
+
+    model, data = recipe.get("model") or {}, recipe.get("data") or {}
+    spec = data.get("tokenizer")
+    if spec in ("bpe", "auto"):  # auto: resolved by the recipe schema, a bare data section's is bpe
+        source = "bpe"
+    elif model.get("pretrained") and model.get("path") and spec and same_dir(spec, model["path"]):
+        source = "model"
+    else:
+        source = "dir"
+    return {"source": source, "path": tokenizer_dir, "sha256": tokenizer_hash}
+
+
 def capture_manifest(
     *,
     recipe: dict[str, Any],
@@ -184,10 +201,13 @@ def capture_manifest(
     seed: int,
     device: str,
     hostfile: str | None = None,
+    tokenizer_dir: str | None = None,
 ) -> tuple[dict[str, Any], str]:
     """Build the manifest on rank 0 (cheap: no tensor work, two git calls). Returns it and the
-    uncommitted git diff, which is saved beside it (the manifest holds its hash)."""
+    uncommitted git diff, which is saved beside it (the manifest holds its hash). ``tokenizer_dir``: where
+    the run's tokenizer is (the manifest's ``tokenizer`` record, :func:`tokenizer_record`)."""
     git, diff = git_state()
+    tokenizer = None if tokenizer_dir is None else tokenizer_record(recipe, tokenizer_dir, tokenizer_hash)
     manifest = {
         "manifest_version": MANIFEST_VERSION,
         "recipe": recipe,
@@ -204,6 +224,7 @@ def capture_manifest(
         "seed": seed,
         "data": data_fingerprint,
         "tokenizer_hash": tokenizer_hash,
+        "tokenizer": tokenizer,
         "launcher_command": launcher_command,
         "hostfile": hostfile,
     }
@@ -216,12 +237,13 @@ def capture_manifest(
 _VOLATILE = {
     "launcher_command", "hardware.hostname", "checkpoint_step", "resumed_from", "resharded", "plan", "restarts", "stopped",
     "fault_injection", "environment.MASTER_ADDR", "environment.MASTER_PORT", "environment.WORLD_SIZE",
+    "tokenizer.path",  # where the cache or the checkout is; tokenizer.sha256 pins what it holds
 }  # fmt: skip
 #: top-level manifest key -> the group a difference is reported under
 GROUPS = {
     "git": "code", "versions": "environment", "packages": "environment", "environment": "environment",
     "recipe": "config", "recipe_hash": "config", "layout": "config", "seed": "config", "world_size": "config",
-    "data": "data", "tokenizer_hash": "data", "hardware": "hardware", "topology": "hardware",
+    "data": "data", "tokenizer_hash": "data", "tokenizer": "data", "hardware": "hardware", "topology": "hardware",
     "device": "hardware", "hostfile": "hardware", "manifest_version": "code", "initial_weights": "data",
     "preregistration_sha256": "config",
 }  # fmt: skip

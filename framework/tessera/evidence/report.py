@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from tessera.atomic import atomic_file, write_text_atomic
 from tessera.evidence.compare import REPORT, VERDICT, RunData, timed
 
@@ -41,11 +43,35 @@ def _fmt(v: Any, spec: str = ".4g") -> str:
     return str(v)
 
 
+def cost_unit(hardware: dict[str, Any] | None) -> str:
+    """The unit of "cost per 1B tokens": the currency of the hardware profile's price, named with it."""
+    hw = hardware or {}
+    if not hw.get("price_per_device_hour"):
+        return "n/a: the hardware profile has no price_per_device_hour"
+    return (
+        f"price units per 1B tokens, at {hw['price_per_device_hour']:g} per device-hour "
+        f"(price_per_device_hour of hardware profile {hw['name']}, in the currency it is written in)"
+    )
+
+
+#: the unit each cost ratio's quantity is shown in: (scale, unit)
+_COST_UNITS = {
+    "step_time_p50": (1e3, "ms"),
+    "throughput": (1.0, "tokens/s"),
+    "cost_per_1b_tokens": (1.0, "price units"),
+    "peak_memory": (2.0**-20, "MiB"),
+    "time_to_first_step": (1.0, "s"),
+}
+
+
 def render_markdown(prereg: dict[str, Any], sha: str, result: dict[str, Any], pngs: list[Path]) -> str:
     runs = result["runs"]
     cand = result["candidate"]
+    k = result.get("ratio_spread_multiple", 1.0)
     lines = [
         f"# Comparison: {cand} against {', '.join(result['baselines'])}",
+        "",
+        f"**{result['claim']}**",
         "",
         f"**Verdict: {result['verdict']}**",
         "",
@@ -53,8 +79,8 @@ def render_markdown(prereg: dict[str, Any], sha: str, result: dict[str, Any], pn
         f"Pre-registration: `preregistration.json`, sha256 `{sha}`"
         + ("" if prereg.get("registered_before_runs", True) else " (registered after the runs existed)"),
         "",
-        "| threshold | measured | threshold | holds | refutes the claim |",
-        "|---|---|---|---|---|",
+        f"| threshold | measured | ± {k:g} x seed spread | threshold | outcome | refutes the claim |",
+        "|---|---|---|---|---|---|",
     ]
     for c in result["checks"]:
         extra = ""
@@ -64,14 +90,45 @@ def render_markdown(prereg: dict[str, Any], sha: str, result: dict[str, Any], pn
             extra = (
                 f" (largest share at step {c['worst_step']}; max abs diff {_fmt(c['max_abs_diff'], '.3g')})"
             )
+        half = c.get("half_width")
         lines.append(
-            f"| {c['threshold_name']} | {_fmt(c['measured'])}{extra} | {c['op']} {_fmt(c['threshold'])} | "
-            f"{'yes' if c['passed'] else 'no'} | {'yes' if c['refutes_claim'] else 'no'} |"
+            f"| {c['threshold_name']} | {_fmt(c['measured'])}{extra} | "
+            f"{'-' if half is None else _fmt(half, '.3g')} | {c['op']} {_fmt(c['threshold'])} | "
+            f"{c['outcome']} | {'yes' if c['refutes_claim'] else 'no'} |"
         )
     lines += [
         "",
         f"Timing leaves out the first {result['warmup_steps']} steps. Loss and grad-norm checks measure the "
-        "largest |candidate - baseline| as a share of the band (<= 1 holds) against the same-seed baseline.",
+        "largest |candidate - baseline| as a share of the band (<= 1 holds) against the same-seed baseline. "
+        f"A cost ratio is judged against the baseline's seed spread (± {k:g} x the standard deviation, ddof 1, "
+        "of the baseline runs' values over their mean, fixed in the pre-registration): it holds when the "
+        "whole interval ratio ± spread meets the threshold, is refuted when none of it does, and is not "
+        "distinguishable when the threshold lies inside it. PASS: every check holds; FAIL: one is refuted; "
+        "INCONCLUSIVE: none is refuted, but one is not distinguishable.",
+        "",
+        "## Cost ratios and their seed spread",
+        "",
+        "Candidate / the mean of the baseline seeds. The baseline seeds' own ratios to their mean show how "
+        "far two runs of the same recipe differ here; an effect is a win or a loss only where "
+        f"|ratio - 1| exceeds {k:g} x the spread.",
+        "",
+        "| quantity | candidate | baseline mean (seeds) | ratio | baseline seeds / their mean | seed spread "
+        "| effect |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, r in result["cost_ratios"].items():
+        scale, unit = _COST_UNITS[name]
+        vals = ", ".join(_fmt(v * scale, ".4g") for v in r["baseline_values"])
+        own = ", ".join(_fmt(v, ".3f") for v in r["baseline_ratios"])
+        cand_v = None if r["candidate"] is None else r["candidate"] * scale
+        base_v = None if r["baseline_mean"] is None else r["baseline_mean"] * scale
+        lines.append(
+            f"| {r['what']} ({unit}) | {_fmt(cand_v, '.4g')} | {_fmt(base_v, '.4g')} ({vals or 'n/a'}) "
+            f"| {_fmt(r['ratio'], '.4f')} | {own or 'n/a'} | {_fmt(r['spread'], '.3g')} | {r['effect']} |"
+        )
+    lines += [
+        "",
+        f"Cost per 1B tokens: {cost_unit(result.get('hardware'))}.",
         "",
         "## Runs",
         "",
@@ -97,7 +154,8 @@ def render_markdown(prereg: dict[str, Any], sha: str, result: dict[str, Any], pn
         "bound of the exposed part); optimizer excludes its own collectives; compute is the rest.",
         "",
         "| run | compute | communication | optimizer | data | comm bytes / step (measured / planned) "
-        "| comm fraction p50 (measured / planned) | MFU p50 | tokens per device-hour | cost per 1B tokens |",
+        "| comm fraction p50 (measured / planned) | MFU p50 | tokens per device-hour "
+        "| cost per 1B tokens (price units) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in runs.items():
@@ -134,18 +192,19 @@ def plot_comparison(out: Path, result: dict[str, Any], runs: list[RunData]) -> l
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import LogLocator, MaxNLocator, NullFormatter, ScalarFormatter
 
     written: list[Path] = []
     cand = next(r for r in runs if r.role == "candidate")
     ref = next(r for r in runs if r.role == "baseline")
     warmup = result["warmup_steps"]
 
-    def save(fig: Any, name: str) -> None:
+    def save(fig: Any, name: str, note: str | None = None) -> None:
+        """``note``: what the plot says beside its data, also the PNG's Description (a reader can check it)."""
         fig.tight_layout()
         try:  # savefig to a path would follow a link there: the bytes go to a temporary, renamed over it
             with atomic_file(out / name) as f:
-                fig.savefig(f, format="png", dpi=110)
+                fig.savefig(f, format="png", dpi=110, metadata={"Description": note} if note else None)
         finally:
             plt.close(fig)
         written.append(out / name)
@@ -165,7 +224,7 @@ def plot_comparison(out: Path, result: dict[str, Any], runs: list[RunData]) -> l
         ("loss", "loss.png", "loss (nats per token)"),
         ("grad_norm", "grad_norm.png", "grad norm (pre-clip)"),
     ):
-        fig, (ax, dax) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=[3, 2])
+        fig, (ax, dax) = plt.subplots(2, 1, figsize=(7, 7), sharex=True, height_ratios=[3, 2])
         for r in runs:
             s = r.series(key)
             if s:
@@ -189,9 +248,16 @@ def plot_comparison(out: Path, result: dict[str, Any], runs: list[RunData]) -> l
         refs, cs = ref.series(key), cand.series(key)
         steps = sorted(set(refs) & set(cs))
 
-        dax.plot(
-            *_absdiff(cs, refs), color="C3", linewidth=1.2, marker=".", label=f"|candidate - {ref.name}|"
+        diff_steps, diffs = _absdiff(cs, refs)
+        dax.plot(diff_steps, diffs, color="C3", linewidth=1.2, marker=".", label=f"|candidate - {ref.name}|")
+        # a log axis has no zero: say how many steps are missing from the line (all of them when the
+        # candidate matches the baseline exactly, which would otherwise read as "no data")
+        zeros = len(steps) - len(diff_steps)
+        zero_note = (
+            f"zero differences are not drawn on this log axis: |candidate - {ref.name}| = 0 at {zeros} of "
+            f"{len(steps)} steps" + (" (identical curves)" if steps and not diff_steps else "")
         )
+        dax.set_title(zero_note, fontsize=8)
         band = result.get("bands", {}).get(key)
         if band and band["width"]:
             bs = [s for s in steps if s in band["width"]]
@@ -225,36 +291,63 @@ def plot_comparison(out: Path, result: dict[str, Any], runs: list[RunData]) -> l
         dax.set_xlabel("step")
         dax.xaxis.set_major_locator(MaxNLocator(integer=True))
         dax.grid(alpha=0.3, which="both")
-        dax.legend(fontsize=7, loc="center right")
+        # below the panel: inside, it covers the band or a curve whatever the corner
+        dax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncols=2)
         ax.set_ylabel(unit)
         ax.set_title(f"{key.replace('_', ' ')}: candidate against the baseline seeds")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-        save(fig, name)
+        save(fig, name, zero_note)
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(7, 4.6))
+    times = {r.name: [x["step_time_s"] * 1e3 for x in timed(r, warmup)] for r in runs}
+    planned = cand.plan.get("step_time_s")
+    # one set of bins for every run (and the planner's line), so the bars compare; geometric on a log axis,
+    # so that one slow step (a checkpoint, a neighbour's burst) does not squeeze the rest into one bin
+    every = [t for ts in times.values() for t in ts if t > 0] + ([planned * 1e3] if planned else [])
+    edges = np.geomspace(min(every) * 0.95, max(every) * 1.05, 41) if every else 40
     for r in runs:
-        t = [x["step_time_s"] * 1e3 for x in timed(r, warmup)]
+        p50 = (result["runs"][r.name]["step_time_s"] or {}).get("p50")
         ax.hist(
-            t,
-            bins=30,
+            times[r.name],
+            bins=edges,
             alpha=0.5,
             color=style(r)["color"],
-            label=f"{r.name} (p50 {sorted(t)[len(t) // 2]:.1f} ms)",
+            label=f"{r.name} (p50 {_fmt(p50 * 1e3 if p50 is not None else None, '.1f')} ms)",
         )
-    planned = cand.plan.get("step_time_s")
+    hw = result.get("hardware") or {}
+    uncalibrated = bool(planned) and hw.get("calibrated") is False
     if planned:
+        profile = (
+            f"{'uncalibrated' if uncalibrated else 'calibrated'} profile {hw['name']}" if hw else "profile"
+        )
         ax.axvline(
-            planned * 1e3, color="C3", linestyle="--", label=f"planner, candidate: {planned * 1e3:.1f} ms"
+            planned * 1e3,
+            color="C3",
+            linestyle="--",
+            label=f"planner, candidate: {planned * 1e3:.1f} ms ({profile})",
         )
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("step time (ms)")
+    ax.set_xscale("log")
+    ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("step time (ms, log scale)")
     ax.set_ylabel("steps")
-    ax.set_title(f"step-time distribution (first {warmup} steps left out)")
-    ax.legend(fontsize=7)
-    save(fig, "step_time.png")
+    title = f"step-time distribution (first {warmup} steps left out)"
+    planner_note = None
+    if uncalibrated:  # datasheet figures rank layouts; they do not predict this machine's seconds
+        planner_note = (
+            f"planner's line: from the uncalibrated hardware profile {hw['name']} (datasheet figures, "
+            "not\nthis machine's: `tessera plan --calibrate` fits the profile to runs here)"
+        )
+        title += "\n" + planner_note
+    ax.set_title(title, fontsize=9 if uncalibrated else None)
+    # below the axes: inside, it would sit on the tallest bars
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncols=2)
+    save(fig, "step_time.png", planner_note)
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(8.5, 4))
     width = 0.8 / len(runs)
     for i, r in enumerate(runs):
         mib = [m / 2**20 for m in (r.summary.get("peak_memory_bytes_per_rank") or [])]
@@ -271,7 +364,8 @@ def plot_comparison(out: Path, result: dict[str, Any], runs: list[RunData]) -> l
     ax.set_xlabel("rank")
     ax.set_ylabel("peak memory (MiB)")
     ax.set_title("peak memory per rank (CPU: process RSS; GPU: allocated)")
-    ax.legend(fontsize=7)
+    # outside the axes, right: inside it sits on top of the tallest bars whatever the corner
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     save(fig, "memory.png")
 
     fig, ax = plt.subplots(figsize=(7, 4))

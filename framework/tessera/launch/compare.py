@@ -16,6 +16,8 @@ from typing import Any
 
 from tessera.errors import RecipeError, TesseraError
 from tessera.evidence.compare import (
+    COST_RATIOS,
+    RATIO_SPREAD_MULTIPLE,
     RunData,
     check_same_work,
     claim_comparison_dir,
@@ -111,6 +113,16 @@ def _check_thresholds(recipe: Any, seeds: int) -> dict[str, Any]:
                 value=seeds,
                 fix=f"pass --seeds 2 or more, or give acceptance.{name} as rel / abs",
             )
+    cost = [t for _, _, _, t in COST_RATIOS if t in th]
+    if cost and seeds < 2:
+        raise RecipeError(
+            f"{', '.join(cost)} {'is' if len(cost) == 1 else 'are'} judged against the baseline's "
+            "seed-to-seed spread, which needs at least two baseline runs",
+            field="--seeds",
+            value=seeds,
+            fix="pass --seeds 2 or more (with --runs: two or more baseline runs), or unset "
+            + ", ".join(f"acceptance.{t}" for t in cost),
+        )
     if "eval_loss_ratio_max" in th and recipe.data.eval.fraction <= 0:
         raise RecipeError(
             "acceptance.eval_loss_ratio_max needs a held-out split",
@@ -125,10 +137,18 @@ def _stamp() -> str:
     return datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
 
 
-def _price(recipe: Any, device: str) -> float | None:
+def _hardware(recipe: Any, device: str) -> dict[str, Any]:
+    """The hardware profile the runs' plans were estimated with (the recipe's, else the device's
+    default): its name, whether ``tessera plan --calibrate`` fitted it to a machine (only then is the
+    planner's step time a prediction of seconds), and its price (the report's cost per 1B tokens)."""
     from tessera.plan.search import hardware_for
 
-    return hardware_for(recipe, device=device).price_per_device_hour
+    hw = hardware_for(recipe, device=device)
+    return {
+        "name": hw.name,
+        "calibrated": hw.efficiency is not None or bool(hw.engine_efficiency),
+        "price_per_device_hour": hw.price_per_device_hour,
+    }
 
 
 def run_comparison(
@@ -175,6 +195,7 @@ def run_comparison(
         "created": datetime.datetime.now().isoformat(timespec="seconds"),
         "registered_before_runs": True,
         "acceptance": acceptance,
+        "ratio_spread_multiple": RATIO_SPREAD_MULTIPLE,
         "candidate": {"recipe": recipe_path, "overrides": overrides, "recipe_hash": recipe_hash(recipe)},
         "baseline": {
             "kind": "ddp" if baseline == "ddp" else "recipe",
@@ -275,6 +296,7 @@ def compare_existing(runs: list[str], *, acceptance_file: str | None, out: str |
                 "created": datetime.datetime.now().isoformat(timespec="seconds"),
                 "registered_before_runs": False,
                 "acceptance": acceptance,
+                "ratio_spread_multiple": RATIO_SPREAD_MULTIPLE,
                 "candidate": {"run": str(paths[0])},
                 "baseline": {"kind": "runs", "runs": [str(p) for p in paths[1:]]},
                 "seeds": None,
@@ -303,10 +325,18 @@ def _judge_and_report(
     cand = next(r for r in runs if r.role == "candidate")
     baselines = [r for r in runs if r.role == "baseline"]
     scaling = next((r for r in runs if r.role == "scaling"), None)
+    hardware = _hardware(recipe, device)
     result = judge(
-        prereg["acceptance"], cand, baselines, scaling=scaling, price_per_device_hour=_price(recipe, device)
+        prereg["acceptance"],
+        cand,
+        baselines,
+        scaling=scaling,
+        price_per_device_hour=hardware["price_per_device_hour"],
+        # as registered before the runs (a comparison registered before this rule existed: the default)
+        spread_multiple=prereg.get("ratio_spread_multiple", RATIO_SPREAD_MULTIPLE),
     )
     result["unequal_length"] = unequal
+    result["hardware"] = hardware
     files = write_report(out_dir, prereg, sha, result, runs)
     wandb_dir = _mirror_to_wandb(recipe, out_dir, prereg, sha, result, files, runs)
     _print_verdict(result, out_dir, files, runs, wandb_dir)
@@ -322,8 +352,12 @@ def _mirror_to_wandb(recipe, out_dir, prereg, sha, result, files, runs) -> str |
         config={"preregistration": prereg, "preregistration_sha256": sha},
         summary={
             "verdict": result["verdict"],
+            "claim": result["claim"],
             "thresholds": prereg["acceptance"],
             **{f"measured/{c['threshold_name']}": c["measured"] for c in result["checks"]},
+            **{f"outcome/{c['threshold_name']}": c["outcome"] for c in result["checks"]},
+            **{f"ratio/{k}": r["ratio"] for k, r in result["cost_ratios"].items()},
+            **{f"spread/{k}": r["spread"] for k, r in result["cost_ratios"].items()},
             "scaling_efficiency": result["scaling_efficiency"],
         },
         files=files,
@@ -338,18 +372,30 @@ def _print_verdict(result, out_dir: Path, files: list[Path], runs: list[RunData]
     con = Console()
     con.width = max(con.width, 120)  # threshold names whole
     unequal = result.get("unequal_length")
+    print(result["claim"], flush=True)  # one line, whatever the terminal's width
     table = Table(title=f"verdict: {result['verdict']}", caption=unequal["note"] if unequal else None)
-    for col in ("threshold", "measured", "threshold value", "holds", "first step outside"):
+    for col in ("threshold", "measured ± spread", "threshold value", "outcome", "first step outside"):
         table.add_column(col)
+    color = {"holds": "green", "not distinguishable": "yellow"}
     for c in result["checks"]:
+        measured = "n/a" if c["measured"] is None else f"{c['measured']:.4g}"
+        if c.get("half_width") is not None:
+            measured += f" ± {c['half_width']:.2g}"
         table.add_row(
             c["threshold_name"],
-            "n/a" if c["measured"] is None else f"{c['measured']:.4g}",
+            measured,
             f"{c['op']} {c['threshold']:.4g}",
-            "[green]yes[/]" if c["passed"] else "[bold red]no[/]",
+            f"[{color.get(c['outcome'], 'bold red')}]{c['outcome']}[/]",
             str(c.get("first_step_outside") or "-"),
         )
     con.print(table)
+    if result["verdict"] == "INCONCLUSIVE":
+        close = [c["threshold_name"] for c in result["checks"] if c["outcome"] == "not distinguishable"]
+        one = len(close) == 1
+        print(
+            f"inconclusive: {', '.join(close)} {'lies' if one else 'lie'} within the baseline's seed spread of "
+            f"{'its threshold' if one else 'their thresholds'}; more baseline seeds or longer runs narrow the spread"
+        )
     if result.get("scaling_efficiency") is not None:
         con.print(f"scaling efficiency against one rank: {result['scaling_efficiency']:.1%}")
     print(f"VERDICT: {result['verdict']}" + (f"  ({unequal['note']})" if unequal else ""))

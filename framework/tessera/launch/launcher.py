@@ -375,9 +375,19 @@ _LOG_LINE = re.compile(
 )
 
 
+#: deepspeed.launcher.launch's line when one of its ranks failed: "[...] [ERROR] [launch.py:259:sigkill_handler]
+#: [..., '--local_rank=1', ...] exits with return code = -9". It prints the command of the last rank it
+#: started, whichever rank failed (rank 1 of 2 when rank 0 died); the supervisor names the rank that
+#: failed first, so this line goes to launcher.log only, even with --verbose.
+_MISLEADING = re.compile(
+    rb"^(\S+: )?\[[^\]]*\] \[ERROR\] \[launch\.py:\d+:sigkill_handler\] .* exits with return code"
+)  # (a pdsh node prefix "host: " allowed)
+
+
 class _LauncherLines:
     """The launcher's stdout (which the ranks inherit): its log lines go to ``logs/launcher.log``, the rest
-    (rank 0's progress and messages) to the console as they come; ``--verbose`` prints everything."""
+    (rank 0's progress and messages) to the console as they come; ``--verbose`` prints everything but the
+    launcher's misleading line about which rank failed (:data:`_MISLEADING`)."""
 
     def __init__(self, stream: Any, log: Any) -> None:
         import threading
@@ -391,13 +401,14 @@ class _LauncherLines:
         out = sys.stdout.buffer
         with self.log as log:  # opened (never through a link) before the launcher started
             for line in iter(self.stream.readline, b""):
-                if _LOG_LINE.match(line):
+                misleading = bool(_MISLEADING.match(line))
+                if misleading or _LOG_LINE.match(line):
                     try:
                         log.write(line)
                         log.flush()
                     except OSError:  # a full disk: the line is lost, the pipe keeps draining
                         pass
-                    if not self.verbose:
+                    if misleading or not self.verbose:
                         continue
                 try:
                     out.write(line)

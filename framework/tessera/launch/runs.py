@@ -32,6 +32,9 @@ def check_recipe(path: str, overrides: list[str]):
 
     resolved = load_recipe(path, overrides)
     recipe = resolved.recipe
+    from tessera.data.tokenizer import check_tokenizer_dir
+
+    check_tokenizer_dir(recipe.data, root=Path.cwd())  # a pretrained model.path without its tokenizer
     device = resolve_device(recipe.run.device)
     if recipe.train.precision == "fp16" and device == "cpu":
         raise RecipeError(
@@ -50,6 +53,13 @@ def check_recipe(path: str, overrides: list[str]):
         )
     if not recipe.parallel.auto:  # the planner's layout is checked by the planner
         batch_split(recipe)
+        if recipe.parallel.deepspeed_config and capabilities(engine).hf_module:
+            # the user's JSON, checked by the function that merges it on the ranks (which also read the
+            # model's hidden size); a megatron layout needs the model's config, so rank 0 checks that one
+            from tessera.engines.ds_config import build_ds_config
+            from tessera.plan.layout import layout_from_recipe
+
+            build_ds_config(recipe, layout_from_recipe(recipe), device=device, read_model=False)
     return resolved, device
 
 
@@ -77,16 +87,18 @@ def supervise_ranks(
     what: str,
     grace_s: float = 120.0,
     watchdog: Any = None,
+    verdict: bool = True,
 ) -> tuple[int, Any]:
     """Start the ranks and wait. A stop every rank agreed on (a stop rule, a preemption) ends with its
-    own code and the diagnosis rank 0 printed; a failed rank is named with its last log lines. The exit
-    code is always Tessera's (the rank's own verdict where it gave one; RANK_LOST, HUNG or FAILED
-    otherwise), never the launcher's raw status. Returns (code, the failure or None)."""
+    own code and the diagnosis rank 0 printed; after a failure the failed rank's last log lines are
+    printed, then (``verdict``; else the caller, who may restart, says it) one line naming the rank that
+    failed first. The exit code is always Tessera's (the rank's own verdict where it gave one; RANK_LOST,
+    HUNG or FAILED otherwise), never the launcher's raw status. Returns (code, the failure or None)."""
     from tessera.launch.launcher import run_and_monitor
 
     rc, failure = run_and_monitor(cmd, env, rd.path, world, grace_s=grace_s, watchdog=watchdog)
     rd.remove_partial_checkpoints()  # every rank has ended: a failed save's room is given back now
-    if failure is not None and failure.code in ORDERLY_EXITS[1:] and failure.code != ExitCode.DIVERGED:
+    if failure is not None and _orderly(failure):
         code = ExitCode(failure.code)
         hint = " (continue with --resume)" if code in (ExitCode.PREEMPTED, ExitCode.TIME_LIMIT) else ""
         print(f"tessera: {what} stopped: {code.name}{hint}", file=sys.stderr)
@@ -96,19 +108,34 @@ def supervise_ranks(
             from tessera.launch.launcher import LAUNCHER_LOG
 
             log = rd.logs / LAUNCHER_LOG if failure.rank is None else rd.rank_file(failure.rank, "log")
-            _console().print(f"[bold red]{failure.culprit} {failure.how}[/]; last log lines ({log}):")
+            # the heading names no rank: the verdict below names the one that failed first, once
+            _console().print(f"[bold red]last log lines[/] ({log}):", soft_wrap=True)
             for line in failure.log_tail:
                 print(f"  | {line}")
         code = failure.code if failure.code not in (None, ExitCode.TERMINATED) else ExitCode.FAILED
-        print(
-            f"tessera: {what} failed: {failure.culprit} {failure.how} (exit code {int(code)})",
-            file=sys.stderr,
-        )
+        if verdict:
+            say_failed(what, failure, code)
         return int(code), failure
     if rc not in (0, *(int(c) for c in ExitCode)):
         print(f"tessera: launcher exited with status {rc}; logs in {rd.logs}", file=sys.stderr)
         return int(ExitCode.FAILED), None
     return rc, None
+
+
+def _orderly(failure: Any) -> bool:
+    """A stop every rank agreed on (a stop rule, a preemption), not a failure; a divergence is one."""
+    return failure.code in ORDERLY_EXITS[1:] and failure.code != ExitCode.DIVERGED
+
+
+def describe_failure(failure: Any) -> str:
+    """What failed and how, naming the rank once (a hang's diagnosis starts with the rank already)."""
+    if failure.who is None and failure.how.startswith("hung: "):
+        return failure.how
+    return f"{failure.culprit} {failure.how}"
+
+
+def say_failed(what: str, failure: Any, code: int) -> None:
+    print(f"tessera: {what} failed: {describe_failure(failure)} (exit code {int(code)})", file=sys.stderr)
 
 
 def resume_point(index, run_dir: Path, *, resume: bool, resume_from: str | None, same_layout: bool,
@@ -237,16 +264,31 @@ def start_run(
     )
     con = _console()
     if dry_run:
-        from tessera.data import load_corpus
+        from tessera.data.corpus import sample_corpus
         from tessera.train.prepare import check_model
 
         layout = check_model(resolved, device)  # for parallel: auto, resolved.recipe is the planned one
-        cmd, env = build_command(resolved.recipe, run_dir, resume=resume, device=device, worker_args=flags)
-        load_corpus(recipe.data, root=Path.cwd())  # missing files / empty globs fail here
+        cmd, env = build_command(
+            resolved.recipe, run_dir, resume=resume, device=device, worker_args=(*flags, PREPARE_FLAG)
+        )
+        # the first records of each file through the ranks' reader: a wrong text_field fails now
+        sample = sample_corpus(recipe.data, root=Path.cwd())
+        again = [*_tessera_command(), "run", recipe_path, *overrides]
+        again += ["--resume"] if resume and resume_from is None else []
+        again += [*flags, *(["--accept-data-change"] if accept_data_change else [])]
         con.print(f"[bold]layout[/]  {layout.describe()}")
         con.print(f"[bold]device[/]  {device}")
+        con.print(f"[bold]data[/]    {_describe_sample(recipe.data, sample)}", soft_wrap=True)
         con.print(f"[bold]run dir[/] {run_dir}")
-        con.print("[bold]command[/]")
+        con.print("[bold]run it with[/] (these checks, then the launch below):")
+        print(shlex.join(again))  # plain prints: one copy-pasteable line each
+        con.print(
+            "[bold]the launcher will receive[/] (started by `tessera run` once it has written the run "
+            "directory; not runnable on its own"
+            + (", and its port is picked again at launch" if _port_picked_at_launch(recipe) else "")
+            + "):",
+            soft_wrap=True,
+        )
         print(_printable(cmd, env))
         return 0, rd
     cmd, env = build_command(
@@ -285,6 +327,38 @@ def start_run(
         rd.write_json(RunDir.LAUNCH, launch)
         con.print(f"[bold]launch[/] {printable}", soft_wrap=True)  # one line: copy-pasteable
         return _supervise(recipe, rd, cmd, env, device=device, flags=flags, launch=launch), rd
+
+
+def _port_picked_at_launch(recipe: Any) -> bool:
+    """``run.master_port: auto`` on one machine: a free port is picked when the command is built."""
+    r = recipe.run
+    return (
+        r.master_port == "auto" and not r.hostfile and r.master_addr in ("127.0.0.1", "localhost", "0.0.0.0")
+    )
+
+
+def _tessera_command() -> list[str]:
+    """How to call ``tessera`` from a shell here: the console script on PATH, else this interpreter's."""
+    import shutil
+
+    from tessera.launch.launcher import _venv_bin
+
+    script = _venv_bin("tessera")
+    on_path = shutil.which("tessera")
+    if on_path and Path(on_path).resolve() == Path(script).resolve():
+        return ["tessera"]
+    return [script] if Path(script).is_file() else [sys.executable, "-m", "tessera.cli"]
+
+
+def _describe_sample(section: Any, sample: Any) -> str:
+    """One line on what a dry run read of the data."""
+    if section.source == "stdlib":
+        return f"{len(sample.files)} source files of the Python standard library"
+    formats = ", ".join(sorted(set(sample.formats)))
+    head = f"{len(sample.files)} file(s) ({formats}); the first records of each read as the ranks read them: "
+    if set(sample.formats) == {"text"}:  # a text file's document is the whole file: its lines were read
+        return head + f"{sample.records} lines decoded"
+    return head + f"{sample.records} records, data.text_field {section.text_field!r} holds text"
 
 
 def _printable(cmd: list[str], env: dict[str, str]) -> str:
@@ -341,7 +415,8 @@ def _supervise(
         local = not recipe.run.hostfile  # a multi-node run's remote heartbeats may never show here
         dog = HangWatchdog(rd, world, timeout, startup_timeout_s=startup, local=local)
         grace = recipe.run.preempt_grace_s
-        return supervise_ranks(c, e, rd, world, what="run", grace_s=grace, watchdog=dog)
+        # no verdict there: a failure that is restarted is named once, by the restart line below
+        return supervise_ranks(c, e, rd, world, what="run", grace_s=grace, watchdog=dog, verdict=False)
 
     code, failure = once(cmd, env)
     ckpts = CheckpointIndex(rd.checkpoints, world_size=world)
@@ -374,15 +449,18 @@ def _supervise(
         where = f"resuming from {latest.name}" if latest is not None else "starting over (no checkpoint yet)"
         lost = f", {record['time_lost_s']:.1f} s of training lost" if record["time_lost_s"] else ""
         _console().print(
-            f"[bold yellow]restart {attempt}/{recipe.run.restarts}[/]: {record['reason']}"
-            + (f" ({failure.culprit})" if failure is not None else "")
-            + f" after step {record['failed_at_step']}; {where}{lost}"
+            f"[bold yellow]restart {attempt}/{recipe.run.restarts}[/]: "
+            + (f"{describe_failure(failure)} " if failure is not None else "")
+            + f"({record['reason']} after step {record['failed_at_step']}); {where}{lost}",
+            soft_wrap=True,
         )
         resume = latest is not None
         rd.write_json(RunDir.LAUNCH, {**launch, "resume": resume, "restart": record})
         again = (*_without_resume_from(flags), PREPARE_FLAG)  # from the latest, not a chosen step
         cmd, env = build_command(recipe, rd.path, resume=resume, device=device, worker_args=again)
         code, failure = once(cmd, env)
+    if failure is not None and not _orderly(failure):  # not restarted (again): the verdict, once
+        say_failed("run", failure, code)
     if failure is not None and code not in NOT_RESTARTED:  # the ranks wrote no summary: say why here
         summary = rd.read_json_if_present(RunDir.SUMMARY) or {}
         summary["failed"] = {

@@ -23,11 +23,21 @@ __all__ = [
     "family_of",
     "fill_from",
     "load_hf_config",
+    "set_token_ids",
+    "token_id_conflicts",
 ]
 
+#: the special-token fields of an HF config and generation config (the tokenizer's ids, by name)
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
-def load_hf_config(section: ModelSection, *, vocab_size: int | None = None):
-    """The ``transformers`` config of the recipe's model; ``vocab_size`` fills a missing one."""
+
+def load_hf_config(
+    section: ModelSection, *, vocab_size: int | None = None, token_ids: Mapping[str, int | None] | None = None
+):
+    """The ``transformers`` config of the recipe's model; ``vocab_size`` fills a missing one. ``token_ids``
+    (the run's tokenizer's bos / eos / pad) replace the config's for a model trained from scratch: its
+    family's defaults (Llama's bos 1, eos 2) name other tokens of Tessera's BPE (eos 0, pad 1), and an
+    export would carry them into generate, which then never stops. A pretrained model keeps its own."""
     from huggingface_hub.errors import StrictDataclassError  # transformers' config validation
     from transformers import AutoConfig
 
@@ -58,7 +68,41 @@ def load_hf_config(section: ModelSection, *, vocab_size: int | None = None):
             )
         cfg = read_dir_config(path)
         family_of(cfg.model_type)
+    if token_ids is not None and not section.pretrained:
+        set_token_ids(cfg, token_ids)
     return cfg
+
+
+def set_token_ids(cfg: Any, ids: Mapping[str, int | None], *, keep_own: bool = False) -> None:
+    """Write a tokenizer's special-token ids into an HF config (a model built from it then copies them
+    into its generation config). ``keep_own`` (a pretrained model's config): only ids that disagree with
+    the tokenizer change; an id the tokenizer does not define (Qwen's bos) and an eos list that holds the
+    tokenizer's eos (Llama 3.1's stop tokens) stay. The pad id also sets the embedding's ``padding_idx``
+    in HF modules (no gradient for that row): it is the tokenizer's own pad, never eos standing in."""
+    for key in TOKEN_ID_KEYS:
+        want = ids.get(key)
+        if keep_own and (want is None or _agrees(getattr(cfg, key, None), want)):
+            continue
+        setattr(cfg, key, want)
+
+
+def _agrees(have: Any, want: int) -> bool:
+    return have == want or (isinstance(have, list | tuple) and want in have)
+
+
+def token_id_conflicts(where: str, cfg: Mapping[str, Any], ids: Mapping[str, int | None]) -> list[str]:
+    """Where a config's (``config.json``'s or ``generation_config.json``'s ``where``) special-token ids
+    disagree with its tokenizer's, one line each naming both values: eos must be the tokenizer's (or a
+    list holding it: generate stops on it); bos and pad, where both give one, must be equal."""
+    out = []
+    for key in TOKEN_ID_KEYS:
+        want, have = ids.get(key), cfg.get(key)
+        if want is None or (have is None and key != "eos_token_id") or _agrees(have, want):
+            continue
+        if have is None and where != "config.json":
+            continue  # generation_config.json without eos falls back to config.json's
+        out.append(f"{where} {key}={have}, the tokenizer's {key.removesuffix('_id')} is {want}")
+    return out
 
 
 def read_dir_config(path: Path) -> Any:

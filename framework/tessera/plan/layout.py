@@ -143,7 +143,8 @@ class ParallelLayout:
 
     def describe(self) -> str:
         """One line for logs and the CLI: every axis the engine has (etp with EP, the sharding
-        implementation where the engine has a choice, SP with TP), offload when on, the batch split."""
+        implementation where the engine has a choice, SP with TP), offload and recompute when on, the batch
+        split."""
         caps = self.caps
         axes = ["dp", "tp", "pp", "vpp", "ep"] + (["etp"] if caps.ep else []) + ["zero"]
         axes += (["zero_impl"] if len(caps.zero_impls) > 1 else []) + (
@@ -153,6 +154,7 @@ class ParallelLayout:
         text += " ".join(f"{'sp' if a == 'sequence_parallel' else a}={getattr(self, a)}" for a in axes)
         offload = [k for k in ("optimizer", "params") if getattr(self, f"offload_{k}")]
         text += f" offload={'+'.join(offload)}" if offload else ""
+        text += f" recompute={self.recompute}" if self.recompute != "none" else ""
         return (
             text
             + f" micro_batch={self.micro_batch} grad_accum={self.grad_accum} global_batch={self.global_batch}"

@@ -13,7 +13,7 @@ ranking (ties go to the engine listed first in the table).
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tessera.engines.registry import ENGINE_NAMES, Capabilities, capabilities
@@ -116,9 +116,14 @@ class PlanResult:
     chosen: Candidate | None
     candidates: list[Candidate] = field(default_factory=list)
     rejected: list[Rejection] = field(default_factory=list)
+    #: the recipe's own layout against the device (`tessera plan` sets it; None for ``parallel: auto``)
+    recipe_layout: LayoutFit | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {}
+        if self.recipe_layout is not None:
+            out["recipe_layout"] = self.recipe_layout.to_json(best=self.chosen)
+        return out | {
             "chosen": self.chosen.to_json() if self.chosen else None,
             "candidates": [c.to_json() for c in self.candidates],
             "rejected": [r.to_json() for r in self.rejected],
@@ -135,6 +140,17 @@ def fit_reason(need: int, have: int, *, where: str = "per rank", device: str = "
         f"does not fit: needs {need / GiB:.1f} GiB {where}, {device} has {have / GiB:.1f} GiB "
         f"(short by {(need - have) / GiB:.1f} GiB)"
     )
+
+
+def fit_problem(mem: MemoryEstimate, hw: HardwareProfile, world_size: int) -> str | None:
+    """Why a layout with these bytes per rank does not fit: the device memory, or (offload) the host memory
+    of a node shared by its ranks; None when it fits."""
+    if mem.total > hw.memory_bytes:
+        return fit_reason(mem.total, hw.memory_bytes)
+    per_node = mem.host * min(world_size, hw.devices_per_node)
+    if mem.host and hw.host_memory_bytes is not None and per_node > hw.host_memory_bytes:
+        return fit_reason(per_node, hw.host_memory_bytes, where="of host memory per node", device="the node")
+    return None
 
 
 def _one_line(e: TesseraError) -> str:
@@ -194,9 +210,10 @@ def plan(
     ``attn_implementation``: the HF kernel the deepspeed engine runs ("sdpa" never stores the s x s
     scores); megatron-core's local layer spec always materialises them. ``efficiency``: the fraction of
     peak FLOP/s the matmuls reach (0.4-0.6 for large dense models on H100-class GPUs). Candidates are
-    sorted by estimated step time, then memory, then the engine's place in the capability table (so that
-    an exact tie, e.g. torch DDP and DeepSpeed ZeRO-0 in fp32, goes to the engine listed first);
-    ``chosen`` is the fastest, None when nothing fits.
+    sorted by estimated step time, then the less offload, then memory, then the engine's place in the
+    capability table (so that an exact tie, e.g. torch DDP and DeepSpeed ZeRO-0 in fp32, goes to the engine
+    listed first);
+    ``chosen`` is the fastest, None when nothing fits (:func:`rank_key`).
     """
     for eng in engines:
         if eng not in ENGINE_NAMES:
@@ -239,9 +256,17 @@ def plan(
             continue
         for st in _structures(f, caps, world_size, hardware):
             _try_structure(result, q, engine, st, options, kernels)
-    result.candidates.sort(key=lambda c: (c.time.step_s, c.memory.total, ENGINE_NAMES.index(c.layout.engine)))
+    result.candidates.sort(key=rank_key)
     result.chosen = result.candidates[0] if result.candidates else None
     return result
+
+
+def rank_key(c: Candidate) -> tuple[float, int, int, int]:
+    """How candidates are ranked: estimated step time, then the less host offload (at equal time - the
+    transfers hidden behind compute - keeping the states on the device spares the host's memory and
+    cores), then memory, then the engine's place in the capability table."""
+    offload = int(c.layout.offload_optimizer) + int(c.layout.offload_params)
+    return (c.time.step_s, offload, c.memory.total, ENGINE_NAMES.index(c.layout.engine))
 
 
 @dataclass(frozen=True)
@@ -292,26 +317,15 @@ def _try_structure(
                 result.rejected.append(Rejection(layout=lay, reason=reason))
             continue
         ops = comm_per_step(f, layout, seq_len=q.seq_len, precision=precision, backend=_backend(hw))
+        base = layout
         for rc in options:
+            layout = base if rc == base.recompute else replace(base, recompute=rc)
             mem = memory_per_rank(
                 f, layout, seq_len=q.seq_len, precision=precision, recompute=rc, kernels=kernels
             )
             lay = layout_json(layout, rc)
-            if mem.total > hw.memory_bytes:
-                result.rejected.append(Rejection(lay, fit_reason(mem.total, hw.memory_bytes), mem))
-                continue
-            ranks_per_node = min(world_size, hw.devices_per_node)
-            if (
-                mem.host
-                and hw.host_memory_bytes is not None
-                and mem.host * ranks_per_node > hw.host_memory_bytes
-            ):
-                reason = fit_reason(
-                    mem.host * ranks_per_node,
-                    hw.host_memory_bytes,
-                    where="of host memory per node",
-                    device="the node",
-                )
+            reason = fit_problem(mem, hw, world_size)
+            if reason is not None:
                 result.rejected.append(Rejection(lay, reason, mem))
                 continue
             t = step_time(
@@ -353,8 +367,8 @@ def hardware_for(recipe: Any, *, device: str, override: str | None = None) -> Ha
 def plan_recipe(
     recipe: Any, *, world_size: int, hardware: HardwareProfile, engines: Sequence[str] | None = None
 ) -> PlanResult:
-    """Plan the recipe's model and batch on ``world_size`` devices. Recompute is not offered: no engine
-    implements it yet, so a plan that relies on it could not run."""
+    """Plan the recipe's model and batch on ``world_size`` devices, recompute (none / selective / full,
+    as far as each engine runs it) searched like any other axis."""
     from tessera.models.hf import load_hf_config
 
     p = recipe.parallel
@@ -368,7 +382,7 @@ def plan_recipe(
         precision=recipe.train.precision,
         hardware=hardware,
         engines=engines or ENGINE_NAMES,
-        recompute=("none",),
+        recompute=RECOMPUTE,
         micro_batches=tuple(sorted({1, 2, 4, 8, p.micro_batch})),
         attn_implementation=recipe.model.attn_implementation,
     )
@@ -427,3 +441,146 @@ def estimate_layout(
         comm_formulas=comm_formulas(ops),
         comm_ops=ops,
     )
+
+
+# ---- the recipe's own layout -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Fix:
+    """One change of the recipe's layout (``overrides``, as `tessera run` takes them) and its estimates."""
+
+    overrides: dict[str, Any]
+    estimate: Candidate
+
+    @property
+    def text(self) -> str:
+        return " ".join(
+            f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in self.overrides.items()
+        )
+
+
+@dataclass(frozen=True)
+class LayoutFit:
+    """The recipe's own layout measured against the hardware, and, when it does not fit, the changes of
+    one of its fields that make it fit (fastest first)."""
+
+    estimate: Candidate | None
+    hardware: HardwareProfile
+    world_size: int
+    #: why it does not fit (the planner's rejection reason: memory, or a layout rule); None = it fits
+    problem: str | None
+    fixes: list[Fix] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.problem is None
+
+    def message(self, best: Candidate | None = None) -> str:
+        """One sentence: fits with its figures, or what it needs and which change makes it fit (else the
+        planner's best layout, ``best``)."""
+        have = self.hardware.memory_bytes / GiB
+        if self.estimate is None:
+            return f"the recipe's layout does not run on {self.world_size} ranks: {self.problem}"
+        c = self.estimate
+        figures = f"{c.memory.total / GiB:.1f} GiB of {have:.1f} GiB per rank"
+        if self.fits:
+            return (
+                f"the recipe's layout fits: {figures}, {c.time.step_s:.3g} s/step, MFU {c.time.mfu:.3f}, "
+                f"bubble {c.bubble:.3f}"
+            )
+        what = f"needs {figures}" if c.memory.total > self.hardware.memory_bytes else self.problem
+        head = f"the recipe's layout does not fit: it {what}"
+        if self.fixes:
+            alts = " or ".join(
+                f"{f.text} ({f.estimate.memory.total / GiB:.1f} GiB, {f.estimate.time.step_s:.3g} s/step)"
+                for f in self.fixes[:3]
+            )
+            return f"{head}; set {alts}"
+        if best is not None:
+            return f"{head}; no one-field change fits; the planner's best layout: {best.layout.describe()}"
+        return f"{head}; no one-field change fits and no layout the engines support fits either"
+
+    def to_json(self, best: Candidate | None = None) -> dict[str, Any]:
+        return {
+            "fits": self.fits,
+            "problem": self.problem,
+            "message": self.message(best),
+            "device_memory_bytes": self.hardware.memory_bytes,
+            "estimate": self.estimate.to_json() if self.estimate is not None else None,
+            "fixes": [
+                {
+                    "overrides": f.overrides,
+                    "memory_total_bytes": f.estimate.memory.total,
+                    "step_time_s": f.estimate.time.step_s,
+                    "mfu": f.estimate.time.mfu,
+                    "layout": layout_json(f.estimate.layout, f.estimate.recompute),
+                }
+                for f in self.fixes
+            ],
+        }
+
+
+def _variations(recipe: Any, layout: ParallelLayout, hw: HardwareProfile) -> Iterator[dict[str, Any]]:
+    """One-field changes of the recipe's layout that lower its memory: recompute, offload (where the
+    engine and the hardware have it), a higher ZeRO stage, twice the tp (inside a node) or pp, fewer
+    virtual stages, half the micro-batch."""
+    caps = layout.caps
+    for rc in caps.recompute:
+        if RECOMPUTE.index(rc) > RECOMPUTE.index(layout.recompute):
+            yield {"parallel.recompute": rc}
+    if caps.offload and hw.can_offload:
+        if layout.zero >= 1 and not layout.offload_optimizer:
+            yield {"parallel.offload_optimizer": True}
+        if layout.zero == 3 and not layout.offload_params:  # as the search offers it: with the optimizer's
+            yield {"parallel.offload_optimizer": True, "parallel.offload_params": True}
+    for z in caps.zero:
+        if z > layout.zero:
+            yield {"parallel.zero": z}
+    if caps.tp and layout.tp * 2 <= hw.devices_per_node:
+        yield {"parallel.tp": layout.tp * 2}
+    if caps.pp:
+        yield {"parallel.pp": layout.pp * 2}
+    if layout.vpp > 1:
+        yield {"parallel.vpp": 1}
+    if layout.micro_batch > 1:
+        yield {"parallel.micro_batch": layout.micro_batch // 2}
+
+
+def _with(recipe: Any, overrides: dict[str, Any]) -> Any:
+    """The recipe with ``parallel.*`` overrides (dp re-derived where tp or pp change)."""
+    update = {k.split(".", 1)[1]: v for k, v in overrides.items()}
+    if "tp" in update or "pp" in update:
+        update["dp"] = "auto"
+    return recipe.model_copy(update={"parallel": recipe.parallel.model_copy(update=update)})
+
+
+def check_recipe_layout(
+    recipe: Any, *, hardware: HardwareProfile, world_size: int | None = None
+) -> LayoutFit:
+    """Estimate the recipe's own layout on ``world_size`` ranks (default ``run.world_size``) of
+    ``hardware``; when it does not fit, try :func:`_variations` and keep those that fit, fastest first."""
+    from tessera.plan.layout import layout_from_recipe
+
+    ws = world_size or recipe.run.world_size
+    recipe = recipe.model_copy(update={"run": recipe.run.model_copy(update={"world_size": ws})})
+    try:
+        layout = layout_from_recipe(recipe)
+    except LayoutError as e:
+        return LayoutFit(estimate=None, hardware=hardware, world_size=ws, problem=_one_line(e))
+    own = estimate_layout(recipe, layout, hardware=hardware, recompute=layout.recompute)
+    problem = fit_problem(own.memory, hardware, ws)
+    if problem is None:
+        return LayoutFit(estimate=own, hardware=hardware, world_size=ws, problem=None)
+    fixes = []
+    for overrides in _variations(recipe, layout, hardware):
+        changed = _with(recipe, overrides)
+        try:
+            lay = layout_from_recipe(changed)
+        except (LayoutError, RecipeError):
+            continue
+        est = estimate_layout(changed, lay, hardware=hardware, recompute=lay.recompute)
+        if fit_problem(est.memory, hardware, ws) is None:
+            fixes.append(Fix(overrides=overrides, estimate=est))
+    fixes.sort(key=lambda f: rank_key(f.estimate))
+    return LayoutFit(estimate=own, hardware=hardware, world_size=ws, problem=problem, fixes=fixes)

@@ -102,6 +102,62 @@ def grad_hook_seconds(
     return passes * per_pass
 
 
+#: the fp32 gradient partition DeepSpeed copies to the host once per step, at the accumulation boundary
+#: (ZeRO-3 ``_offload_grad_partition_at_boundary``, ZeRO 1-2 ``copy_grads_in_partition``): 4 bytes a parameter
+OFFLOAD_GRAD_BYTES = 4
+
+
+@dataclass(frozen=True)
+class OffloadSeconds:
+    """Host-link and host-CPU seconds of DeepSpeed's CPU offload for one rank's partition (0 without it).
+
+    Optimizer offload (ZeRO-Offload, Ren et al. 2021): per step the fp32 gradient partition goes down
+    (``grads_down``, issued from the last backward's hooks), the CPU Adam step updates the fp32 master and
+    m, v in host memory (``cpu_adam``: 28 bytes a parameter at the rank's share of the node's host-memory
+    bandwidth, a lower bound: DeepSpeed's AVX CPUAdam is memory-bound at best), and the updated parameters
+    come back up in the compute dtype (``params_up``). Parameter offload (ZeRO-Infinity, Rajbhandari et al.
+    2021): the partition lives on the host, and every forward and every backward copies it up before
+    gathering it (``params_per_pass``, once per pass per micro-batch)."""
+
+    grads_down: float = 0.0
+    cpu_adam: float = 0.0
+    params_up: float = 0.0
+    params_per_pass: float = 0.0
+
+    def total_link(self, micro_batches: int) -> float:
+        return self.grads_down + self.params_up + 2 * micro_batches * self.params_per_pass
+
+
+def offload_seconds(
+    layout: ParallelLayout, shard: int, *, precision: str, hardware: HardwareProfile
+) -> OffloadSeconds:
+    """:class:`OffloadSeconds` of ``shard`` parameters (the rank's ZeRO partition) over the profile's
+    ``host_link_bandwidth`` (per device, per direction) and ``host_memory_bandwidth`` (per node, shared by
+    the node's ranks). Nothing where the profile cannot offload (a CPU device: host and device memory are
+    the same, DeepSpeed's copies stay in place)."""
+    L, hw, e = layout, hardware, BYTES[precision]
+    if not hw.can_offload or not (L.offload_optimizer or L.offload_params):
+        return OffloadSeconds()
+    link = hw.host_link_bandwidth
+    assert link is not None and hw.host_memory_bandwidth is not None  # can_offload
+    out = OffloadSeconds()
+    if L.offload_optimizer:
+        ranks_per_node = min(L.world_size, hw.devices_per_node)
+        out = OffloadSeconds(
+            grads_down=OFFLOAD_GRAD_BYTES * shard / link,
+            cpu_adam=shard * ADAM_BYTES_PER_PARAM / (hw.host_memory_bandwidth / ranks_per_node),
+            params_up=e * shard / link,
+        )
+    if L.offload_params:
+        out = OffloadSeconds(
+            grads_down=out.grads_down,
+            cpu_adam=out.cpu_adam,
+            params_up=out.params_up,
+            params_per_pass=e * shard / link,
+        )
+    return out
+
+
 @dataclass(frozen=True)
 class TimeEstimate:
     """Seconds of one optimizer step on the busiest rank and the model FLOPs utilisation."""
@@ -116,6 +172,12 @@ class TimeEstimate:
     grad_hooks_s: float
     model_flops_per_step: float
     mfu: float
+    #: of ``compute_s``, the recomputed forward work (full: the layers' forward again; selective: the
+    #: attention core's)
+    recompute_s: float = 0.0
+    #: seconds on the host link per step with offload (hidden or not; what is exposed is in
+    #: ``optimizer_s`` and ``dp_exposed_s``)
+    host_link_s: float = 0.0
 
     def to_json(self) -> dict[str, float]:
         return asdict(self)
@@ -141,8 +203,11 @@ def step_time(
     ZeRO-0's all-reduce, over the last backward), only what exceeds it is exposed; on a profile without
     ``comm_overlap`` (CPU: gloo and the backward share the cores) all of it is. The profile's calibrated
     efficiency of the layout's engine replaces the default one.
-    The optimizer reads and writes 28 bytes per parameter of its shard at device-memory bandwidth (with
-    offload: at the host's share of host-memory bandwidth, plus the PCIe transfers of grads and params).
+    The optimizer reads and writes 28 bytes per parameter of its shard at device-memory bandwidth; with
+    offload (:func:`offload_seconds`) the CPU Adam step and the parameters' copy back up are exposed, the
+    gradients' copy down hides behind the last backward like a DP collective, and parameter offload's
+    copies up share each micro-batch's forward and backward window with the ZeRO-3 gathers.
+    Recompute adds its forward FLOPs (:func:`recompute_flops_per_token`) to the compute.
     MFU = model FLOPs per step / (step time x peak x world), PaLM's definition (no recompute FLOPs)."""
     L, hw, m = layout, hardware, layout.grad_accum
     ops = comm_per_step(f, L, seq_len=seq_len, precision=precision) if ops is None else ops
@@ -179,17 +244,17 @@ def step_time(
         shard = dense + expert
     else:
         shard = math.ceil(dense / L.dp) + (math.ceil(expert / expert_dp(L)) if expert else 0)
-    if L.offload_params and hw.host_link_bandwidth:  # ZeRO-Infinity: each gather first copies the shard in
-        copy = BYTES[precision] * shard / hw.host_link_bandwidth
-        per_mb["fwd"] += copy
-        per_mb["bwd"] += copy
+    off = offload_seconds(L, shard, precision=precision, hardware=hw)
+    per_mb["fwd"] += off.params_per_pass
+    per_mb["bwd"] += off.params_per_pass
+    if hw.comm_overlap:
+        last_bwd += off.grads_down
     exposed += m * sum(max(0.0, per_mb[k] - windows[k]) for k in per_mb) + max(0.0, last_bwd - windows["bwd"])
     if L.offload_optimizer and hw.can_offload:
-        host_bw = hw.host_memory_bandwidth / hw.devices_per_node  # type: ignore[operator]
-        e = BYTES[precision]
-        optimizer = shard * ADAM_BYTES_PER_PARAM / host_bw + 2 * e * shard / hw.host_link_bandwidth  # type: ignore[operator]
+        optimizer = off.cpu_adam + off.params_up + (0.0 if hw.comm_overlap else off.grads_down)
     else:
         optimizer = shard * ADAM_BYTES_PER_PARAM / hw.hbm_bandwidth
+    recompute_s = compute * recompute_flops_per_token(f, seq_len, recompute) / (hw_flops / tokens)
     bubble = bubble_fraction(L.pp, L.vpp, m)
     pipelined = (compute + tp_ep) / (1 - bubble)
     hooks = grad_hook_seconds(f, L, precision=precision, hardware=hw)
@@ -205,4 +270,6 @@ def step_time(
         grad_hooks_s=hooks,
         model_flops_per_step=model_flops,
         mfu=model_flops / (step * peak * L.world_size),
+        recompute_s=recompute_s,
+        host_link_s=off.total_link(m),
     )

@@ -118,7 +118,8 @@ def import_reshard(
                 remove_stage(stage_dir)
             return None
         if stage_dir is None or src is None:  # against the source itself: a checkpoint / an HF directory
-            report = compare(open_side(src[0] if src else stage_dir), open_side(path), prompts=2)  # type: ignore[arg-type]
+            source = open_side(src[0] if src else stage_dir)  # type: ignore[arg-type]
+            report = compare(source, open_side(path), prompts=2, source_tokens=False)
         else:
             report = verify_against_stage(stage_dir, path)
             remove_stage(stage_dir)

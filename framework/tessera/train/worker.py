@@ -175,6 +175,7 @@ def _manifest(
         layout=layout.to_dict(),
         data_fingerprint=data.fingerprint,
         tokenizer_hash=data.tokenizer_hash,
+        tokenizer_dir=data.tokenizer_dir,
         launcher_command=launch.get("command"),
         world_size=layout.world_size,
         seed=recipe.train.seed,
@@ -277,7 +278,9 @@ def setup(run_dir: RunDir, start: Start, heartbeat: Any = None) -> tuple[RunCont
     phase("data load")
     data = data if data is not None else _load_data(run_dir, recipe)
     phase("model build")
-    source = ModelSource.of(recipe, vocab_size=data.vocab_size, weights=src if hf_source else stage_dir)
+    source = ModelSource.of(
+        recipe, vocab_size=data.vocab_size, weights=src if hf_source else stage_dir, token_ids=data.token_ids
+    )
     engine = engine_class(layout.engine)(source, recipe, layout, device=device)
     counter.namer = group_namer(layout, engine.named_groups())
     sampler = StepSampler.for_layout(len(data), layout, rank=rank, seed=recipe.train.seed)
@@ -577,6 +580,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(PREPARE_FLAG, action="store_true", help="rank 0 prepares the run dir, the others wait")
     ap.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     args = ap.parse_args(argv)
+    if not (Path(args.run_dir) / RunDir.RECIPE).is_file():  # the launcher line of `tessera run --dry-run`
+        ap.error(
+            f"--run-dir = {args.run_dir!r}: not a run directory (no {RunDir.RECIPE}); the ranks read the "
+            "directory `tessera run` writes before it launches them: start runs with `tessera run R.yaml`"
+        )
     start = Start(
         resume=args.resume,
         same_layout=args.same_layout,

@@ -1,0 +1,63 @@
+"""The columns of `tessera plan`'s table: one list, from which both the header row and every cell row are
+built, so that a header can never sit over another column's values.
+
+Each :class:`Column` is a header, its alignment and the function that renders one candidate's cell; the
+CLI turns :data:`COLUMNS` into a rich table, the tests read the same list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tessera.plan.estimate import GiB
+
+if TYPE_CHECKING:
+    from tessera.plan.search import Candidate
+
+
+def offload_text(c: Candidate) -> str:
+    """What the layout keeps on the host: "opt+params", "opt" or "-"."""
+    lay = c.layout
+    return "opt+params" if lay.offload_params else ("opt" if lay.offload_optimizer else "-")
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column: its header, "left" or "right" alignment, and its cell for (row index, candidate)."""
+
+    header: str
+    justify: str
+    cell: Callable[[int, Candidate], str]
+
+
+def _axis(name: str) -> Column:
+    return Column(name, "right", lambda i, c: str(getattr(c.layout, name)))
+
+
+COLUMNS: tuple[Column, ...] = (
+    Column("#", "right", lambda i, c: str(i + 1)),
+    Column("engine", "left", lambda i, c: c.layout.engine),
+    *(_axis(a) for a in ("dp", "tp", "pp", "vpp", "ep", "zero")),
+    Column("sp", "right", lambda i, c: "on" if c.layout.sequence_parallel else "-"),
+    Column("offload", "left", lambda i, c: offload_text(c)),
+    Column("recompute", "left", lambda i, c: "-" if c.recompute == "none" else c.recompute),
+    Column("mb", "right", lambda i, c: str(c.layout.micro_batch)),
+    Column("accum", "right", lambda i, c: str(c.layout.grad_accum)),
+    Column("mem GiB/rank", "right", lambda i, c: f"{c.memory.total / GiB:.1f}"),
+    Column("act GiB", "right", lambda i, c: f"{c.memory.activations / GiB:.1f}"),
+    Column("comm GB/step", "right", lambda i, c: f"{sum(c.comm_bytes.values()) / 1e9:.2f}"),
+    Column("bubble", "right", lambda i, c: f"{c.bubble:.3f}"),
+    Column("step s", "right", lambda i, c: f"{c.time.step_s:.3g}"),
+    Column("MFU", "right", lambda i, c: f"{c.time.mfu:.3f}"),
+)
+
+
+def headers(columns: Sequence[Column] = COLUMNS) -> list[str]:
+    return [col.header for col in columns]
+
+
+def cells(i: int, c: Candidate, columns: Sequence[Column] = COLUMNS) -> list[str]:
+    """The row of candidate ``c`` at position ``i`` (0-based), one cell per column, in the columns' order."""
+    return [col.cell(i, c) for col in columns]
