@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import json
-import multiprocessing as mp
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from tessera.rundir import RunDir
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools" / "bench"))
+from construction_memory import preloaded_forkserver  # noqa: E402  (the benchmark's, one of it)
+
 DEFAULT_RECIPE = REPO / "recipes" / "tiny-llama-cpu.yaml"
 TEST_OVERRIDES = ["tracking.wandb.mode=disabled", "checkpoint.every=0", "run.device=cpu"]
 
@@ -35,24 +38,10 @@ RANK_ENV = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}  # what set_rank_en
 
 
 def rank_context():
-    """The multiprocessing context for rank processes: forkserver with PRELOAD imported, under RANK_ENV.
-    The server holds no threads (the imports start none), so its forks are as clean as spawned
-    processes; each rank still takes the test process's environment of the moment (:func:`_with_env`)."""
-    from multiprocessing import forkserver
-
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    saved = {k: os.environ.get(k) for k in RANK_ENV}
-    os.environ.update(RANK_ENV)
-    try:
-        forkserver.ensure_running()  # started once per test session, with RANK_ENV for its imports
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    return ctx
+    """The multiprocessing context for rank processes: forkserver with PRELOAD imported, under RANK_ENV
+    (the benchmark's :func:`construction_memory.preloaded_forkserver`); each rank still takes the test
+    process's environment of the moment (:func:`_with_env`)."""
+    return preloaded_forkserver(PRELOAD, RANK_ENV)
 
 
 def _with_env(env: dict[str, str]) -> None:

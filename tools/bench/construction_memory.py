@@ -115,15 +115,15 @@ def _free_port() -> int:
 PRELOAD = ["torch", "torch.distributed", "deepspeed", "megatron.core", "transformers", "tessera.hostmem"]
 
 
-def _context() -> Any:
-    """Forkserver with PRELOAD imported on the CPU accelerator with one OMP thread; the imports start no
-    thread, so its forks are clean processes. Started once per process (a caller may have started it)."""
+def preloaded_forkserver(preload: list[str], env: dict[str, str]) -> Any:
+    """A forkserver context with ``preload`` imported under ``env`` (also tests/helpers.py's, for the test
+    ranks); the imports start no thread, so its forks are as clean as spawned processes. The server starts
+    once per process (a caller may have started it); ``env`` holds only while it starts."""
     import multiprocessing as mp
     from multiprocessing import forkserver
 
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    ctx.set_forkserver_preload(preload)
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -141,7 +141,7 @@ def measure_all(jobs: list[tuple[str, int]], *, together: bool = False) -> dict[
     """For each (layout, world size): ``world`` ranks that build the layout's model; their records by
     rank. ``together``: every job's ranks at once (each its own process group; a rank's peak RSS is
     its own, so sharing the CPUs changes only the seconds), else one job after the other."""
-    ctx = _context()
+    ctx = preloaded_forkserver(PRELOAD, {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
     with tempfile.TemporaryDirectory() as out:
         waves = [jobs] if together else [[j] for j in jobs]
         for wave in waves:

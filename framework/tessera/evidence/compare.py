@@ -34,6 +34,7 @@ import fcntl
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import TracebackType
@@ -638,20 +639,18 @@ def claim_sentence(
     th = thresholds_of(acceptance)
     base = _layout_name(base_layout)
     who = f"the {base} baseline" if base == "DDP" else f"the baseline ({base})"
-    quality = []
-    if "loss_tolerance" in th:
-        quality.append(f"loss within {_band_words(th['loss_tolerance'], 'nats')}")
-    if "grad_norm_tolerance" in th:
-        quality.append(f"grad norm within {_band_words(th['grad_norm_tolerance'], '')}")
-    if "eval_loss_ratio_max" in th:
-        quality.append(f"final eval loss within {_num(th['eval_loss_ratio_max'])}x")
-    costs = []
-    if "throughput_ratio_min" in th:
-        costs.append(f">= {_num(th['throughput_ratio_min'])}x its throughput")
-    if "peak_memory_ratio_max" in th:
-        costs.append(f"<= {_num(th['peak_memory_ratio_max'])}x its peak memory per rank")
-    if "time_to_first_step_ratio_max" in th:
-        costs.append(f"<= {_num(th['time_to_first_step_ratio_max'])}x its time to first step")
+    words: dict[str, Callable[[Any], str]] = {  # each threshold's clause, in the sentence's order
+        "loss_tolerance": lambda v: f"loss within {_band_words(v, 'nats')}",
+        "grad_norm_tolerance": lambda v: f"grad norm within {_band_words(v, '')}",
+        "eval_loss_ratio_max": lambda v: f"final eval loss within {_num(v)}x",
+        "throughput_ratio_min": lambda v: f">= {_num(v)}x its throughput",
+        "peak_memory_ratio_max": lambda v: f"<= {_num(v)}x its peak memory per rank",
+        "time_to_first_step_ratio_max": lambda v: f"<= {_num(v)}x its time to first step",
+    }
+    clauses = {k: say(th[k]) for k, say in words.items() if k in th}
+    cost_names = {threshold for *_, threshold in COST_RATIOS}
+    quality = [c for k, c in clauses.items() if k not in cost_names]
+    costs = [c for k, c in clauses.items() if k in cost_names]
 
     def listed(items: list[str]) -> str:
         return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
