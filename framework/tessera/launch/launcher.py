@@ -29,7 +29,7 @@ GRACE_S = 10.0  # after a rank fails: time the launcher gets to stop the others 
 POLL_S = 0.25
 
 
-def _venv_bin(name: str) -> str:
+def venv_bin(name: str) -> str:
     """The console script next to this interpreter (the venv's), else whatever PATH has."""
     cand = Path(sys.executable).parent / name
     return str(cand) if cand.exists() else (shutil.which(name) or name)
@@ -141,7 +141,7 @@ def build_command(
                 fix="set run.launcher: deepspeed to use run.hostfile",
             )
         cmd = [
-            _venv_bin("torchrun"),
+            venv_bin("torchrun"),
             f"--nproc_per_node={r.world_size}",
             f"--master_addr={r.master_addr}",
             f"--master_port={port}",
@@ -151,7 +151,7 @@ def build_command(
         if device == "cpu":
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // r.world_size))
         return cmd, env
-    cmd = [_venv_bin("deepspeed")]
+    cmd = [venv_bin("deepspeed")]
     if r.hostfile:
         hosts = parse_hostfile(r.hostfile)
         slots = sum(n for _, n in hosts)

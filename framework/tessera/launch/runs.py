@@ -341,9 +341,9 @@ def _tessera_command() -> list[str]:
     """How to call ``tessera`` from a shell here: the console script on PATH, else this interpreter's."""
     import shutil
 
-    from tessera.launch.launcher import _venv_bin
+    from tessera.launch.launcher import venv_bin
 
-    script = _venv_bin("tessera")
+    script = venv_bin("tessera")
     on_path = shutil.which("tessera")
     if on_path and Path(on_path).resolve() == Path(script).resolve():
         return ["tessera"]
