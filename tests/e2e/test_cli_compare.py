@@ -363,7 +363,7 @@ def test_a_finished_comparison_is_never_overwritten(comparison, tmp_path, capsys
 
 def test_a_compare_running_on_out_refuses_a_second(comparison, tmp_path, capsys):
     from tessera.cli import main
-    from tessera.evidence.compare import claim_comparison_dir
+    from tessera.evidence.registration import claim_comparison_dir
 
     out, _ = comparison
     busy = tmp_path / "busy"

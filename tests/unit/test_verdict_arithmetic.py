@@ -18,10 +18,9 @@ from tessera.evidence.compare import (
     band_check,
     judge,
     noise_floor,
-    preregister,
-    read_preregistration,
     run_stats,
 )
+from tessera.evidence.registration import preregister, read_preregistration
 from tessera.rundir import RunDir
 
 
@@ -164,7 +163,7 @@ def test_two_compares_on_one_out_exactly_one_proceeds(tmp_path):
     other is refused naming --out, and the claim stays held until released."""
     import threading
 
-    from tessera.evidence.compare import CLAIM, claim_comparison_dir
+    from tessera.evidence.registration import CLAIM, claim_comparison_dir
 
     for trial in range(6):
         out = tmp_path / f"cmp{trial}"
@@ -199,7 +198,7 @@ def test_two_compares_on_one_out_exactly_one_proceeds(tmp_path):
 
 
 def test_an_existing_comparison_or_any_non_empty_dir_is_refused_untouched(tmp_path, capsys):
-    from tessera.evidence.compare import CLAIM, claim_comparison_dir
+    from tessera.evidence.registration import CLAIM, claim_comparison_dir
 
     out = tmp_path / "done"
     with claim_comparison_dir(out):
@@ -246,7 +245,7 @@ def test_an_existing_comparison_or_any_non_empty_dir_is_refused_untouched(tmp_pa
 
 
 def test_a_compare_failing_before_its_registration_leaves_no_trace(tmp_path):
-    from tessera.evidence.compare import claim_comparison_dir
+    from tessera.evidence.registration import claim_comparison_dir
 
     out = tmp_path / "new"
     with pytest.raises(RuntimeError), claim_comparison_dir(out):

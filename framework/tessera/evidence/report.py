@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 
 from tessera.atomic import atomic_file, write_text_atomic
-from tessera.evidence.compare import REPORT, VERDICT, RunData, timed
+from tessera.evidence.compare import RunData, timed
+from tessera.evidence.registration import REPORT, VERDICT
 
 PLOTS = ("loss.png", "grad_norm.png", "step_time.png", "memory.png", "comm_fraction.png", "where.png")
 FLOPS_NOTE = (

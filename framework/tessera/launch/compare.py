@@ -20,13 +20,11 @@ from tessera.evidence.compare import (
     RATIO_SPREAD_MULTIPLE,
     RunData,
     check_same_work,
-    claim_comparison_dir,
     common_steps,
     judge,
-    preregister,
-    read_preregistration,
     thresholds_of,
 )
+from tessera.evidence.registration import claim_comparison_dir, preregister, read_preregistration
 from tessera.launch.runs import start_run, validate
 from tessera.rundir import RunDir
 
