@@ -27,9 +27,6 @@ __all__ = [
     "token_id_conflicts",
 ]
 
-#: the special-token fields of an HF config and generation config (the tokenizer's ids, by name)
-TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
-
 
 def load_hf_config(
     section: ModelSection, *, vocab_size: int | None = None, token_ids: Mapping[str, int | None] | None = None
@@ -79,8 +76,7 @@ def set_token_ids(cfg: Any, ids: Mapping[str, int | None], *, keep_own: bool = F
     the tokenizer change; an id the tokenizer does not define (Qwen's bos) and an eos list that holds the
     tokenizer's eos (Llama 3.1's stop tokens) stay. The pad id also sets the embedding's ``padding_idx``
     in HF modules (no gradient for that row): it is the tokenizer's own pad, never eos standing in."""
-    for key in TOKEN_ID_KEYS:
-        want = ids.get(key)
+    for key, want in ids.items():  # tessera.data.tokenizer.token_ids: bos, eos, pad by their config names
         if keep_own and (want is None or _agrees(getattr(cfg, key, None), want)):
             continue
         setattr(cfg, key, want)
@@ -95,8 +91,8 @@ def token_id_conflicts(where: str, cfg: Mapping[str, Any], ids: Mapping[str, int
     disagree with its tokenizer's, one line each naming both values: eos must be the tokenizer's (or a
     list holding it: generate stops on it); bos and pad, where both give one, must be equal."""
     out = []
-    for key in TOKEN_ID_KEYS:
-        want, have = ids.get(key), cfg.get(key)
+    for key, want in ids.items():
+        have = cfg.get(key)
         if want is None or (have is None and key != "eos_token_id") or _agrees(have, want):
             continue
         if have is None and where != "config.json":
