@@ -453,7 +453,7 @@ class _IntermixedParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tessera.engines.registry import ENGINE_NAMES
+    from tessera.tables.engines import ENGINE_NAMES
 
     ap = argparse.ArgumentParser(prog="tessera", description="distributed training recipes for HF models")
     sub = ap.add_subparsers(dest="command", required=True, parser_class=_IntermixedParser)

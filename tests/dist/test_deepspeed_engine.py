@@ -28,7 +28,7 @@ from helpers import (
 )
 from tessera.checkpoint.index import LATEST, checkpoint_files, read_meta, step_dir_name
 from tessera.checkpoint.manager import CheckpointManager
-from tessera.models.families import FAMILIES, FAMILY_NAMES
+from tessera.tables.families import FAMILIES, FAMILY_NAMES
 from tessera.rundir import ExitCode, RunDir
 from untrusted import assert_fifo_is_refused, assert_no_code_runs
 

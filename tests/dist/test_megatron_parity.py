@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from helpers import REPO, run_on_ranks
 
-from tessera.models.families import FAMILY_NAMES
+from tessera.tables.families import FAMILY_NAMES
 
 pytestmark = pytest.mark.slow
 
@@ -147,7 +147,7 @@ def assembled_state_dicts() -> dict[str, dict[str, object]]:
     from tessera.comm.groups import all_gather_object
     from tessera.config.loader import load_recipe
     from tessera.engines.base import ModelSource, TensorSlice
-    from tessera.engines.registry import engine_class
+    from tessera.tables.engines import engine_class
     from tessera.plan.layout import layout_from_recipe
 
     out: dict[str, dict[str, object]] = {}

@@ -14,9 +14,9 @@ import yaml
 from helpers import REPO
 from tessera.config.loader import validate_recipe
 from tessera.config.schema import ModelSection
-from tessera.engines.registry import ENGINE_NAMES
+from tessera.tables.engines import ENGINE_NAMES
 from tessera.errors import LayoutError, RecipeError
-from tessera.models.families import FAMILIES, FAMILY_NAMES
+from tessera.tables.families import FAMILIES, FAMILY_NAMES
 from tessera.models.hf import load_hf_config
 from tessera.models.megatron import Shard, adapter_for
 from tessera.models.weight_map import hf_to_mcore

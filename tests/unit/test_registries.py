@@ -11,9 +11,9 @@ import yaml
 from helpers import DEFAULT_RECIPE, REPO
 from tessera.config.loader import load_recipe
 from tessera.config.schema import ModelSection
-from tessera.engines.registry import ENGINE_NAMES, capabilities
+from tessera.tables.engines import ENGINE_NAMES, capabilities
 from tessera.errors import LayoutError, RecipeError
-from tessera.models.families import FAMILIES, FAMILY_NAMES, MODEL_TYPES, family_of
+from tessera.tables.families import FAMILIES, FAMILY_NAMES, MODEL_TYPES, family_of
 from tessera.models.hf import load_hf_config
 from tessera.models.megatron import ADAPTERS, adapter_for
 from tessera.plan.estimate import count_params, model_facts
@@ -173,7 +173,7 @@ def test_unknown_model_type_names_the_supported_ones():
 def test_model_facts_come_from_the_family_entry(monkeypatch):
     """The planner reads the family's data, not its name: a qwen2 entry without the q/k/v bias counts
     exactly the parameters of a model without them."""
-    from tessera.models import families
+    from tessera.tables import families
 
     d = yaml.safe_load((REPO / FAMILIES["qwen2"].tiny_config).read_text())["model"]["hf_config"]
     cfg = load_hf_config(ModelSection(hf_config=d))

@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from helpers import REPO
-from tessera.models.families import FAMILIES, FAMILY_NAMES
+from tessera.tables.families import FAMILIES, FAMILY_NAMES
 from tessera.models.megatron import Shard, adapter_for
 from tessera.models.weight_map import hf_keys_covered, hf_to_mcore, mcore_to_hf_slices
 

@@ -115,7 +115,7 @@ def main() -> None:
         raw_megatron.check_layout(run)
     from tessera.comm.accounting import group_namer, install
     from tessera.comm.shm import use_venv_build_tools
-    from tessera.engines.registry import engine_class
+    from tessera.tables.engines import engine_class
     from tessera.train.worker import init_distributed
 
     use_venv_build_tools()

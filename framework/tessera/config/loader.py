@@ -365,7 +365,7 @@ def _fit_inherited_to_engine(data: dict[str, Any], sources: dict[str, str]) -> l
     parallel settings the recipe's layers made for the old engine and the new one cannot run fall back to
     the new engine's defaults, each with a note naming the layer that set it. A value given as an
     override itself is never changed: a conflict there is an error, raised by the layout rules."""
-    from tessera.engines.registry import ENGINES
+    from tessera.tables.engines import ENGINES
 
     par = data.get("parallel")
     if not isinstance(par, dict) or not sources.get("parallel.engine", "").startswith("override"):

@@ -12,9 +12,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from tessera.engines.registry import ENGINE_NAMES, ENGINES
+from tessera.tables.engines import ENGINE_NAMES, ENGINES
 from tessera.errors import RecipeError
-from tessera.models.families import MODEL_TYPES
+from tessera.tables.families import MODEL_TYPES
 
 #: what ``parallel.zero_impl`` may say: auto, or a sharding implementation of some engine
 ZERO_IMPLS: tuple[str, ...] = ("auto", *dict.fromkeys(i for e in ENGINES.values() for i in e.caps.zero_impls))
@@ -130,7 +130,7 @@ class ParallelSection(_Section):
         description="take the planner's layout (`parallel: auto` in YAML): engine, dp/tp/pp/vpp/ep, zero, "
         "micro_batch; parallel.global_batch is kept when set",
     )
-    engine: Literal[ENGINE_NAMES] = Field(  # type: ignore[valid-type]  # the names of engines/registry.py
+    engine: Literal[ENGINE_NAMES] = Field(  # type: ignore[valid-type]  # the names of tables/engines.py
         "deepspeed", description="training engine: " + ", ".join(ENGINE_NAMES)
     )
     dp: int | Literal["auto"] = Field("auto", description="data-parallel degree; auto = world_size / (tp*pp)")

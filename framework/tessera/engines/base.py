@@ -2,7 +2,7 @@
 
 An engine owns one rank's model, optimizer and the collectives of its layout; the training loop
 (:mod:`tessera.train.loop`) only calls the methods of :class:`Engine`, and engines are built through the
-registry (:mod:`tessera.engines.registry`) with one signature, ``Engine(source, recipe, layout,
+registry (:mod:`tessera.tables.engines`) with one signature, ``Engine(source, recipe, layout,
 device=...)``, so nothing above this layer branches on an engine's name.
 
 Loss normalisation is by tokens, not by micro-batches: a step's loss is the sum of token cross-entropies
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from tessera.comm.accounting import Phase
 from tessera.config.schema import ModelSection, Recipe
-from tessera.models.families import family_of
+from tessera.tables.families import family_of
 from tessera.plan.layout import ParallelLayout
 
 IGNORE_INDEX = -100

@@ -27,7 +27,7 @@ def check_recipe(path: str, overrides: list[str]):
     (:mod:`tessera.train.prepare`). Returns (resolved, device)."""
     from tessera.config.loader import load_recipe
     from tessera.device import resolve_device
-    from tessera.engines.registry import capabilities
+    from tessera.tables.engines import capabilities
     from tessera.plan.layout import batch_split
 
     resolved = load_recipe(path, overrides)

@@ -1,6 +1,6 @@
 """Hugging Face causal LMs from an inline config dict or a local directory.
 
-Which families exist is :mod:`tessera.models.families` (listed once); :func:`family_of` is re-exported
+Which families exist is :mod:`tessera.tables.families` (listed once); :func:`family_of` is re-exported
 here for the callers that load models.
 """
 
@@ -14,7 +14,7 @@ import torch
 
 from tessera.config.schema import ModelSection
 from tessera.errors import RecipeError
-from tessera.models.families import Family, family_of
+from tessera.tables.families import Family, family_of
 
 __all__ = [
     "Family",

@@ -47,7 +47,7 @@ class SeededWeights(Mapping[str, torch.Tensor]):
     def __init__(self, hf_cfg: Any, seed: int) -> None:
         from transformers import AutoModelForCausalLM
 
-        from tessera.models.families import family_of
+        from tessera.tables.families import family_of
 
         self.seed = seed
         self.family = family_of(hf_cfg.model_type)

@@ -1,6 +1,6 @@
 """HF families on megatron-core: config adapters and the declarative HF <-> megatron weight map.
 
-One adapter per family of :mod:`tessera.models.families`, registered by decorator under the name the
+One adapter per family of :mod:`tessera.tables.families`, registered by decorator under the name the
 family entry gives (checked at import). An adapter turns the HF config into the model-shape
 part of a megatron-core ``TransformerConfig`` plus ``GPTModel`` arguments, refuses what megatron-core's
 local (non-TransformerEngine) layer spec cannot express, and lists its weight :class:`Rule` s. The
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera.errors import RecipeError
-from tessera.models.families import FAMILIES, family_of
+from tessera.tables.families import FAMILIES, family_of
 
 # split kinds
 REPL, COL, ROW, VOCAB = "repl", "col", "row", "vocab"

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tessera.errors import RecipeError
-from tessera.models.families import family_of
+from tessera.tables.families import family_of
 from tessera.models.megatron import ModelShape, adapter_for, padded_vocab
 from tessera.plan.activations import (
     BYTES,
@@ -58,7 +58,7 @@ DDP_BUCKET_BYTES = 25 * 1024 * 1024
 @dataclass(frozen=True)
 class ModelFacts:
     """Everything the estimates need to know of a model: the adapter's shape plus the facts its family entry
-    (:mod:`tessera.models.families`) reads from the HF config."""
+    (:mod:`tessera.tables.families`) reads from the HF config."""
 
     family: str
     hidden: int

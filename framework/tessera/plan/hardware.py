@@ -198,7 +198,7 @@ def load_hardware(path: str | Path) -> HardwareProfile:
         if key == "name":
             kw[key] = str(value)
         elif key == "engine_efficiency":
-            from tessera.engines.registry import ENGINE_NAMES
+            from tessera.tables.engines import ENGINE_NAMES
 
             if not isinstance(value, dict) or any(k not in ENGINE_NAMES for k in value):
                 raise RecipeError(

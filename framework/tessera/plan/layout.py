@@ -11,12 +11,17 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from tessera.config.schema import Recipe
-from tessera.engines.registry import ENGINE_NAMES, ENGINES, Capabilities, capabilities
+from tessera.tables.engines import ENGINE_NAMES, ENGINES, Capabilities, capabilities
 from tessera.errors import LayoutError, RecipeError
 
 #: ZeRO stages each data-parallel sharding implementation can run: what ``zero_impl: auto`` picks from
 #: (megatron-core's DistributedOptimizer shards optimizer state only; torch DDP shards nothing)
 ZERO_IMPL_STAGES: dict[str, tuple[int, ...]] = {"deepspeed": (0, 1, 2, 3), "megatron": (0, 1), "ddp": (0,)}
+
+#: the degrees of parallelism of a layout, in the order they are spelled everywhere (names, tags, tables)
+LAYOUT_AXES: tuple[str, ...] = ("dp", "tp", "pp", "vpp", "ep")
+#: the axes that split the model (all but dp)
+MODEL_AXES: tuple[str, ...] = LAYOUT_AXES[1:]
 
 _AXIS_NAMES = {"tp": "tensor parallelism", "pp": "pipeline parallelism", "ep": "expert parallelism"}
 
@@ -27,7 +32,7 @@ class ParallelLayout:
     ``to_dict()`` and rebuild the layout with ``ParallelLayout(**d)``.
 
     world_size = dp * tp * pp; global_batch = micro_batch * grad_accum * dp. Experts are split over
-    ep x etp ranks carved out of dp x tp. The engine's capabilities (``engines/registry.py``) are checked
+    ep x etp ranks carved out of dp x tp. The engine's capabilities (``tables/engines.py``) are checked
     on construction, so a layout its engine cannot run does not exist.
     """
 

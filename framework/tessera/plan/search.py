@@ -5,7 +5,7 @@ Validity is never decided here: every candidate is built as a :class:`ParallelLa
 engine's capabilities) and, for an engine that builds megatron-core's model, passed to
 :func:`check_megatron_layout` (the one place with its rules); a LayoutError's message becomes the
 rejection reason. What this module adds is the search space, read from each engine's row of the capability
-table (``engines/registry.py``) and bounded: powers of two for tp and ep, divisors of the world for pp, a
+table (``tables/engines.py``) and bounded: powers of two for tp and ep, divisors of the world for pp, a
 few virtual-stage and micro-batch sizes; the memory fit ("does not fit: needs X GiB per rank ...") and the
 ranking (ties go to the engine listed first in the table).
 """
@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from tessera.engines.registry import ENGINE_NAMES, Capabilities, capabilities
+from tessera.tables.engines import ENGINE_NAMES, Capabilities, capabilities
 from tessera.errors import LayoutError, RecipeError, TesseraError
 from tessera.plan.activations import kernels_for
 from tessera.plan.estimate import (

@@ -52,7 +52,7 @@ def check_model(resolved: Any, device: str) -> Any:
     if recipe.data.tokenizer == "bpe":
         check_vocab(cfg, recipe.data.vocab_size)
     if recipe.model.moe_aux_loss_coeff:
-        from tessera.models.families import family_of
+        from tessera.tables.families import family_of
 
         if not family_of(cfg.model_type).facts(cfg)["topk"]:
             raise RecipeError(

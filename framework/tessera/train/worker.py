@@ -225,7 +225,7 @@ def setup(run_dir: RunDir, start: Start, heartbeat: Any = None) -> tuple[RunCont
     from tessera.comm.shm import use_venv_build_tools
     from tessera.data import StepSampler
     from tessera.engines.base import ModelSource
-    from tessera.engines.registry import engine_class
+    from tessera.tables.engines import engine_class
     from tessera.train.faults import fault_from_env
 
     use_venv_build_tools()  # DeepSpeed's CPU comm op as make setup built it, not rebuilt here
