@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera.errors import RecipeError, TesseraError
-from tessera.launch.runs import start_run, supervise_ranks, validate
+from tessera.launch.runs import start_run
 from tessera.rundir import ExitCode, RunDir
 
 
@@ -250,6 +250,7 @@ def _plan_calibrate(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from tessera.checkpoint.convert import convert_to_hf
+    from tessera.tables.engines import ENGINE_NAMES
 
     if args.to != "hf":
         return _convert_to_layout(args)
@@ -258,7 +259,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             "--layout and --recipe describe an engine checkpoint; an HF directory has neither",
             field="--layout" if args.layout else "--recipe",
             value=args.layout or args.recipe,
-            fix="drop it, or convert --to deepspeed | megatron | ddp",
+            fix="drop it, or convert --to " + " | ".join(ENGINE_NAMES),
         )
     rec = convert_to_hf(
         Path(args.src),
@@ -284,59 +285,22 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def _convert_to_layout(args: argparse.Namespace) -> int:
     """``--to deepspeed|megatron|ddp``: the target layout's ranks (on this machine) reshard the source into
-    a new run directory's first checkpoint and verify it; built beside ``--out`` and renamed at the end."""
-    import os
-    import shutil
+    a new run directory's first checkpoint and verify it (:func:`tessera.launch.convert.convert_to_layout`)."""
+    from tessera.launch.convert import convert_to_layout
 
-    from tessera.checkpoint.convert import (
-        _check_out,
-        is_hf_dir,
-        layout_overrides,
-        resolve_source,
-        source_recipe,
-        write_conversion_record,
+    rc, rec = convert_to_layout(
+        Path(args.src),
+        Path(args.out),
+        to=args.to,
+        layout=args.layout,
+        recipe=args.recipe,
+        dtype=args.dtype,
+        verify=not args.no_verify,
     )
-    from tessera.checkpoint.index import verify_or_raise
-    from tessera.launch.launcher import build_command
-    from tessera.train.prepare import plan_record, prepare_run_dir
-
+    if rec is None:
+        return rc
     out = Path(args.out).resolve()
-    _check_out(out)
-    src = Path(args.src).resolve()
-    if is_hf_dir(src):
-        from tessera.checkpoint.verify import open_side
-
-        open_side(src)  # readable weights, or an error naming the file, before anything starts
-        world = None
-    else:
-        src = resolve_source(src)
-        world = int(verify_or_raise(src)["world_size"])
-    overrides = layout_overrides(args.layout, engine=args.to, source_world=world)
-    if world is None:  # an HF directory: the run trains that model, from those weights
-        overrides += ["model.hf_config=null", f"model.path={src}", "model.pretrained=true"]
-    overrides += [f"run.out_dir={out}"] + ([f"train.precision={args.dtype}"] if args.dtype else [])
-    resolved, layout, device = validate(str(source_recipe(src, args.recipe)), overrides)
-    recipe = resolved.recipe
-    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    con = _console()
-    try:
-        prepare_run_dir(recipe, RunDir(tmp), root=Path.cwd())
-        RunDir(tmp).write_json(RunDir.PLAN, plan_record(resolved, layout, device))
-        worker_args = ("--convert-from", str(src)) + (("--no-verify",) if args.no_verify else ())
-        cmd, env = build_command(recipe, tmp, resume=False, device=device, worker_args=worker_args)
-        con.print(f"[bold]convert[/] {src} -> {args.to} {layout.describe()} on {layout.world_size} rank(s)")
-        rc, _ = supervise_ranks(cmd, env, RunDir(tmp), recipe.run.world_size, what="conversion")
-        if rc != 0:
-            print(f"tessera: nothing written to {out}", file=sys.stderr)
-            return rc
-        rec = write_conversion_record(tmp, src, args.to)
-        if out.exists():
-            out.rmdir()  # empty, checked above
-        os.rename(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    print(f"converted {src} -> {out / 'checkpoints' / Path(rec['to']).name}")
+    print(f"converted {rec['source']} -> {out / RunDir.CHECKPOINTS / Path(rec['to']).name}")
     print(f"resume it with:  tessera run {out / RunDir.RECIPE} --resume")
     if isinstance(rec["verify"], dict):
         from tessera.checkpoint.verify import render
@@ -453,7 +417,7 @@ class _IntermixedParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tessera.tables.engines import ENGINE_NAMES
+    from tessera.tables.engines import BASELINE_ENGINE, ENGINE_NAMES
 
     ap = argparse.ArgumentParser(prog="tessera", description="distributed training recipes for HF models")
     sub = ap.add_subparsers(dest="command", required=True, parser_class=_IntermixedParser)
@@ -496,7 +460,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cp.add_argument("recipe", nargs="?", default=None)
     cp.add_argument("overrides", nargs="*", help="dotted overrides, applied to candidate and baseline")
-    cp.add_argument("--baseline", default="ddp", help="'ddp' (engine ddp, same ranks) or a baseline recipe")
+    cp.add_argument(
+        "--baseline",
+        default=BASELINE_ENGINE,
+        help=f"'{BASELINE_ENGINE}' (engine {BASELINE_ENGINE}, same ranks) or a baseline recipe",
+    )
     cp.add_argument(
         "--seeds",
         type=int,

@@ -12,8 +12,12 @@ Layout of ``runs/<name>/`` (one per run)::
     comm.jsonl            the collectives of every rank, per step
     summary.json          final loss, peaks, model-state and activation bytes per rank, plot paths
     *.png                 loss, step-time distribution, memory per rank
-    checkpoints/          step_NNNNNN/ + latest (see tessera.checkpoint.manager)
-    logs/rank_NNNNN.{log,pid,exit,heartbeat}, logs/.rank_NNNNN.exit.reserve (room for the exit file)
+    checkpoints/          step_NNNNNN/ + latest (see tessera.checkpoint.manager); .stage-step_NNNNNN/
+                          while a checkpoint of another layout is resharded (tessera.checkpoint.reshard)
+    reshard-<ckpt>.json   tessera verify's report of a resharded checkpoint against its source
+    tessera_conversion.json  the record of a `tessera convert --to ENGINE` run directory
+    logs/rank_NNNNN.{log,pid,exit,heartbeat}, logs/.rank_NNNNN.exit.reserve (room for the exit file),
+                          logs/launcher.log (the launcher's own lines)
     wandb/, wandb_id      the W&B mirror
 
 Nothing else in Tessera (nor its tests and tools) spells these names. Every file here is written through
@@ -102,6 +106,11 @@ class RunDir:
     PREEMPT = "preempt.request"  # written by tessera run on SIGTERM / SIGINT; every rank checks per step
     PREPARED = "logs/prepared"  # rank 0 prepared the run dir (--prepare); the other ranks wait for it
     PLOTS = ("loss.png", "step_time.png", "memory.png")
+    #: in logs/: the launcher's own INFO / WARNING lines (:mod:`tessera.launch.launcher`)
+    LAUNCHER_LOG = "launcher.log"
+    #: ``tessera convert``'s record: in the run directory of a ``--to ENGINE`` conversion (and, under the
+    #: same name, in the HF directory a ``--to hf`` conversion writes)
+    CONVERSION = "tessera_conversion.json"
     #: a checkpoint being written, ``checkpoints/.tmp-step_NNNNNN`` (:mod:`tessera.checkpoint.manager`)
     PARTIAL_CHECKPOINT = ".tmp-"
 
@@ -162,6 +171,26 @@ class RunDir:
     @property
     def wandb_id(self) -> Path:
         return self.path / self.WANDB_ID
+
+    @property
+    def launcher_log(self) -> Path:
+        return self.logs / self.LAUNCHER_LOG
+
+    @classmethod
+    def of_checkpoint(cls, ckpt: str | Path) -> RunDir:
+        """The run directory a checkpoint ``<run>/checkpoints/step_NNNNNN`` lies in."""
+        return cls(Path(ckpt).parent.parent)
+
+    @staticmethod
+    def reshard_report(checkpoint: str) -> str:
+        """The name of ``tessera verify``'s report of checkpoint ``checkpoint`` (a step directory's name),
+        resharded here, against its source (:mod:`tessera.train.resharding`)."""
+        return f"reshard-{checkpoint}.json"
+
+    def reshard_stage(self, checkpoint: str) -> Path:
+        """``checkpoints/.stage-<checkpoint>``: the layout-free stage of checkpoint ``checkpoint`` (a step
+        directory's name) while this run reshards it (:mod:`tessera.checkpoint.reshard`)."""
+        return self.checkpoints / f".stage-{checkpoint}"
 
     def rank_file(self, rank: int, kind: str) -> Path:
         """``logs/rank_NNNNN.<kind>``: ``log`` (its output), ``pid`` (written at start), ``exit`` (its code,

@@ -28,8 +28,8 @@ from helpers import (
 )
 from tessera.checkpoint.index import LATEST, checkpoint_files, read_meta, step_dir_name
 from tessera.checkpoint.manager import CheckpointManager
-from tessera.tables.families import FAMILIES, FAMILY_NAMES
 from tessera.rundir import ExitCode, RunDir
+from tessera.tables.families import FAMILIES, FAMILY_NAMES
 from untrusted import assert_fifo_is_refused, assert_no_code_runs
 
 pytestmark = pytest.mark.slow
@@ -204,7 +204,8 @@ def test_ddp_bytes_and_model_states_match_the_plan(zero_runs):
 
     from tessera.config.loader import validate_recipe
     from tessera.models.hf import load_hf_config
-    from tessera.plan.estimate import comm_per_step, model_facts
+    from tessera.plan.estimate import comm_per_step
+    from tessera.plan.facts import model_facts
     from tessera.plan.layout import layout_from_recipe
 
     recipe = validate_recipe(yaml.safe_load(RunDir(run).recipe.read_text()))

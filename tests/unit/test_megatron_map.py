@@ -11,10 +11,10 @@ import yaml
 from helpers import REPO
 from tessera.config.loader import load_recipe
 from tessera.errors import LayoutError
-from tessera.tables.families import FAMILIES, FAMILY_NAMES
 from tessera.models.megatron import Shard, adapter_for, layer_range, padded_vocab
 from tessera.models.weight_map import hf_keys_covered, hf_to_mcore, mcore_to_hf
 from tessera.plan.layout import layout_from_recipe
+from tessera.tables.families import FAMILIES, FAMILY_NAMES
 
 
 def _hf(family: str, **changes):

@@ -14,9 +14,7 @@ import yaml
 from helpers import REPO
 from tessera.config.loader import validate_recipe
 from tessera.config.schema import ModelSection
-from tessera.tables.engines import ENGINE_NAMES
 from tessera.errors import LayoutError, RecipeError
-from tessera.tables.families import FAMILIES, FAMILY_NAMES
 from tessera.models.hf import load_hf_config
 from tessera.models.megatron import Shard, adapter_for
 from tessera.models.weight_map import hf_to_mcore
@@ -24,7 +22,6 @@ from tessera.plan.estimate import (
     ZERO3_PERSISTENCE_THRESHOLD,
     GiB,
     Kernels,
-    ModelFacts,
     activation_bytes_per_layer,
     comm_bytes_by_op,
     comm_per_step,
@@ -34,10 +31,10 @@ from tessera.plan.estimate import (
     in_flight_microbatches,
     memory_per_rank,
     minimum_wire_bytes,
-    model_facts,
     model_state_bytes,
     rank_params,
 )
+from tessera.plan.facts import ModelFacts, model_facts
 from tessera.plan.hardware import HardwareProfile, load_hardware
 from tessera.plan.layout import ParallelLayout
 from tessera.plan.search import fit_reason, plan
@@ -48,6 +45,8 @@ from tessera.plan.time_estimate import (
     op_seconds,
     step_time,
 )
+from tessera.tables.engines import ENGINE_NAMES
+from tessera.tables.families import FAMILIES, FAMILY_NAMES
 
 HW = REPO / "configs" / "hardware"
 H100 = load_hardware(HW / "h100-sxm-80g.yaml")
@@ -693,7 +692,7 @@ def test_selective_recompute_is_refused_where_the_engine_cannot(engine):
 def test_moe_under_tensor_parallelism_without_sp_is_refused_before_launch():
     """megatron-core raises in the first forward (MoE + TP needs sequence parallelism), and the local
     spec has no sequence-parallel RMSNorm: the planner refuses it, naming the way out."""
-    from tessera.plan.layout import check_megatron_layout
+    from tessera.engines.megatron_layout import check_rules as check_megatron_layout
 
     shape = model_facts(_cfg("tiny-mixtral")).shape
     lay = _layout(engine="megatron", world_size=2, tp=2)

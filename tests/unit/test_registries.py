@@ -11,13 +11,14 @@ import yaml
 from helpers import DEFAULT_RECIPE, REPO
 from tessera.config.loader import load_recipe
 from tessera.config.schema import ModelSection
-from tessera.tables.engines import ENGINE_NAMES, capabilities
 from tessera.errors import LayoutError, RecipeError
-from tessera.tables.families import FAMILIES, FAMILY_NAMES, MODEL_TYPES, family_of
 from tessera.models.hf import load_hf_config
 from tessera.models.megatron import ADAPTERS, adapter_for
-from tessera.plan.estimate import count_params, model_facts
+from tessera.plan.estimate import count_params
+from tessera.plan.facts import model_facts
 from tessera.plan.layout import ParallelLayout, layout_from_recipe
+from tessera.tables.engines import ENGINE_NAMES, capabilities
+from tessera.tables.families import FAMILIES, FAMILY_NAMES, MODEL_TYPES, family_of
 
 MCORE = REPO / "recipes" / "tiny-llama-cpu-mcore-tp2.yaml"
 

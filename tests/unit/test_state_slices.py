@@ -11,9 +11,9 @@ import torch
 import yaml
 
 from helpers import REPO
-from tessera.tables.families import FAMILIES, FAMILY_NAMES
 from tessera.models.megatron import Shard, adapter_for
 from tessera.models.weight_map import hf_keys_covered, hf_to_mcore, mcore_to_hf_slices
+from tessera.tables.families import FAMILIES, FAMILY_NAMES
 
 LAYOUTS = [(1, 1, 1, 1), (2, 1, 1, 1), (1, 2, 1, 1), (2, 2, 1, 1)]
 CASES = [(f, *lay) for f in FAMILY_NAMES for lay in LAYOUTS] + [

@@ -174,8 +174,8 @@ def _rank(rank: int, world: int, port: int, spec: dict[str, Any], q: Any) -> Non
     from tessera.comm.groups import all_gather_object, barrier
     from tessera.config.loader import load_recipe
     from tessera.engines.base import ModelSource
-    from tessera.tables.engines import engine_class
     from tessera.plan.layout import layout_from_recipe
+    from tessera.tables.engines import engine_class
 
     recipe = load_recipe(spec["recipe"], spec["overrides"]).recipe
     layout = layout_from_recipe(recipe)

@@ -45,7 +45,7 @@ def model_flops(recipe_path: str, overrides: list[str]) -> dict[str, Any]:
     world size of the recipe with its overrides."""
     from tessera.config.loader import load_recipe
     from tessera.models.hf import load_hf_config
-    from tessera.plan.estimate import model_facts
+    from tessera.plan.facts import model_facts
     from tessera.plan.layout import layout_from_recipe
     from tessera.plan.search import hardware_for
     from tessera.plan.time_estimate import flops_per_token, matmul_params

@@ -317,7 +317,8 @@ def _group_sizes(layout: Any) -> dict[str, int]:
 def comm_of(run_dir: Path, warmup: int) -> dict[str, Any]:
     """Measured wire bytes per step of the busiest rank vs the layout's theoretical minimum."""
     from tessera.models.hf import load_hf_config
-    from tessera.plan.estimate import minimum_wire_bytes, model_facts, wire_factor
+    from tessera.plan.estimate import minimum_wire_bytes, wire_factor
+    from tessera.plan.facts import model_facts
     from tessera.plan.layout import layout_from_recipe
     from tessera.plan.measured import run_recipe
     from tessera.rundir import RunDir, read_jsonl

@@ -21,34 +21,19 @@ from typing import Any
 import torch
 
 from tessera.atomic import write_json_atomic, write_text_atomic
-from tessera.checkpoint.manager import CheckpointManager
 from tessera.checkpoint.reader import hf_config_of, read_hf_state
+from tessera.checkpoint.sources import is_hf_dir, resolve_source, tokenizer_dir_of
+from tessera.checkpoint.verify import Side, compare, open_side, quiet_libraries
 from tessera.errors import CheckpointError, RecipeError
+from tessera.plan.layout import LAYOUT_AXES
 from tessera.rundir import RunDir
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-REPORT = "tessera_conversion.json"
+REPORT = RunDir.CONVERSION
 
 
-def resolve_source(src: Path) -> Path:
-    """A checkpoint directory, or a run directory's latest checkpoint."""
-    src = Path(src)
-    if os.path.lexists(src / "meta.json"):  # whatever it is: the verification names a link or a FIFO
-        return src
-    rd = RunDir(src)
-    if rd.checkpoints.is_dir():
-        latest = CheckpointManager(rd.checkpoints, keep=1, rank=0, world_size=1).latest()
-        if latest is not None:
-            return latest
-    raise CheckpointError(
-        "not a Tessera checkpoint (no meta.json) nor a run directory with checkpoints",
-        field="SRC",
-        value=str(src),
-        fix="give a checkpoints/step_NNNNNN directory or a run directory",
-    )
-
-
-def _check_out(out: Path) -> None:
+def check_out(out: Path) -> None:
+    """``--out`` is new or an empty directory: a conversion never overwrites."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise RecipeError(
             "the output exists and is not an empty directory",
@@ -58,19 +43,12 @@ def _check_out(out: Path) -> None:
         )
 
 
-def tokenizer_dir_of(ckpt: Path) -> Path | None:
-    """The tokenizer the run trained with: its run directory's prepared-data record names it."""
-    record = RunDir(ckpt.parent.parent).read_json_if_present(RunDir.DATA)
-    path = Path(record["tokenizer_dir"]) if record and record.get("tokenizer_dir") else None
-    return path if path is not None and path.is_dir() else None
-
-
 def _pretrained_run(ckpt: Path) -> bool:
     """Whether the run that wrote ``ckpt`` started from a pretrained model (its recipe says so; a checkpoint
     outside its run directory counts as pretrained: its config's own ids are then kept where they agree)."""
     import yaml
 
-    recipe = RunDir(ckpt.parent.parent).recipe
+    recipe = RunDir.of_checkpoint(ckpt).recipe
     try:
         model = (yaml.safe_load(recipe.read_text()) or {}).get("model") or {}
     except (OSError, yaml.YAMLError, AttributeError):
@@ -83,8 +61,6 @@ def convert_to_hf(
 ) -> dict[str, Any]:
     """Write the HF directory ``out`` from Tessera checkpoint ``src``; returns the conversion record
     (with ``tessera verify``'s report of the checkpoint against the output, unless ``verify`` is off)."""
-    from tessera.checkpoint.verify import quiet_libraries
-
     with quiet_libraries():  # no progress bars of save_pretrained / from_pretrained on the console
         return _convert_to_hf(Path(src), Path(out), dtype=dtype, verify=verify, prompts=prompts)
 
@@ -95,7 +71,7 @@ def _convert_to_hf(src: Path, out: Path, *, dtype: str, verify: bool, prompts: i
     from tessera.data.tokenizer import token_ids
     from tessera.models.hf import set_token_ids
 
-    _check_out(out)
+    check_out(out)
     ckpt = resolve_source(src)
     state, meta = read_hf_state(ckpt)
     # detached: ZeRO's merged fp32 state comes as parameters that require grad
@@ -137,8 +113,6 @@ def _convert_to_hf(src: Path, out: Path, *, dtype: str, verify: bool, prompts: i
             "verify": "skipped (--no-verify)",
         }
         if verify:
-            from tessera.checkpoint.verify import Side, compare, open_side
-
             source = Side(str(ckpt), "checkpoint", cfg, want, None, tok)
             written = open_side(tmp)
             written.label = f"{out} (as written, before the rename)"
@@ -175,11 +149,7 @@ def _is_tied(model: Any, key: str) -> bool:
 
 
 #: ``--layout`` keys: the parallel fields a layout is made of, and the world size
-LAYOUT_FIELDS = ("dp", "tp", "pp", "vpp", "ep", "zero", "zero_impl", "micro_batch")
-
-
-def is_hf_dir(path: Path) -> bool:
-    return (Path(path) / "config.json").is_file() and not os.path.lexists(Path(path) / "meta.json")
+LAYOUT_FIELDS = (*LAYOUT_AXES, "zero", "zero_impl", "micro_batch")
 
 
 def layout_overrides(spec: str | None, *, engine: str, source_world: int | None) -> list[str]:
@@ -219,7 +189,7 @@ def source_recipe(src: Path, given: str | None) -> Path:
     if given is not None:
         return Path(given)
     if not is_hf_dir(src):
-        run_recipe = RunDir(resolve_source(src).parent.parent).recipe
+        run_recipe = RunDir.of_checkpoint(resolve_source(src)).recipe
         if run_recipe.is_file():
             return run_recipe
     raise RecipeError(
@@ -238,12 +208,12 @@ def write_conversion_record(run_dir: Path, src: Path, to: str) -> dict[str, Any]
     manifest = rd.read_manifest()
     rec = dict(manifest.get("resharded") or {})
     ckpt = Path(rec.get("to", ""))
-    report = rd.read_json_if_present(f"reshard-{ckpt.name}.json")
+    report = rd.read_json_if_present(RunDir.reshard_report(ckpt.name))
     record = {"source": str(src), "to": to, "layout": manifest["layout"], **rec}
     record["verify"] = report if report is not None else "skipped (--no-verify)"
-    write_json_atomic(Path(run_dir) / REPORT, record)
-    if not is_hf_dir(src) and RunDir(src.parent.parent).metrics.is_file():  # the curves continue
-        history = [r for r in RunDir(src.parent.parent).read_metrics() if r["step"] <= rec.get("step", 0)]
+    rd.write_json(RunDir.CONVERSION, record)
+    if not is_hf_dir(src) and RunDir.of_checkpoint(src).metrics.is_file():  # the curves continue
+        history = [r for r in RunDir.of_checkpoint(src).read_metrics() if r["step"] <= rec.get("step", 0)]
         if history:
             write_text_atomic(rd.metrics, "".join(json.dumps(r, sort_keys=True) + "\n" for r in history))
     return record

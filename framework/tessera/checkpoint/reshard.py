@@ -30,15 +30,18 @@ from tessera.checkpoint.reader import (
     read_hf_moment,
     read_hf_state,
 )
+from tessera.checkpoint.sources import tokenizer_dir_of
 from tessera.engines.base import Moments
 from tessera.engines.optim import MOMENTS
 from tessera.errors import CheckpointError
+from tessera.plan.layout import LAYOUT_AXES, MODEL_AXES
+from tessera.tables.engines import ENGINES, ZERO_IMPLS
 from tessera.tensorfile import LazyTensors, save_tensors
 
 STAGE_INFO = "tessera_stage.json"
 WEIGHTS = "model.safetensors"
 #: the layout keys whose change is a reshard (world size follows from them)
-LAYOUT_KEYS = ("engine", "dp", "tp", "pp", "vpp", "ep", "zero", "zero_impl")
+LAYOUT_KEYS = ("engine", *LAYOUT_AXES, "zero", "zero_impl")
 
 
 def layout_changes(saved: dict[str, Any] | None, now: dict[str, Any]) -> list[tuple[str, Any, Any]]:
@@ -49,13 +52,26 @@ def layout_changes(saved: dict[str, Any] | None, now: dict[str, Any]) -> list[tu
 
 
 def layout_tag(layout: dict[str, Any]) -> str:
-    """A short name for a layout, used in the resharded step directory's name."""
+    """A short name for a layout, used in the resharded step directory's name: the engine, dp, every
+    model axis above 1, the ZeRO stage, and who shards the data-parallel state where the engine has a
+    choice and it is not the engine's default (``ds`` for DeepSpeed, else the implementation's name)."""
     parts = [str(layout["engine"]), f"dp{layout['dp']}"]
-    parts += [f"{k}{layout[k]}" for k in ("tp", "pp", "vpp", "ep") if int(layout.get(k, 1)) > 1]
+    parts += [f"{k}{layout[k]}" for k in MODEL_AXES if int(layout.get(k, 1)) > 1]
     parts.append(f"z{layout['zero']}")
-    if layout.get("zero_impl") == "deepspeed" and layout["engine"] == "megatron":
-        parts.append("ds")
+    impl = _chosen_zero_impl(layout)
+    if impl is not None:
+        parts.append("ds" if impl in ZERO_IMPLS and ZERO_IMPLS[impl].deepspeed else impl)
     return "-".join(parts)
+
+
+def _chosen_zero_impl(layout: dict[str, Any]) -> str | None:
+    """The layout's ``zero_impl`` where its engine has a choice of several and this is not the first (its
+    default); None otherwise."""
+    spec, impl = ENGINES.get(str(layout["engine"])), layout.get("zero_impl")
+    choices = spec.caps.zero_impls if spec is not None else ()
+    if len(choices) < 2 or impl not in choices[1:]:
+        return None
+    return str(impl)
 
 
 def stage(ckpt: Path, out: Path) -> dict[str, Any]:
@@ -117,7 +133,6 @@ def stage_moments(stage_dir: Path) -> Moments:
 def verify_against_stage(stage_dir: Path, written: Path, *, prompts: int = 2) -> dict[str, Any]:
     """``tessera verify`` of the stage (what the source checkpoint holds) against checkpoint ``written``,
     both read offline. Moments are compared one kind at a time."""
-    from tessera.checkpoint.convert import tokenizer_dir_of
     from tessera.checkpoint.verify import Side, compare, open_side
 
     stage_dir = Path(stage_dir)

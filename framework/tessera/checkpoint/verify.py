@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from tessera.atomic import sha256_bytes
+from tessera.checkpoint.sources import is_hf_dir, resolve_source, tokenizer_dir_of
 from tessera.engines.optim import MOMENTS
 
 LOGITS_TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-2}
@@ -78,8 +79,6 @@ def quiet_libraries() -> Iterator[None]:
 
 
 def open_side(path: Path) -> Side:
-    from tessera.checkpoint.convert import is_hf_dir, resolve_source, tokenizer_dir_of
-
     path = Path(path)
     if is_hf_dir(path):
         return _hf_side(path)

@@ -15,7 +15,7 @@ import re
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -23,6 +23,10 @@ from pydantic import BaseModel, ValidationError
 from tessera.atomic import file_kind
 from tessera.config.schema import Recipe
 from tessera.errors import RecipeError, preview
+from tessera.tables.engines import CAPABILITY_RULES, ENGINES
+
+if TYPE_CHECKING:
+    from tessera.rundir import RunDir
 
 DEFAULT = "default"
 _FLOAT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
@@ -363,10 +367,10 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Resolve
 def _fit_inherited_to_engine(data: dict[str, Any], sources: dict[str, str]) -> list[str]:
     """When an override switches ``parallel.engine`` (``parallel.engine=ddp`` on a ZeRO-2 recipe), the
     parallel settings the recipe's layers made for the old engine and the new one cannot run fall back to
-    the new engine's defaults, each with a note naming the layer that set it. A value given as an
-    override itself is never changed: a conflict there is an error, raised by the layout rules."""
-    from tessera.tables.engines import ENGINES
-
+    the new engine's defaults, each with a note naming the layer that set it: by the capability rule set
+    the layout rules refuse with (:data:`tessera.tables.engines.CAPABILITY_RULES`, in its order). A value
+    given as an override itself is never changed: a conflict there is an error, raised by the layout
+    rules."""
     par = data.get("parallel")
     if not isinstance(par, dict) or not sources.get("parallel.engine", "").startswith("override"):
         return []
@@ -374,22 +378,12 @@ def _fit_inherited_to_engine(data: dict[str, Any], sources: dict[str, str]) -> l
     if spec is None:
         return []  # the schema names the unknown engine
     caps = spec.caps
-    fallback = {
-        "zero": (lambda v: v in caps.zero, caps.zero[0]),
-        "zero_impl": (lambda v: v == "auto" or v in caps.zero_impls, "auto"),
-        "tp": (lambda v: caps.tp or v == 1, 1),
-        "pp": (lambda v: caps.pp or v == 1, 1),
-        "vpp": (lambda v: caps.pp or v == 1, 1),
-        "ep": (lambda v: caps.ep or v == 1, 1),
-        "offload_optimizer": (lambda v: caps.offload or not v, False),
-        "offload_params": (lambda v: caps.offload or not v, False),
-        "recompute": (lambda v: v in caps.recompute, "none"),
-    }
     notes = []
-    for key, (ok, default) in fallback.items():
-        dotted = f"parallel.{key}"
+    for rule in CAPABILITY_RULES:
+        key, dotted = rule.key, f"parallel.{rule.key}"
         src = sources.get(dotted, DEFAULT)
-        if key in par and not src.startswith("override") and not ok(par[key]):
+        if key in par and not src.startswith("override") and not rule.allows(caps, par[key]):
+            default = rule.default(caps)
             notes.append(
                 f"{dotted}={par[key]!r} (set by {src}) does not apply to engine '{spec.name}': using {default!r}"
             )
@@ -403,6 +397,19 @@ def validate_recipe(data: dict[str, Any]) -> Recipe:
         return Recipe.model_validate(data)
     except ValidationError as e:
         raise _friendly(e, data) from None
+
+
+def write_recipe(recipe: Recipe, run_dir: RunDir) -> None:
+    """recipe.resolved.yaml, the recipe every rank reads (atomically: a rank never sees half of it)."""
+    from tessera.atomic import write_text_atomic
+
+    run_dir.path.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(run_dir.recipe, yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+
+
+def load_run_recipe(run_dir: RunDir) -> Recipe:
+    """The run's recipe.resolved.yaml, validated."""
+    return validate_recipe(yaml.safe_load(run_dir.recipe.read_text()))
 
 
 def _known_fields(model: type[BaseModel], prefix: str = "") -> list[str]:

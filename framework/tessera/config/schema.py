@@ -12,12 +12,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from tessera.tables.engines import ENGINE_NAMES, ENGINES
 from tessera.errors import RecipeError
+from tessera.tables.engines import ENGINE_NAMES, ZERO_IMPLS
 from tessera.tables.families import MODEL_TYPES
 
-#: what ``parallel.zero_impl`` may say: auto, or a sharding implementation of some engine
-ZERO_IMPLS: tuple[str, ...] = ("auto", *dict.fromkeys(i for e in ENGINES.values() for i in e.caps.zero_impls))
+#: what ``parallel.zero_impl`` may say: auto, or a sharding implementation (the registry's ZERO_IMPLS)
+ZERO_IMPL_CHOICES: tuple[str, ...] = ("auto", *ZERO_IMPLS)
 
 
 class _Section(BaseModel):
@@ -139,7 +139,7 @@ class ParallelSection(_Section):
     vpp: int = Field(1, ge=1, description="virtual pipeline stages per rank (interleaved schedule)")
     ep: int = Field(1, ge=1, description="expert-parallel degree (MoE families)")
     zero: int = Field(0, description="ZeRO stage 0-3 (sharding of optimizer state / grads / params over dp)")
-    zero_impl: Literal[ZERO_IMPLS] = Field(  # type: ignore[valid-type]
+    zero_impl: Literal[ZERO_IMPL_CHOICES] = Field(  # type: ignore[valid-type]
         "auto",
         description="who shards over dp; only engine megatron has a choice: megatron's DistributedOptimizer "
         "(zero 0-1) or DeepSpeed ZeRO over the dp group (zero 1-3, pp = 1); auto = the engine's own, for "

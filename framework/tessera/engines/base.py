@@ -25,8 +25,9 @@ import torch.nn.functional as F
 
 from tessera.comm.accounting import Phase
 from tessera.config.schema import ModelSection, Recipe
-from tessera.tables.families import family_of
+from tessera.errors import CheckpointError
 from tessera.plan.layout import ParallelLayout
+from tessera.tables.families import family_of
 
 IGNORE_INDEX = -100
 
@@ -225,6 +226,49 @@ class Engine(Protocol):
     def close(self) -> None:
         """Release what the engine initialised (global parallel state); the process group stays."""
         ...
+
+    def load_resharded(self, path: Path) -> str:
+        """Restore model and optimizer state from the (verified) checkpoint ``path`` written at another
+        layout, resharding it while loading, with no layout-free stage; returns what resharded it, in
+        words, for the manifest's record. Only an engine whose registry entry names a ``reshard_on_load``
+        that accepts the checkpoint is asked; every other one takes a resharded checkpoint through the
+        stage (its weights as the :class:`ModelSource`, then :meth:`import_optimizer`)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot load a checkpoint of another layout itself: its registry entry "
+            "must name no reshard_on_load (the layout-free stage then reshards it), or it must implement "
+            "load_resharded"
+        )
+
+
+class CheckpointReader:
+    """An engine's offline checkpoint reader: its own files as full HF tensors, with no process group
+    and no model built, for ``tessera convert`` / ``tessera verify`` and the resharding stage. The
+    registry entry's ``reader`` names an instance; :mod:`tessera.checkpoint.reader` verifies the
+    checkpoint first and calls it. ``meta`` is the checkpoint's ``meta.json`` (format v2)."""
+
+    def weights(self, ckpt: Path, meta: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Every parameter (and buffer the format keeps) by HF name, whole."""
+        raise NotImplementedError(f"{type(self).__name__} reads no weights")
+
+    def moment(self, ckpt: Path, meta: dict[str, Any], kind: str) -> dict[str, torch.Tensor] | None:
+        """One Adam moment (``exp_avg`` or ``exp_avg_sq``) of every trainable parameter by HF name; None
+        where the format's moments are not readable offline."""
+        return None
+
+    def adam_step(self, ckpt: Path, meta: dict[str, Any]) -> int:
+        """The optimizer's update count. Every Tessera step is one update (fp16 loss scaling, which skips
+        updates, is refused): the step, unless the format keeps its own count to check it against."""
+        return int(meta["step"])
+
+
+def unreadable_sharding(ckpt: Path, sharding: str) -> CheckpointError:
+    """The error of a reader given a checkpoint of its engine in a sharding it cannot read."""
+    return CheckpointError(
+        f"reading sharding {sharding!r} is not supported yet",
+        field="checkpoint",
+        value=str(ckpt),
+        fix="convert from a checkpoint of the deepspeed, ddp or megatron (zero_impl megatron) engine",
+    )
 
 
 # ---- shared step logic -------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from tessera.comm.accounting import Phase
 from tessera.config.schema import Recipe
 from tessera.engines.base import (
+    Engine,
     HFObjective,
     ModelSource,
     Moments,
@@ -72,7 +73,7 @@ def counted_allreduce_hook(process_group, bucket):  # no annotations: DDP checks
     return fut.then(done)
 
 
-class DDPEngine:
+class DDPEngine(Engine):
     """torch DDP over full HF replicas; one ``train_step`` = one optimizer step."""
 
     sharding = "torch-ddp"

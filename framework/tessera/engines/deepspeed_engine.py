@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from tessera.config.schema import Recipe
 from tessera.engines.base import (
+    Engine,
     HFObjective,
     ModelSource,
     Moments,
@@ -37,7 +38,7 @@ from tessera.plan.layout import ParallelLayout
 PARAM_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class DeepSpeedEngine:
+class DeepSpeedEngine(Engine):
     """HF causal LM + ``deepspeed.initialize``; one ``train_step`` = one optimizer step."""
 
     def __init__(self, source: ModelSource, recipe: Recipe, layout: ParallelLayout, *, device: str) -> None:

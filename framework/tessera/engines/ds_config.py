@@ -427,3 +427,11 @@ def _get(d: Any, path: tuple[str, ...]) -> Any:
             return None
         d = d[p]
     return d
+
+
+def check_before_launch(recipe: Recipe, layout: ParallelLayout, *, device: str, read_model: bool) -> None:
+    """The deepspeed engine's registry ``prelaunch``: the DeepSpeed JSON built (and the user's checked) by
+    the function that builds it on the ranks, so a conflict is an error before any rank starts.
+    ``read_model=False`` (the command line, which imports no model library): the hidden-size based
+    ``"auto"`` keys are left to rank 0's check."""
+    build_ds_config(recipe, layout, device=device, read_model=read_model)

@@ -68,12 +68,18 @@ class MpuAdapter:
         return self._ps.get_tensor_model_parallel_rank()
 
 
+#: the checkpoint ``sharding`` of megatron's own DDP / distributed optimizer: this prefix and which
+SHARDING_PREFIX = "megatron-"
+#: the checkpoint ``sharding`` of DeepSpeed ZeRO over megatron's modules: this prefix and the stage
+DEEPSPEED_SHARDING_PREFIX = "megatron+deepspeed-zero"
+
+
 def sharding_of(layout: ParallelLayout) -> str:
     """The checkpoint ``sharding`` this engine writes at ``layout``: megatron's own DDP or distributed
     optimizer, or DeepSpeed ZeRO over megatron's modules."""
     if layout.zero_impl == "deepspeed":
-        return f"megatron+deepspeed-zero{layout.zero}"
-    return "megatron-" + ("distributed-optimizer" if layout.zero == 1 else "ddp")
+        return f"{DEEPSPEED_SHARDING_PREFIX}{layout.zero}"
+    return SHARDING_PREFIX + ("distributed-optimizer" if layout.zero == 1 else "ddp")
 
 
 def chained(optimizer: Any) -> list[Any]:

@@ -26,6 +26,7 @@ from tessera.comm.accounting import Phase
 from tessera.config.schema import Recipe
 from tessera.engines.base import (
     IGNORE_INDEX,
+    Engine,
     ModelSource,
     Moments,
     ShardedStateDict,
@@ -87,7 +88,7 @@ def _shifted(mb: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.T
     return ids, pos, target, mask
 
 
-class MegatronEngine:
+class MegatronEngine(Engine):
     """megatron-core GPTModel chunks + (DistributedOptimizer | DeepSpeed ZeRO); one train_step = one update."""
 
     def __init__(self, source: ModelSource, recipe: Recipe, layout: ParallelLayout, *, device: str) -> None:
@@ -424,12 +425,14 @@ class MegatronEngine:
             states = load_tensors(rng)
         tensor_parallel.get_cuda_rng_tracker().set_states(states)
 
-    def load_resharded(self, path: Path) -> None:
+    def load_resharded(self, path: Path) -> str:
         """Model and optimizer from a megatron checkpoint of another tp / pp / dp / ep layout (same
-        optimizer kind): dist_checkpointing reads each rank's part of the global tensors and of the
-        model-space optimizer state. The TP-region RNG tracker keeps this layout's own seeded streams:
-        the saved ones belong to the old ranks."""
+        optimizer kind; :func:`tessera.engines.megatron_reader.reshards_on_load`): dist_checkpointing
+        reads each rank's part of the global tensors and of the model-space optimizer state. The
+        TP-region RNG tracker keeps this layout's own seeded streams: the saved ones belong to the old
+        ranks."""
         self._load_dist(path)
+        return "megatron-core dist_checkpointing"
 
     def _save_dist(self, ckpt: Path) -> None:
         from megatron.core import dist_checkpointing

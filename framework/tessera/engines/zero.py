@@ -34,6 +34,9 @@ from tessera.engines.optim import (
 from tessera.errors import CheckpointError
 from tessera.plan.layout import ParallelLayout
 
+#: the checkpoint ``sharding`` of DeepSpeed ZeRO: this prefix and the stage ("deepspeed-zero2")
+SHARDING_PREFIX = "deepspeed-zero"
+
 
 class DeepSpeedRunner:
     """``deepspeed.initialize`` on ``model`` plus the step loop: one ``step`` = one optimizer update."""
@@ -54,7 +57,7 @@ class DeepSpeedRunner:
         _load_safely(self.engine)
         self.schedule = LRSchedule(recipe)
         self._grads_held: int | None = None
-        self.sharding = f"deepspeed-zero{layout.zero}"
+        self.sharding = f"{SHARDING_PREFIX}{layout.zero}"
         #: the last step's optimizer step (the boundary ``engine.step()``), timed
         self.optimizer_phase = Phase()
 

@@ -38,7 +38,9 @@ from typing import Any
 import numpy as np
 
 from tessera.errors import TesseraError, preview
+from tessera.plan.layout import MODEL_AXES
 from tessera.rundir import RunDir
+from tessera.tables.engines import BASELINE_ENGINE, ENGINES
 
 NOISE_WINDOW = 4  # steps either side averaged into the noise floor
 #: a cost ratio is distinguishable from a threshold (or from 1) when it differs by more than this many seed
@@ -436,12 +438,14 @@ def _num(x: float) -> str:
 
 
 def _layout_name(layout: dict[str, Any]) -> str:
-    """A layout as the field names it: "DeepSpeed ZeRO-2", "megatron-core TP2 PP2", "DDP"."""
+    """A layout as the field names it: "DeepSpeed ZeRO-2", "megatron-core TP2 PP2", "DDP". An engine is
+    named by the libraries that do its work (its registry entry's ``libraries``); the baseline engine by
+    the last word of them alone ("torch DDP" -> "DDP"), the name every comparison calls it by."""
     engine = layout.get("engine") or "?"
-    if engine == "ddp":
-        return "DDP"
-    parts = [{"deepspeed": "DeepSpeed", "megatron": "megatron-core"}.get(engine, engine)]
-    parts += [f"{a.upper()}{layout[a]}" for a in ("tp", "pp", "vpp", "ep") if (layout.get(a) or 1) > 1]
+    if engine == BASELINE_ENGINE:
+        return _BASELINE_NAME
+    parts = [ENGINES[engine].libraries if engine in ENGINES else engine]
+    parts += [f"{a.upper()}{layout[a]}" for a in MODEL_AXES if (layout.get(a) or 1) > 1]
     if layout.get("zero"):
         parts.append(f"ZeRO-{layout['zero']}")
     if layout.get("sequence_parallel") is True and (layout.get("tp") or 1) > 1:
@@ -450,6 +454,10 @@ def _layout_name(layout: dict[str, Any]) -> str:
     if offload:
         parts.append(f"offload {'+'.join(offload)}")
     return " ".join(parts)
+
+
+#: the naive data-parallel baseline, as claims name it
+_BASELINE_NAME = ENGINES[BASELINE_ENGINE].libraries.split()[-1]
 
 
 def _band_words(tol: dict[str, Any], unit: str) -> str:
@@ -470,7 +478,7 @@ def claim_sentence(
     PASS asserts and any refuted threshold denies."""
     th = thresholds_of(acceptance)
     base = _layout_name(base_layout)
-    who = f"the {base} baseline" if base == "DDP" else f"the baseline ({base})"
+    who = f"the {base} baseline" if base_layout.get("engine") == BASELINE_ENGINE else f"the baseline ({base})"
     words: dict[str, Callable[[Any], str]] = {  # each threshold's clause, in the sentence's order
         "loss_tolerance": lambda v: f"loss within {_band_words(v, 'nats')}",
         "grad_norm_tolerance": lambda v: f"grad norm within {_band_words(v, '')}",

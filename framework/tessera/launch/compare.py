@@ -27,11 +27,12 @@ from tessera.evidence.compare import (
 from tessera.evidence.registration import claim_comparison_dir, preregister, read_preregistration
 from tessera.launch.runs import start_run, validate
 from tessera.rundir import RunDir
+from tessera.tables.engines import BASELINE_ENGINE
 
 #: layout fields a naive DDP baseline resets (everything but the data-parallel split)
 _DDP_BASELINE = {
     "parallel.auto": "false",
-    "parallel.engine": "ddp",
+    "parallel.engine": BASELINE_ENGINE,
     "parallel.zero": "0",
     "parallel.zero_impl": "auto",
     "parallel.dp": "auto",
@@ -153,7 +154,7 @@ def run_comparison(
     recipe_path: str,
     overrides: list[str],
     *,
-    baseline: str = "ddp",
+    baseline: str = BASELINE_ENGINE,
     seeds: int = 2,
     out: str | None = None,
     scaling: bool = False,
@@ -166,15 +167,15 @@ def run_comparison(
     resolved, layout, device = validate(recipe_path, overrides)
     recipe = resolved.recipe
     acceptance = _check_thresholds(recipe, seeds)
-    if baseline == "ddp":
+    if baseline == BASELINE_ENGINE:
         base_path, base_over = recipe_path, [*overrides, *ddp_baseline_overrides(layout)]
     else:
         if not Path(baseline).is_file():
             raise RecipeError(
-                "--baseline is neither 'ddp' nor a recipe file",
+                f"--baseline is neither '{BASELINE_ENGINE}' nor a recipe file",
                 field="--baseline",
                 value=baseline,
-                fix="pass --baseline ddp or the path of a baseline recipe",
+                fix=f"pass --baseline {BASELINE_ENGINE} or the path of a baseline recipe",
             )
         base_path, base_over = baseline, list(overrides)
     b_resolved, b_layout, _ = validate(base_path, base_over)
@@ -196,7 +197,7 @@ def run_comparison(
         "ratio_spread_multiple": RATIO_SPREAD_MULTIPLE,
         "candidate": {"recipe": recipe_path, "overrides": overrides, "recipe_hash": recipe_hash(recipe)},
         "baseline": {
-            "kind": "ddp" if baseline == "ddp" else "recipe",
+            "kind": BASELINE_ENGINE if baseline == BASELINE_ENGINE else "recipe",
             "recipe": base_path,
             "overrides": base_over,
             "recipe_hash": recipe_hash(b_resolved.recipe),
@@ -229,10 +230,9 @@ def compare_existing(runs: list[str], *, acceptance_file: str | None, out: str |
     candidate's recipe or ``acceptance_file``, registered now (the report says: after the runs)."""
     import yaml
 
-    from tessera.config.loader import read_config_file, safe_yaml
+    from tessera.config.loader import load_run_recipe, read_config_file, safe_yaml
     from tessera.config.schema import AcceptanceSection
     from tessera.device import resolve_device
-    from tessera.train.prepare import load_run_recipe
 
     if len(runs) < 2:
         raise TesseraError(

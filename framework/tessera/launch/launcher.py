@@ -365,7 +365,7 @@ def _stop_group(proc: subprocess.Popen, pids: dict[int, int]) -> None:
             time.sleep(0.1)
 
 
-LAUNCHER_LOG = "launcher.log"  # in logs/: the launcher's own INFO / WARNING lines
+LAUNCHER_LOG = RunDir.LAUNCHER_LOG  # its name in logs/ (the path: RunDir.launcher_log)
 #: a line of the deepspeed launcher's logger (or a rank's DeepSpeed logger): "[2026-12-03 06:08:41,112] [INFO] [...]"
 _LOG_LINE = re.compile(
     rb"^(\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\] \[(DEBUG|INFO|WARNING)\]"
@@ -443,7 +443,7 @@ def release_closed_console() -> None:
 
 def _launcher_tail(rd: RunDir, n: int = 15) -> list[str]:
     try:
-        return (rd.logs / LAUNCHER_LOG).read_text(errors="replace").splitlines()[-n:]
+        return rd.launcher_log.read_text(errors="replace").splitlines()[-n:]
     except OSError:
         return []
 
@@ -538,7 +538,7 @@ def _run_and_monitor(
     rd.drop_torn_tails()  # an earlier launch that crashed mid-line: the ranks append on a line of their own
     from tessera.atomic import open_append
 
-    launcher_log = open_append(rd.logs / LAUNCHER_LOG, binary=True)  # a link there: refused before launch
+    launcher_log = open_append(rd.launcher_log, binary=True)  # a link there: refused before launch
     env = {**os.environ, **env_add, SUPERVISOR_ENV: supervisor_token()}
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE)
     sorter = _LauncherLines(proc.stdout, launcher_log)

@@ -27,8 +27,8 @@ def check_recipe(path: str, overrides: list[str]):
     (:mod:`tessera.train.prepare`). Returns (resolved, device)."""
     from tessera.config.loader import load_recipe
     from tessera.device import resolve_device
-    from tessera.tables.engines import capabilities
     from tessera.plan.layout import batch_split
+    from tessera.tables.engines import ENGINES, engine_hook, engines_with
 
     resolved = load_recipe(path, overrides)
     recipe = resolved.recipe
@@ -44,22 +44,26 @@ def check_recipe(path: str, overrides: list[str]):
             fix="use train.precision: bf16 or fp32 on CPU",
         )
     engine = recipe.parallel.engine
-    if recipe.parallel.deepspeed_config and "deepspeed" not in capabilities(engine).zero_impls:
+    spec = ENGINES[engine]
+    if recipe.parallel.deepspeed_config and not spec.caps.runs_deepspeed:
         raise RecipeError(
             f"engine '{engine}' does not run DeepSpeed, so a DeepSpeed JSON would be ignored",
             field="parallel.deepspeed_config",
             value=recipe.parallel.deepspeed_config,
-            fix="remove parallel.deepspeed_config, or use parallel.engine: deepspeed",
+            fix="remove parallel.deepspeed_config, or use parallel.engine: "
+            + engines_with(lambda c: c.runs_deepspeed),
         )
     if not recipe.parallel.auto:  # the planner's layout is checked by the planner
         batch_split(recipe)
-        if recipe.parallel.deepspeed_config and capabilities(engine).hf_module:
-            # the user's JSON, checked by the function that merges it on the ranks (which also read the
-            # model's hidden size); a megatron layout needs the model's config, so rank 0 checks that one
-            from tessera.engines.ds_config import build_ds_config
+        if recipe.parallel.deepspeed_config and spec.prelaunch and spec.layout_checks is None:
+            # the engine's checks of the user's JSON (the function that merges it on the ranks, which also
+            # read the model's hidden size); a layout derived from the model (the engine has layout_checks)
+            # needs the model's config, so rank 0 checks that one
             from tessera.plan.layout import layout_from_recipe
 
-            build_ds_config(recipe, layout_from_recipe(recipe), device=device, read_model=False)
+            engine_hook(engine, "prelaunch")(
+                recipe, layout_from_recipe(recipe), device=device, read_model=False
+            )
     return resolved, device
 
 
@@ -105,9 +109,7 @@ def supervise_ranks(
         return int(code), failure
     if failure is not None:
         if not (failure.rank == 0 and failure.code == ExitCode.USER_ERROR):  # rank 0's error is on screen
-            from tessera.launch.launcher import LAUNCHER_LOG
-
-            log = rd.logs / LAUNCHER_LOG if failure.rank is None else rd.rank_file(failure.rank, "log")
+            log = rd.launcher_log if failure.rank is None else rd.rank_file(failure.rank, "log")
             # the heading names no rank: the verdict below names the one that failed first, once
             _console().print(f"[bold red]last log lines[/] ({log}):", soft_wrap=True)
             for line in failure.log_tail:
@@ -245,8 +247,8 @@ def start_run(
     hash differs from the checkpoint's (:func:`check_resume_inputs`). Returns the exit code and the run
     dir."""
     from tessera.checkpoint.index import CheckpointIndex
+    from tessera.config.loader import write_recipe
     from tessera.launch.launcher import build_command
-    from tessera.train.prepare import write_recipe
 
     resolved, device = check_recipe(recipe_path, overrides)
     recipe = resolved.recipe

@@ -244,3 +244,12 @@ def hf_dir_tensors(path: Path) -> Mapping[str, torch.Tensor]:
             fix="give a directory written by save_pretrained",
         ) from None
     return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def hf_config_of(meta: Mapping[str, Any]) -> Any:
+    """The HF config a Tessera checkpoint records (``meta.json``'s ``model_config``, format v2): what its
+    offline readers map the engine's tensors back to HF names with."""
+    from transformers import AutoConfig
+
+    cfg = dict(meta["model_config"])
+    return AutoConfig.for_model(cfg.pop("model_type"), **cfg)

@@ -10,12 +10,10 @@ by measuring with saved-tensor hooks (``tessera.engines.held.SavedActivations``)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tessera.models.megatron import padded_vocab
-
-if TYPE_CHECKING:
-    from tessera.plan.estimate import ModelFacts
+from tessera.plan.facts import ModelFacts
 
 #: bytes per element of each precision
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}

@@ -27,11 +27,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from tessera.errors import RecipeError
-from tessera.tables.families import family_of
-from tessera.models.megatron import ModelShape, adapter_for, padded_vocab
+from tessera.models.megatron import padded_vocab
 from tessera.plan.activations import (
     BYTES,
     PAPER,
@@ -41,6 +39,7 @@ from tessera.plan.activations import (
     head_activation_bytes,
     in_flight_microbatches,
 )
+from tessera.plan.facts import ModelFacts
 from tessera.plan.layout import ParallelLayout
 
 GiB = 2**30
@@ -53,60 +52,6 @@ DS_PARAM_GROUPS = 2
 #: bucket, ``bucket_cap_mb=25`` MiB for the others
 DDP_FIRST_BUCKET_BYTES = 1024 * 1024
 DDP_BUCKET_BYTES = 25 * 1024 * 1024
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    """Everything the estimates need to know of a model: the adapter's shape plus the facts its family entry
-    (:mod:`tessera.tables.families`) reads from the HF config."""
-
-    family: str
-    hidden: int
-    ffn: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    norm: str = "RMSNorm"  # "RMSNorm" (weight) or "LayerNorm" (weight + bias)
-    gated_mlp: bool = True  # SwiGLU: fc1 is [gate; up] (2·ffn outputs)
-    fused_qkv: bool = False  # the HF module keeps q, k, v in one tensor (GPT-2's Conv1D)
-    qkv_bias: bool = False
-    proj_bias: bool = False  # attention output projection bias
-    mlp_bias: bool = False
-    positions: int = 0  # learned absolute position embeddings (GPT-2 n_positions); 0 for RoPE
-    tied: bool = False
-    num_experts: int = 0
-    topk: int = 0
-    attn_dropout: bool = False
-    hidden_dropout: bool = False
-    activation: str = "silu"  # the HF activation function (hidden_act; GPT-2's activation_function)
-    shape: ModelShape | None = None  # what check_megatron_layout reads
-
-    @property
-    def moe(self) -> bool:
-        return self.num_experts > 0
-
-
-def model_facts(hf_cfg: Any) -> ModelFacts:
-    """The :class:`ModelFacts` of an HF config: the family adapter's shape plus the family entry's facts."""
-    fam = family_of(hf_cfg.model_type)
-    shape = adapter_for(hf_cfg.model_type).shape(hf_cfg)
-    facts = fam.facts(hf_cfg)
-    if not shape.num_experts:
-        facts["topk"] = 0
-    return ModelFacts(
-        family=fam.name,
-        num_layers=shape.num_layers,
-        num_heads=shape.num_heads,
-        num_kv_heads=shape.num_query_groups,
-        head_dim=shape.head_dim,
-        vocab_size=shape.vocab_size,
-        tied=shape.tied,
-        num_experts=shape.num_experts,
-        shape=shape,
-        **facts,
-    )
 
 
 # ---- parameters --------------------------------------------------------------------------------------
@@ -305,10 +250,11 @@ def expert_dp(layout: ParallelLayout) -> int:
 
 
 def _state_bytes(layout: ParallelLayout, psi: int, precision: str, *, persistent: int = 0) -> dict[str, int]:
-    """Model-state bytes of ``psi`` dense parameters by who shards them (``layout.zero_impl``)."""
-    if layout.zero_impl == "ddp":
+    """Model-state bytes of ``psi`` dense parameters by who shards them (``layout.sharding``: full replicas,
+    DeepSpeed's ZeRO, or the paper's accounting)."""
+    if layout.sharding.replicas:
         return ddp_state_bytes(psi)
-    if layout.zero_impl == "deepspeed":
+    if layout.sharding.deepspeed:
         return deepspeed_state_bytes(psi, layout.dp, layout.zero, precision, persistent=persistent)
     return model_state_bytes(psi, layout.dp, layout.zero, precision)
 
@@ -377,7 +323,7 @@ def memory_per_rank(
             # besides the saved fp32 softmax, the loss holds the logits in e and (e < 4) their fp32 copy
             logits = seq_len * L.micro_batch * (padded_vocab(f.vocab_size, t) // t)
             buffers += logits * (e + (4 if e < 4 else 0))
-        if L.zero_impl == "ddp":
+        if L.sharding.replicas:
             states = f"{DDP_FORMULA}, Ψ={dense:,}, whole on each of the {L.dp} ranks"
         else:
             states = zero_formula(L.zero, precision, dense, L.dp) + (
@@ -387,9 +333,9 @@ def memory_per_rank(
         if L.zero >= 3:
             # gathered full (dp-unsharded) params: the largest module in use + the prefetched layer
             buffers += p * (max(rp.per_layer, rp.embedding) + rp.per_layer)
-        elif L.zero_impl == "deepspeed" and L.dp > 1:
+        elif L.sharding.deepspeed and L.dp > 1:
             buffers += p * min(rp.total, DS_REDUCE_BUCKET)
-        elif L.zero_impl == "ddp":
+        elif L.sharding.replicas:
             # DDP's reducer allocates its buckets whatever the world size
             buffers += 4 * rp.total
             formulas["buffers"] = (
@@ -529,8 +475,8 @@ def comm_per_step(
         if n == 1 or psi == 0:
             continue
         grad_b, param_b = e * psi, e * psi
-        deepspeed_dp = L.zero_impl == "deepspeed"
-        if L.zero_impl == "ddp":
+        deepspeed_dp = L.sharding.deepspeed
+        if L.sharding.replicas:
             # fp32 gradients (fp32 params under autocast), reduced once per step: no_sync on the others
             grads = [4 * x for x in reversed(hf_tensor_numels(f))]
             buckets = ddp_bucket_count(grads)
@@ -617,7 +563,7 @@ def minimum_wire_bytes(
     for psi, n, name in dp_groups:
         if n == 1 or psi == 0:
             continue
-        zero = 0 if L.zero_impl == "ddp" else L.zero
+        zero = 0 if L.sharding.replicas else L.zero
         if zero < 2:
             total += 2 * (n - 1) / n * psi * e
             parts.append(f"2·(n-1)/n·{name}·e")

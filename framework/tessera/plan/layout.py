@@ -1,8 +1,10 @@
 """`ParallelLayout`: the one validated parallel-state object of a run.
 
 Computed once from a resolved recipe and passed down explicitly (engines, data sampler, manifest, plan).
-Every rule that makes a layout impossible is checked here, before anything launches, and each failure
-names the fields, the numbers and the fix.
+Every rule that makes a layout impossible is checked before anything launches, and each failure names the
+fields, the numbers and the fix: here the rules every engine shares (the capability rule set of
+:mod:`tessera.tables.engines`) and the batch arithmetic; the rules of one engine that need the model (heads,
+layers, experts per rank) in the module its registry entry names (``layout_checks``), called from here.
 """
 
 from __future__ import annotations
@@ -11,19 +13,22 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from tessera.config.schema import Recipe
-from tessera.tables.engines import ENGINE_NAMES, ENGINES, Capabilities, capabilities
 from tessera.errors import LayoutError, RecipeError
-
-#: ZeRO stages each data-parallel sharding implementation can run: what ``zero_impl: auto`` picks from
-#: (megatron-core's DistributedOptimizer shards optimizer state only; torch DDP shards nothing)
-ZERO_IMPL_STAGES: dict[str, tuple[int, ...]] = {"deepspeed": (0, 1, 2, 3), "megatron": (0, 1), "ddp": (0,)}
+from tessera.tables.engines import (
+    CAPABILITY_RULES,
+    ENGINE_NAMES,
+    ENGINES,
+    ZERO_IMPLS,
+    Capabilities,
+    ZeroImpl,
+    capabilities,
+    engine_hook,
+)
 
 #: the degrees of parallelism of a layout, in the order they are spelled everywhere (names, tags, tables)
 LAYOUT_AXES: tuple[str, ...] = ("dp", "tp", "pp", "vpp", "ep")
 #: the axes that split the model (all but dp)
 MODEL_AXES: tuple[str, ...] = LAYOUT_AXES[1:]
-
-_AXIS_NAMES = {"tp": "tensor parallelism", "pp": "pipeline parallelism", "ep": "expert parallelism"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,17 +74,7 @@ class ParallelLayout:
             object.__setattr__(self, "zero_impl", resolve_auto(self.engine, zero=self.zero, tp=self.tp)[0])
         if self.etp == 0:
             object.__setattr__(self, "etp", self.tp)
-        check_capabilities(
-            self.engine,
-            tp=self.tp,
-            pp=self.pp,
-            ep=self.ep,
-            zero=self.zero,
-            offload_optimizer=self.offload_optimizer,
-            offload_params=self.offload_params,
-            zero_impl=self.zero_impl,
-            recompute=self.recompute,
-        )
+        check_capabilities(self.engine, self)
         if self.etp < 1 or (self.etp > 1 and not self.caps.tp):
             raise LayoutError(
                 f"engine '{self.engine}' cannot split experts over etp={self.etp} ranks",
@@ -112,10 +107,16 @@ class ParallelLayout:
             )
 
     @property
+    def sharding(self) -> ZeroImpl:
+        """Who shards this layout's data-parallel state, as facts (its ``zero_impl``'s entry in
+        :data:`tessera.tables.engines.ZERO_IMPLS`): what the estimates count by."""
+        return ZERO_IMPLS[self.zero_impl]
+
+    @property
     def uses_deepspeed(self) -> bool:
         """DeepSpeed shards this layout's data-parallel state (every ``deepspeed`` engine layout; a
         ``megatron`` one with ``zero_impl: deepspeed``); the others never import it."""
-        return self.zero_impl == "deepspeed"
+        return self.sharding.deepspeed
 
     @property
     def caps(self) -> Capabilities:
@@ -151,7 +152,7 @@ class ParallelLayout:
         implementation where the engine has a choice, SP with TP), offload and recompute when on, the batch
         split."""
         caps = self.caps
-        axes = ["dp", "tp", "pp", "vpp", "ep"] + (["etp"] if caps.ep else []) + ["zero"]
+        axes = [*LAYOUT_AXES, *(["etp"] if caps.ep else []), "zero"]
         axes += (["zero_impl"] if len(caps.zero_impls) > 1 else []) + (
             ["sequence_parallel"] if caps.tp else []
         )
@@ -166,94 +167,25 @@ class ParallelLayout:
         )
 
 
-def _engines_with(test: Any) -> str:
-    """The engines whose capabilities pass ``test``, as "a or b" (for the fix of a refusal)."""
-    return " or ".join(n for n, spec in ENGINES.items() if test(spec.caps))
-
-
-def check_capabilities(
-    engine: str,
-    *,
-    tp: int = 1,
-    pp: int = 1,
-    ep: int = 1,
-    zero: int = 0,
-    offload_optimizer: bool = False,
-    offload_params: bool = False,
-    zero_impl: str = "auto",
-    recompute: str = "none",
-) -> None:
+def check_capabilities(engine: str, parallel: Any) -> None:
     """Refuse what ``engine`` cannot run at all, by its row of the capability table: the rules every
-    engine shares. What depends on the model or on combinations (megatron's) is :func:`check_megatron_layout`."""
+    engine shares (:data:`tessera.tables.engines.CAPABILITY_RULES`, in their order; a rule without a
+    refusal is left to a more precise rule here). ``parallel``: a layout or a recipe's parallel section
+    (each rule's key is one of its attributes). What depends on the model or on combinations is the
+    engine's own ``layout_checks``."""
     spec = ENGINES[engine]
-    caps = spec.caps
-    for name, deg in (("tp", tp), ("pp", pp), ("ep", ep)):
-        if deg > 1 and not getattr(caps, name):
-            raise LayoutError(
-                f"engine '{engine}' cannot do {name} > 1 ({spec.summary})",
-                field=f"parallel.{name}",
-                value=deg,
-                fix=f"set parallel.{name}: 1, or use parallel.engine: "
-                f"{_engines_with(lambda c, n=name: getattr(c, n))} for {_AXIS_NAMES[name]}",
-            )
-    if (offload_optimizer or offload_params) and not caps.offload:
-        where = _engines_with(lambda c: c.offload)
-        raise LayoutError(
-            f"CPU offload is wired for the {where} engine only",
-            field="parallel.offload_optimizer" if offload_optimizer else "parallel.offload_params",
-            value=True,
-            fix=f"use parallel.engine: {where} for offload",
-        )
-    if zero not in caps.zero:
-        if caps.zero == (0,):
-            why = f"engine '{engine}' has no ZeRO sharding ({spec.summary})"
-        else:
-            why = f"engine '{engine}' runs ZeRO stages {', '.join(map(str, caps.zero))} only"
-        nearest = max((z for z in caps.zero if z <= zero), default=min(caps.zero))
-        raise LayoutError(
-            why,
-            field="parallel.zero",
-            value=zero,
-            fix=f"set parallel.zero: {nearest}, or use parallel.engine: "
-            f"{_engines_with(lambda c: zero in c.zero)} for ZeRO-{zero}",
-        )
-    if recompute not in caps.recompute:
-        how = (
-            "HF gradient checkpointing, which recomputes whole layers (full) only"
-            if caps.hf_module
-            else "no activation recompute"
-        )
-        raise LayoutError(
-            f"engine '{engine}' recomputes activations with {how}",
-            field="parallel.recompute",
-            value=recompute,
-            fix=f"set parallel.recompute: {' or '.join(caps.recompute)}, or use parallel.engine: "
-            f"{_engines_with(lambda c: recompute in c.recompute)} for {recompute} recompute",
-        )
-    if zero_impl != "auto" and zero_impl not in caps.zero_impls:
-        raise LayoutError(
-            f"engine '{engine}' shards data-parallel state with {' or '.join(caps.zero_impls)} only",
-            field="parallel.zero_impl",
-            value=zero_impl,
-            fix="set parallel.zero_impl: auto",
-        )
+    for rule in CAPABILITY_RULES:
+        value = getattr(parallel, rule.key)
+        if rule.refusal is not None and not rule.allows(spec.caps, value):
+            why, fix = rule.refusal(spec, value)
+            raise LayoutError(why, field=f"parallel.{rule.key}", value=value, fix=fix)
 
 
 def batch_split(recipe: Recipe) -> tuple[int, int, int, int]:
     """The part of the layout that needs no model, checked: the engine's capabilities, the world size
     against tp x pp, the batch arithmetic. Returns (dp, micro_batch, grad_accum, global_batch)."""
     p, ws = recipe.parallel, recipe.run.world_size
-    check_capabilities(
-        p.engine,
-        tp=p.tp,
-        pp=p.pp,
-        ep=p.ep,
-        zero=p.zero,
-        offload_optimizer=p.offload_optimizer,
-        offload_params=p.offload_params,
-        zero_impl=p.zero_impl,
-        recompute=p.recompute,
-    )
+    check_capabilities(p.engine, p)
     if p.vpp > 1 and p.pp == 1:
         raise LayoutError(
             "virtual pipeline stages need pipeline parallelism",
@@ -293,20 +225,15 @@ def batch_split(recipe: Recipe) -> tuple[int, int, int, int]:
 
 
 def layout_from_recipe(recipe: Recipe) -> ParallelLayout:
-    """Derive and validate the layout of ``recipe``; user mistakes raise LayoutError / RecipeError."""
-    p, ws = recipe.parallel, recipe.run.world_size
-    caps = capabilities(p.engine)
-    dp, mb, ga, gb = batch_split(recipe)
-    shape = None
-    if not caps.hf_module:  # megatron-core's GPTModel, built from the HF config by the family's adapter
-        from tessera.models.hf import load_hf_config
-        from tessera.models.megatron import adapter_for
+    """Derive and validate the layout of ``recipe``; user mistakes raise LayoutError / RecipeError.
 
-        hf_cfg = load_hf_config(recipe.model, vocab_size=recipe.data.vocab_size)
-        adapter = adapter_for(hf_cfg.model_type)
-        shape = adapter.shape(hf_cfg)
-        adapter.transformer(hf_cfg, recipe.data.seq_len)  # what megatron-core cannot express fails here,
-        adapter.gpt(hf_cfg)  # before launch, not on the ranks
+    An engine whose layout rules need the model (its entry's ``layout_checks``) reads it first: what the
+    engine cannot express fails before the layout is derived, and the model's shape says whether its layers
+    have sequence parallelism (``sequence_parallel: auto``); its rules then judge the layout."""
+    p, ws = recipe.parallel, recipe.run.world_size
+    dp, mb, ga, gb = batch_split(recipe)
+    checks = engine_hook(p.engine, "layout_checks")
+    shape = checks(recipe) if checks is not None else None
     zero_impl, sp = resolve_auto(
         p.engine,
         zero=p.zero,
@@ -334,8 +261,8 @@ def layout_from_recipe(recipe: Recipe) -> ParallelLayout:
         zero_impl=zero_impl,
         recompute=p.recompute,
     )
-    if shape is not None:
-        check_megatron_layout(layout, shape)
+    if checks is not None:
+        checks(recipe, layout, shape=shape)
     return layout
 
 
@@ -345,8 +272,8 @@ def recipe_uses_deepspeed(recipe: Recipe) -> bool:
     auto`` the planner has not chosen yet: whether DeepSpeed is one of the engine's implementations."""
     p = recipe.parallel
     if p.auto:
-        return "deepspeed" in capabilities(p.engine).zero_impls
-    return resolve_auto(p.engine, zero=p.zero, tp=p.tp, zero_impl=p.zero_impl)[0] == "deepspeed"
+        return capabilities(p.engine).runs_deepspeed
+    return ZERO_IMPLS[resolve_auto(p.engine, zero=p.zero, tp=p.tp, zero_impl=p.zero_impl)[0]].deepspeed
 
 
 def resolve_auto(
@@ -360,145 +287,18 @@ def resolve_auto(
 ) -> tuple[str, bool]:
     """What ``parallel.zero_impl: auto`` and ``parallel.sequence_parallel: auto`` mean. An engine with one
     sharding implementation uses it (deepspeed: "deepspeed", ddp: "ddp"), without SP. Otherwise auto is the
-    first of the engine's implementations that runs the stage (megatron: its own data parallelism for
-    zero 0-1, DeepSpeed for 2-3); SP where the layer spec has it (``sp_ok``), tp > 1 and megatron shards
-    over dp."""
+    first of the engine's implementations that runs the stage (:attr:`ZeroImpl.stages`; megatron: its own
+    data parallelism for zero 0-1, DeepSpeed for 2-3); SP where the layer spec has it (``sp_ok``), tp > 1
+    and the implementation reduces the sequence-parallel norm gradients (:attr:`ZeroImpl.sequence_parallel`:
+    megatron's)."""
     impls = capabilities(engine).zero_impls
     if len(impls) == 1:
         return impls[0], bool(sequence_parallel is True)
     if zero_impl == "auto":
-        zero_impl = next((i for i in impls if zero in ZERO_IMPL_STAGES.get(i, ())), impls[0])
-    sp = sequence_parallel if sequence_parallel != "auto" else (sp_ok and tp > 1 and zero_impl == "megatron")
+        zero_impl = next((i for i in impls if zero in ZERO_IMPLS[i].stages), impls[0])
+    sp = (
+        sequence_parallel
+        if sequence_parallel != "auto"
+        else (sp_ok and tp > 1 and ZERO_IMPLS[zero_impl].sequence_parallel)
+    )
     return zero_impl, bool(sp)
-
-
-def check_megatron_layout(layout: ParallelLayout, shape: Any) -> None:
-    """Every combination the megatron engine cannot run, with its reason: the one place that decides
-    (what the engine cannot run at all, e.g. CPU offload, is in :func:`check_capabilities`).
-
-    ``shape`` is the model's :class:`tessera.models.megatron.ModelShape`.
-    """
-    L, tp, pp, vpp, ep = layout, layout.tp, layout.pp, layout.vpp, layout.ep
-    rules: list[tuple[bool, str, Any, str, str]] = [
-        (
-            shape.num_heads % tp != 0,
-            "parallel.tp",
-            tp,
-            f"num_attention_heads={shape.num_heads} is not divisible by tp={tp}",
-            "set parallel.tp to a divisor of the head count",
-        ),
-        (
-            shape.num_query_groups % tp != 0,
-            "parallel.tp",
-            tp,
-            f"num_key_value_heads={shape.num_query_groups} is not divisible by tp={tp} (each TP rank needs "
-            "whole KV heads)",
-            "set parallel.tp to a divisor of the KV head count",
-        ),
-        (
-            shape.num_layers % (pp * vpp) != 0,
-            "parallel.pp",
-            pp,
-            f"num_hidden_layers={shape.num_layers} is not divisible by pp*vpp={pp}*{vpp}={pp * vpp}",
-            "choose pp and vpp whose product divides the layer count",
-        ),
-        (
-            ep > 1 and shape.num_experts == 0,
-            "parallel.ep",
-            ep,
-            "expert parallelism needs a mixture-of-experts model",
-            "set parallel.ep: 1",
-        ),
-        (
-            ep > 1 and shape.num_experts % ep != 0,
-            "parallel.ep",
-            ep,
-            f"num_local_experts={shape.num_experts} is not divisible by ep={ep}",
-            "set parallel.ep to a divisor of the expert count",
-        ),
-        (
-            ep > 1 and (L.dp * tp) % (ep * L.etp) != 0,
-            "parallel.ep",
-            ep,
-            f"ep={ep} does not divide dp={L.dp}: experts are tensor-parallel like the dense layers "
-            "(megatron-core's default expert_tensor_parallel = tp), so expert groups are carved out of dp"
-            if L.etp == tp
-            else f"ep*etp={ep}*{L.etp} does not divide dp*tp={L.dp * tp}",
-            "set parallel.ep to a divisor of dp (raise dp or lower tp)",
-        ),
-        (
-            L.zero >= 2 and pp > 1,
-            "parallel.zero",
-            L.zero,
-            f"ZeRO-{L.zero} shards gradients across micro-batches, which pipeline parallelism (pp={pp}) "
-            "accumulates per stage; no engine composes them",
-            "use parallel.zero: 1 (megatron's distributed optimizer) with pp > 1, or pp: 1",
-        ),
-        (
-            L.zero_impl == "deepspeed" and pp > 1,
-            "parallel.zero_impl",
-            "deepspeed",
-            "DeepSpeed ZeRO is composed with megatron-core only without pipeline parallelism",
-            "set parallel.zero_impl: megatron (or auto) with parallel.zero 0 or 1",
-        ),
-        (
-            L.zero_impl == "megatron" and L.zero >= 2,
-            "parallel.zero",
-            L.zero,
-            "megatron-core's distributed optimizer shards optimizer state only (ZeRO-1)",
-            "use parallel.zero_impl: deepspeed (or auto) for ZeRO-2/3, or parallel.zero: 1",
-        ),
-        (
-            L.zero_impl == "deepspeed" and L.zero == 0,
-            "parallel.zero_impl",
-            "deepspeed",
-            "DeepSpeed without ZeRO adds nothing to megatron's own data parallelism",
-            "set parallel.zero_impl: auto (megatron DDP for zero 0)",
-        ),
-        (
-            shape.num_experts > 0 and tp > 1 and not L.sequence_parallel,
-            "parallel.tp",
-            tp,
-            "megatron-core trains MoE layers under tensor parallelism only with sequence parallelism"
-            + (
-                ""
-                if shape.sequence_parallel_ok
-                else f", which its local spec has not for {shape.normalization}"
-            ),
-            "split the experts with parallel.ep instead (tp: 1), or train on the deepspeed engine"
-            if not shape.sequence_parallel_ok
-            else "set parallel.sequence_parallel: true",
-        ),
-        (
-            L.sequence_parallel and tp == 1,
-            "parallel.sequence_parallel",
-            True,
-            "sequence parallelism splits the TP regions, and tp=1 has none",
-            "set it to auto or false",
-        ),
-        (
-            L.sequence_parallel and not shape.sequence_parallel_ok,
-            "parallel.sequence_parallel",
-            True,
-            f"megatron-core's local layer spec has no sequence-parallel {shape.normalization} (it needs "
-            "Apex's FusedLayerNorm, and RMSNorm needs TransformerEngine)",
-            "set it to auto or false",
-        ),
-        (
-            L.sequence_parallel and L.zero_impl == "deepspeed",
-            "parallel.sequence_parallel",
-            True,
-            "DeepSpeed does not all-reduce the sequence-parallel norm gradients across TP ranks",
-            "set parallel.sequence_parallel: false (or auto) with DeepSpeed ZeRO",
-        ),
-        (
-            vpp > 1 and L.grad_accum % pp != 0,
-            "parallel.grad_accum",
-            L.grad_accum,
-            f"the interleaved schedule needs the micro-batch count ({L.grad_accum}) divisible by pp={pp}",
-            f"use a grad_accum multiple of {pp} (raise parallel.global_batch)",
-        ),
-    ]
-    for broken, field, value, why, fix in rules:
-        if broken:
-            raise LayoutError(why, field=field, value=value, fix=fix)

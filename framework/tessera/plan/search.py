@@ -2,8 +2,8 @@
 estimated step time.
 
 Validity is never decided here: every candidate is built as a :class:`ParallelLayout` (which checks the
-engine's capabilities) and, for an engine that builds megatron-core's model, passed to
-:func:`check_megatron_layout` (the one place with its rules); a LayoutError's message becomes the
+engine's capabilities) and, for an engine whose rules need the model, passed to its registry entry's
+``layout_checks`` with the model's shape (the one place with its rules); a LayoutError's message becomes the
 rejection reason. What this module adds is the search space, read from each engine's row of the capability
 table (``tables/engines.py``) and bounded: powers of two for tp and ep, divisors of the world for pp, a
 few virtual-stage and micro-batch sizes; the memory fit ("does not fit: needs X GiB per rank ...") and the
@@ -16,7 +16,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from tessera.tables.engines import ENGINE_NAMES, Capabilities, capabilities
 from tessera.errors import LayoutError, RecipeError, TesseraError
 from tessera.plan.activations import kernels_for
 from tessera.plan.estimate import (
@@ -25,15 +24,14 @@ from tessera.plan.estimate import (
     GiB,
     Kernels,
     MemoryEstimate,
-    ModelFacts,
     comm_bytes_by_op,
     comm_formulas,
     comm_per_step,
     memory_per_rank,
-    model_facts,
 )
+from tessera.plan.facts import ModelFacts, model_facts
 from tessera.plan.hardware import HardwareProfile
-from tessera.plan.layout import ParallelLayout, check_megatron_layout, resolve_auto
+from tessera.plan.layout import LAYOUT_AXES, ParallelLayout, resolve_auto
 from tessera.plan.time_estimate import (
     DEFAULT_EFFICIENCY,
     FLOPS_FORMULA,
@@ -41,6 +39,7 @@ from tessera.plan.time_estimate import (
     bubble_fraction,
     step_time,
 )
+from tessera.tables.engines import ENGINE_NAMES, Capabilities, capabilities, engine_hook
 
 BUBBLE_FORMULA = (
     "(p-1)/(v*m + p-1): Narayanan et al. 2021 (p-1)/(v*m) of the ideal time, as a share of the step"
@@ -49,7 +48,7 @@ BUBBLE_FORMULA = (
 
 def layout_json(layout: ParallelLayout, recompute: str) -> dict[str, Any]:
     """The layout fields a plan records (what a recipe's ``parallel:`` section would say, plus recompute)."""
-    keys = ("engine", "dp", "tp", "pp", "vpp", "ep", "zero", "micro_batch", "grad_accum")
+    keys = ("engine", *LAYOUT_AXES, "zero", "micro_batch", "grad_accum")
     out: dict[str, Any] = {k: getattr(layout, k) for k in keys}
     out.update(
         recompute=recompute,
@@ -254,8 +253,9 @@ def plan(
         options = [r for r in recompute if r in caps.recompute]
         if not options:
             continue
+        checks = engine_hook(engine, "layout_checks")  # the engine's rules that need the model, if any
         for st in _structures(f, caps, world_size, hardware):
-            _try_structure(result, q, engine, st, options, kernels)
+            _try_structure(result, q, engine, st, options, kernels, checks)
     result.candidates.sort(key=rank_key)
     result.chosen = result.candidates[0] if result.candidates else None
     return result
@@ -285,10 +285,17 @@ class _Query:
 
 
 def _try_structure(
-    result: PlanResult, q: _Query, engine: str, st: dict[str, Any], options: list[str], kernels: Kernels
+    result: PlanResult,
+    q: _Query,
+    engine: str,
+    st: dict[str, Any],
+    options: list[str],
+    kernels: Kernels,
+    checks: Any,
 ) -> None:
     """All micro-batch sizes and recompute options of one structural layout; a rule that rejects every
-    micro-batch size with the same reason is listed once (with the first size)."""
+    micro-batch size with the same reason is listed once (with the first size). ``checks``: the engine's
+    ``layout_checks`` (None: the capability rules are all), given the model's shape the query has."""
     f, hw, world_size, global_batch, precision = q.f, q.hw, q.world_size, q.global_batch, q.precision
     dp = world_size // (st["tp"] * st["pp"])
     zero_impl, sp = resolve_auto(engine, zero=st["zero"], tp=st["tp"], sp_ok=q.sp_ok)
@@ -305,9 +312,8 @@ def _try_structure(
                 zero_impl=zero_impl,
                 sequence_parallel=sp,
             )
-            if not layout.caps.hf_module:
-                assert f.shape is not None
-                check_megatron_layout(layout, f.shape)
+            if checks is not None:
+                checks(None, layout, shape=f.shape)
         except LayoutError as e:
             reason = _one_line(e)
             if reason not in seen:
@@ -401,7 +407,7 @@ def apply_plan(recipe: Any, result: PlanResult) -> Any:
             fix="add ranks, pick a larger device with run.hardware, shorten data.seq_len or lower the batch",
         )
     lay = result.chosen.layout
-    keys = ("engine", "dp", "tp", "pp", "vpp", "ep", "zero", "zero_impl", "micro_batch", "grad_accum")
+    keys = ("engine", *LAYOUT_AXES, "zero", "zero_impl", "micro_batch", "grad_accum")
     chosen = {k: getattr(lay, k) for k in keys}
     chosen.update(
         global_batch=lay.global_batch,

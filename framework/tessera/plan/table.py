@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tessera.plan.estimate import GiB
+from tessera.plan.layout import LAYOUT_AXES
 
 if TYPE_CHECKING:
     from tessera.plan.search import Candidate
@@ -39,7 +40,7 @@ def _axis(name: str) -> Column:
 COLUMNS: tuple[Column, ...] = (
     Column("#", "right", lambda i, c: str(i + 1)),
     Column("engine", "left", lambda i, c: c.layout.engine),
-    *(_axis(a) for a in ("dp", "tp", "pp", "vpp", "ep", "zero")),
+    *(_axis(a) for a in (*LAYOUT_AXES, "zero")),
     Column("sp", "right", lambda i, c: "on" if c.layout.sequence_parallel else "-"),
     Column("offload", "left", lambda i, c: offload_text(c)),
     Column("recompute", "left", lambda i, c: "-" if c.recompute == "none" else c.recompute),

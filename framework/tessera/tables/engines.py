@@ -113,7 +113,7 @@ _AXIS_WORDS = {"tp": "tensor parallelism", "pp": "pipeline parallelism", "ep": "
 def _axis_rule(key: str) -> CapabilityRule:
     return CapabilityRule(
         key=key,
-        allows=lambda c, v: getattr(c, key) or v == 1,
+        allows=lambda c, v: getattr(c, key) or v <= 1,
         default=lambda c: 1,
         refusal=lambda s, v: (
             f"engine '{s.name}' cannot do {key} > 1 ({s.summary})",
@@ -209,8 +209,11 @@ class EngineSpec:
     #: its offline checkpoint reader: an object with ``weights(ckpt, meta)``, ``moment(ckpt, meta, kind)``
     #: and ``adam_step(ckpt, meta)`` (:class:`tessera.engines.base.CheckpointReader`)
     reader: str
-    #: ``fn(recipe, layout)``: the layout rules that need the model (heads, layers, experts per rank);
-    #: raises LayoutError. None: the capability rules are all.
+    #: ``fn(recipe, layout=None, *, shape=None) -> shape``: the layout rules that need the model (heads,
+    #: layers, experts per rank); raises LayoutError. Without a layout it reads the model (what the engine
+    #: cannot express fails there; the shape's ``sequence_parallel_ok`` decides ``sequence_parallel: auto``);
+    #: with a layout, the rules; the planner passes the shape it has (recipe None). None: the capability
+    #: rules are all.
     layout_checks: str | None = None
     #: ``fn(recipe, layout, *, device, read_model)``: what its launch needs checked before any rank starts
     #: (the DeepSpeed JSON); ``read_model`` False when the model's config must not be read yet

@@ -71,7 +71,7 @@ class WandbCallback(Callback):
             {"final_loss": last.get("loss"), "final_eval_loss": evals[-1] if evals else None}
         )
         self.tracker.log_files(
-            f"manifest-{self.tracker.run_id}", "manifest", {"manifest.json": ctx.run_dir.manifest}
+            f"manifest-{self.tracker.run_id}", "manifest", {ctx.run_dir.MANIFEST: ctx.run_dir.manifest}
         )
         self.tracker.finish()
 

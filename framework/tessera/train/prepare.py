@@ -20,8 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from tessera.config.loader import load_run_recipe, write_recipe
 from tessera.config.schema import Recipe
 from tessera.errors import RecipeError
 from tessera.rundir import RunDir
@@ -30,9 +29,11 @@ from tessera.rundir import RunDir
 def check_model(resolved: Any, device: str) -> Any:
     """The checks that read the model's config (transformers) or build the DeepSpeed config: the
     planner's layout for ``parallel: auto`` (written into ``resolved``: its recipe and plan), the layout
-    against the model (heads, layers, experts per rank), the user's DeepSpeed JSON, the vocabulary, the
-    router. ``resolved``: a :class:`tessera.config.loader.ResolvedRecipe`. Returns the layout."""
+    against the model (heads, layers, experts per rank), the engine's checks before launch (its registry
+    entry's ``prelaunch``: the user's DeepSpeed JSON), the vocabulary, the router. ``resolved``: a
+    :class:`tessera.config.loader.ResolvedRecipe`. Returns the layout."""
     from tessera.plan.layout import layout_from_recipe
+    from tessera.tables.engines import engine_hook
 
     if resolved.recipe.parallel.auto:
         from tessera.plan.search import apply_plan, hardware_for, plan_recipe
@@ -43,9 +44,9 @@ def check_model(resolved: Any, device: str) -> Any:
         resolved.plan = plan.to_json()
     recipe = resolved.recipe
     layout = layout_from_recipe(recipe)
-    from tessera.engines.zero import build_ds_config
-
-    build_ds_config(recipe, layout, device=device)  # user JSON conflicts are errors before the first step
+    prelaunch = engine_hook(layout.engine, "prelaunch")
+    if prelaunch is not None:  # the engine's own checks (the user's DeepSpeed JSON): before the first step
+        prelaunch(recipe, layout, device=device, read_model=True)
     from tessera.models.hf import check_vocab, load_hf_config
 
     cfg = load_hf_config(recipe.model)
@@ -78,14 +79,6 @@ def plan_record(resolved: Any, layout: Any, device: str) -> dict[str, Any]:
     }
 
 
-def write_recipe(recipe: Recipe, run_dir: RunDir) -> None:
-    """recipe.resolved.yaml, the recipe every rank reads (atomically: a rank never sees half of it)."""
-    from tessera.atomic import write_text_atomic
-
-    run_dir.path.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(run_dir.recipe, yaml.safe_dump(recipe.to_dict(), sort_keys=False))
-
-
 def prepare_run_dir(recipe: Recipe, run_dir: Path | RunDir, *, root: Path):
     """The resolved recipe and the prepared data (tokenised and cached once, here, for every rank).
     Returns the data."""
@@ -96,13 +89,6 @@ def prepare_run_dir(recipe: Recipe, run_dir: Path | RunDir, *, root: Path):
     data = prepare_data(recipe.data, root=root)
     rd.write_json(RunDir.DATA, data.record())
     return data
-
-
-def load_run_recipe(run_dir: RunDir) -> Recipe:
-    """The run's recipe.resolved.yaml, validated."""
-    from tessera.config.loader import validate_recipe
-
-    return validate_recipe(yaml.safe_load(run_dir.recipe.read_text()))
 
 
 def prepare_as_rank0(

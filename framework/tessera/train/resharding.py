@@ -1,8 +1,9 @@
 """Resume at another layout, and ``tessera convert --to ENGINE``, on the target layout's ranks.
 
 The worker calls these between building the engine and the first step: rank 0 stages the source
-(:mod:`tessera.checkpoint.reshard`) unless megatron-core's dist_checkpointing can reshard it itself; the
-engine (built with the staged weights) takes its share of the Adam moments and step count; the result
+(:mod:`tessera.checkpoint.reshard`) unless the target engine reshards it while loading (its registry
+entry's ``reshard_on_load``: megatron-core's dist_checkpointing); the engine (built with the staged
+weights) takes its share of the Adam moments and step count; the result
 is saved as a checkpoint of this layout, verified offline against the source on rank 0, recorded in the
 manifest and announced.
 """
@@ -37,27 +38,21 @@ def on_rank0(fn: Any) -> Any:
     return out
 
 
-def dist_checkpointing_reshards(meta: dict[str, Any], layout: ParallelLayout) -> bool:
-    """megatron -> megatron with the same optimizer kind: megatron-core's dist_checkpointing reshards the
-    checkpoint itself (global tensors; the optimizer state in model space), so no stage is needed. Not
-    between ep > 1 and ep = 1: megatron chains a separate expert optimizer only with expert parallelism,
-    and its state keys ("chained_<i>.optimizer...") then differ, which dist_checkpointing cannot map."""
-    from tessera.engines.megatron_engine import sharding_of
+def engine_reshards_on_load(meta: dict[str, Any], layout: ParallelLayout) -> bool:
+    """Whether the engine of ``layout`` loads checkpoint ``meta`` resharding it itself
+    (``Engine.load_resharded``), so that no stage is written: its registry entry's ``reshard_on_load``
+    says so (e.g. :func:`tessera.engines.megatron_reader.reshards_on_load`); an engine without one never."""
+    from tessera.tables.engines import engine_hook
 
-    saved_ep = int((meta.get("layout") or {}).get("ep", 1))
-    return (
-        layout.engine == "megatron"
-        and layout.zero_impl == "megatron"
-        and meta.get("sharding") == sharding_of(layout)
-        and (saved_ep > 1) == (layout.ep > 1)
-    )
+    reshards = engine_hook(layout.engine, "reshard_on_load")
+    return bool(reshards(meta, layout)) if reshards is not None else False
 
 
 def stage_on_rank0(src: Path, run_dir: RunDir) -> Path:
     """Rank 0 writes the layout-free stage of checkpoint ``src`` (see :mod:`tessera.checkpoint.reshard`)."""
     from tessera.checkpoint.reshard import remove_stage, stage
 
-    where = run_dir.checkpoints / f".stage-{src.name}"
+    where = run_dir.reshard_stage(src.name)
 
     def write() -> None:
         remove_stage(where)  # a stale one of a failed attempt
@@ -77,8 +72,8 @@ def import_reshard(
 ) -> tuple[Path, dict[str, Any]]:
     """The engine was built with the staged weights: give it the moments and step count, save it as a
     checkpoint of this layout, verify that against the source offline, record it. ``src`` None: an HF
-    directory (``stage_dir``), no optimizer state: step 0 with fresh moments. ``stage_dir`` None:
-    megatron -> megatron, loaded and resharded by dist_checkpointing itself."""
+    directory (``stage_dir``), no optimizer state: step 0 with fresh moments. ``stage_dir`` None: the
+    engine loads and reshards the source itself (:func:`engine_reshards_on_load`)."""
     from tessera.checkpoint.manager import rng_file_name, set_rng_state
     from tessera.checkpoint.reshard import (
         STAGE_INFO,
@@ -93,9 +88,10 @@ def import_reshard(
     from tessera.engines.optim import MOMENTS
     from tessera.tensorfile import LazyTensors, load_tensors_and_meta
 
+    by = "stage + engine import"
     if stage_dir is None:
         assert src is not None
-        ctx.engine.load_resharded(src[0])  # type: ignore[attr-defined]  # the megatron engine's
+        by = ctx.engine.load_resharded(src[0])
         step, sampler = int(src[1]["step"]), src[1]["sampler"]
     elif src is None:
         zeros = ZeroMoments(LazyTensors.of_dir(stage_dir))
@@ -123,13 +119,13 @@ def import_reshard(
         else:
             report = verify_against_stage(stage_dir, path)
             remove_stage(stage_dir)
-        ctx.run_dir.write_json(f"reshard-{path.name}.json", report)
+        ctx.run_dir.write_json(RunDir.reshard_report(path.name), report)
         return report
 
     report = on_rank0(check)
     record = {
         "from": str(src[0] if src else stage_dir),
-        "by": "megatron-core dist_checkpointing" if stage_dir is None else "stage + engine import",
+        "by": by,
         "from_engine": src[1]["engine"] if src else "hf",
         "from_layout": layout_tag(src[1]["layout"]) if src else None,
         "to": str(path),

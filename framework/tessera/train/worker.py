@@ -26,17 +26,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tessera.checkpoint.convert import is_hf_dir
 from tessera.checkpoint.reshard import layout_tag
-from tessera.config.loader import recipe_hash
+from tessera.checkpoint.sources import is_hf_dir
+from tessera.config.loader import load_run_recipe, recipe_hash
 from tessera.config.schema import Recipe
 from tessera.device import resolve_device
 from tessera.errors import CheckpointError, RunStopped, TesseraError, TrainingDiverged
 from tessera.plan.layout import ParallelLayout
 from tessera.rundir import ORDERLY_EXITS, PREPARE_FLAG, ExitCode, RunDir
 from tessera.train.loop import RunContext, TrainingLoop
-from tessera.train.prepare import load_run_recipe
-from tessera.train.resharding import dist_checkpointing_reshards, import_reshard, stage_on_rank0
+from tessera.train.resharding import engine_reshards_on_load, import_reshard, stage_on_rank0
 
 
 @dataclass(frozen=True)
@@ -271,7 +270,7 @@ def setup(run_dir: RunDir, start: Start, heartbeat: Any = None) -> tuple[RunCont
         phase("checkpoint verify")
         resume_from, reshard = (src, ckpt.verify(src, any_world=True)), True
     stage_dir = None
-    if reshard and not dist_checkpointing_reshards(resume_from[1], layout):  # type: ignore[index]
+    if reshard and not engine_reshards_on_load(resume_from[1], layout):  # type: ignore[index]
         phase("reshard")
         stage_dir = stage_on_rank0(resume_from[0], run_dir)  # type: ignore[index]
 
