@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera.engines.ddp import DDPEngine
-from tessera.engines.ddp_reader import READER as DDP_READER
+from tessera.engines.ddp_reader import DDPReader
 
 #: where the reader notes each call (the test's proof that the registry entry's reader was the one used)
 LOG_ENV = "TOY_ENGINE_READER_LOG"
@@ -19,7 +19,7 @@ class ToyEngine(DDPEngine):
     sharding = "toy-ddp"
 
 
-class ToyReader(type(DDP_READER)):  # type: ignore[misc]
+class ToyReader(DDPReader):
     """The ddp engine's reader (the same files), noting each call where the test asks."""
 
     def _note(self, what: str, ckpt: Path) -> None:

@@ -146,6 +146,34 @@ def test_every_engine_can_run_plain_data_parallelism():
         assert 0 in caps.zero and caps.zero_impls and "none" in caps.recompute
 
 
+def test_every_entry_hook_resolves_and_the_registry_checks_a_new_entry(tmp_path):
+    """Every dotted name of every shipped entry imports to a callable (reader: a CheckpointReader); a
+    checkpoint of an engine nobody registered is one error naming the engine and the plugin variable; a
+    second entry under a taken name, or one naming an unknown ZeRO implementation, is refused."""
+    from tessera.checkpoint.reader import reader_of
+    from tessera.engines.base import CheckpointReader
+    from tessera.errors import CheckpointError
+    from tessera.tables.engines import ENGINES, PLUGIN_ENV, Capabilities, EngineSpec, engine_hook, register
+
+    for name, spec in ENGINES.items():
+        assert isinstance(engine_hook(name, "reader"), CheckpointReader), name
+        for what in ("layout_checks", "prelaunch", "reshard_on_load"):
+            assert getattr(spec, what) is None or callable(engine_hook(name, what)), (name, what)
+    with pytest.raises(CheckpointError) as e:
+        reader_of(tmp_path, {"engine": "nosuch"})
+    assert "'nosuch'" in e.value.message and PLUGIN_ENV in e.value.fix
+    taken = dataclasses.replace(ENGINES["ddp"], summary="another ddp")
+    with pytest.raises(ValueError, match="registered twice"):
+        register(taken)
+    odd = EngineSpec(
+        name="odd", module="m", cls="C", caps=Capabilities(zero_impls=("fsdp",)), summary="", libraries="",
+        reader="m:R",
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="unknown zero_impls"):
+        register(odd)
+    assert "odd" not in ENGINES
+
+
 # ---- families ----------------------------------------------------------------------------------------
 
 
