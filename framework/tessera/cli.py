@@ -9,6 +9,7 @@
     tessera verify A B [--prompts N] [--json]
     tessera manifest show RUN | tessera manifest diff RUN_A RUN_B [--json]
     tessera config show R.yaml [key=value ...]
+    tessera data prepare SRC... --tokenizer T --out DIR [--workers N] [--text-field F] [--format F]
 
 Overrides (``key=value``) may stand before or after the flags. ``run --dry-run`` makes every check a
 launch makes (the data too: the first records of each file, read as the ranks read them), then prints
@@ -337,6 +338,30 @@ def _read_manifest(path: str) -> dict[str, Any]:
         ) from None
 
 
+def cmd_data_prepare(args: argparse.Namespace) -> int:
+    """Text sources -> a megatron-core indexed dataset + dataset.json (:mod:`tessera.data.prepare`)."""
+    from tessera.data.prepare import prepare_dataset
+
+    rec = prepare_dataset(
+        args.sources,
+        tokenizer=args.tokenizer,
+        out=Path(args.out),
+        workers=args.workers,
+        text_field=args.text_field,
+        fmt=args.format,
+        show_progress=sys.stderr.isatty(),
+    )
+    if rec.get("up_to_date"):
+        print(f"{args.out}: up to date ({rec['documents']:,} documents, {rec['tokens']:,} tokens)")
+        return 0
+    mb = sum(s["bytes"] for s in rec["sources"]) / 1e6
+    print(
+        f"prepared {args.out}: {rec['documents']:,} documents, {rec['tokens']:,} tokens from {mb:,.1f} MB "
+        f"in {rec['seconds']:.1f} s ({mb / max(rec['seconds'], 1e-9):,.1f} MB/s, {rec['workers']} workers)"
+    )
+    return 0
+
+
 def cmd_manifest_show(args: argparse.Namespace) -> int:
     print(json.dumps(_read_manifest(args.run), indent=2, sort_keys=True))
     return 0
@@ -556,6 +581,20 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("overrides", nargs="*")
     show.add_argument("--json", action="store_true")
     show.set_defaults(fn=cmd_config_show)
+    d = sub.add_parser("data", help="data tools")
+    dsub = d.add_subparsers(dest="data_command", required=True)
+    dp = dsub.add_parser(
+        "prepare",
+        help="tokenize text sources into a megatron-core indexed dataset (.bin/.idx + dataset.json)",
+    )
+    dp.add_argument("sources", nargs="+", metavar="SRC", help="text / jsonl / parquet / Arrow files, globs, "
+                    "or datasets save_to_disk directories")  # fmt: skip
+    dp.add_argument("--tokenizer", required=True, help="a local tokenizer (or model) directory")
+    dp.add_argument("--out", required=True, help="the dataset directory to write (atomically)")
+    dp.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: all cores)")
+    dp.add_argument("--text-field", default="text", help="the field / column holding the text")
+    dp.add_argument("--format", default="auto", choices=["auto", "text", "jsonl", "parquet", "arrow"])
+    dp.set_defaults(fn=cmd_data_prepare)
     return ap
 
 

@@ -76,7 +76,7 @@ def load_tokenizer(section: DataSection, corpus: Corpus, *, root: Path, cache_di
     """The tokenizer a data section asks for (trained and cached, or loaded from a local directory)."""
     if trains_bpe(section):
         return _cached_bpe(corpus, section.vocab_size, cache_dir)
-    return _local_tokenizer(section.tokenizer, root)
+    return local_tokenizer(section.tokenizer, root)
 
 
 def bpe_cache_key(content_hash: str, vocab_size: int) -> str:
@@ -197,7 +197,7 @@ def _tokenizer_dir(spec: str, root: Path) -> tuple[Path, list[str]]:
     raise DataError(what, field="data.tokenizer", value=spec, fix=fix)
 
 
-def _local_tokenizer(spec: str, root: Path) -> TokenizerInfo:
+def local_tokenizer(spec: str, root: Path) -> TokenizerInfo:
     """Load a local tokenizer directory offline; a tokenizer without a pad token pads with eos."""
     path, names = _tokenizer_dir(spec, root)
     from transformers import AutoTokenizer
