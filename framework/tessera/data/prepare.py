@@ -37,8 +37,13 @@ DATASET_JSON = "dataset.json"
 #: the indexed dataset's path prefix inside ``--out``: ``tokens.bin`` / ``tokens.idx``
 PREFIX = "tokens"
 _TEXT = {".txt", ".text", ".md", ".rst", ".py"}
-_FORMATS = {**dict.fromkeys(_TEXT, "text"), ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
-_FORMATS[".arrow"] = "arrow"
+_FORMATS = {
+    **dict.fromkeys(_TEXT, "text"),
+    ".jsonl": "jsonl",
+    ".json": "jsonl",
+    ".parquet": "parquet",
+    ".arrow": "arrow",
+}
 #: documents per tokenizer call (and per progress update)
 BATCH = 512
 
@@ -212,13 +217,13 @@ def _table_docs(shard: Shard, field: str) -> Iterator[tuple[str | None, int]]:
         try:
             reader: Any = pa.ipc.open_stream(source)
         except pa.ArrowInvalid:
-            reader = pa.ipc.open_file(source)
-            reader = (reader.get_batch(i) for i in range(reader.num_record_batches))
-            names = None
+            file_reader = pa.ipc.open_file(source)
+            reader = (file_reader.get_batch(i) for i in range(file_reader.num_record_batches))
+            names = file_reader.schema.names
         else:
             names = reader.schema.names
         batches = reader
-    if names is not None and field not in names:
+    if field not in names:
         raise _fail(
             f"{shard.path}: no column {field!r} (columns: {', '.join(names)})",
             field,
@@ -227,12 +232,7 @@ def _table_docs(shard: Shard, field: str) -> Iterator[tuple[str | None, int]]:
         )
     row = 0
     for batch in batches:
-        column = batch.column(field) if batch.schema.get_field_index(field) >= 0 else None
-        if column is None:
-            raise _fail(
-                f"{shard.path}: no column {field!r}", field, "set --text-field", field="data.text_field"
-            )
-        for value in column.to_pylist():
+        for value in batch.column(field).to_pylist():
             row += 1
             text = _text(value, f"{shard.path} row {row}", field)
             yield text, len(text.encode("utf-8")) if text else 0

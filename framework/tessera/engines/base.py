@@ -14,6 +14,7 @@ global batch differently give the same numbers even when micro-batches carry dif
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -240,15 +241,15 @@ class Engine(Protocol):
         )
 
 
-class CheckpointReader:
+class CheckpointReader(ABC):
     """An engine's offline checkpoint reader: its own files as full HF tensors, with no process group
     and no model built, for ``tessera convert`` / ``tessera verify`` and the resharding stage. The
     registry entry's ``reader`` names an instance; :mod:`tessera.checkpoint.reader` verifies the
     checkpoint first and calls it. ``meta`` is the checkpoint's ``meta.json`` (format v2)."""
 
+    @abstractmethod
     def weights(self, ckpt: Path, meta: dict[str, Any]) -> dict[str, torch.Tensor]:
         """Every parameter (and buffer the format keeps) by HF name, whole."""
-        raise NotImplementedError(f"{type(self).__name__} reads no weights")
 
     def moment(self, ckpt: Path, meta: dict[str, Any], kind: str) -> dict[str, torch.Tensor] | None:
         """One Adam moment (``exp_avg`` or ``exp_avg_sq``) of every trainable parameter by HF name; None
