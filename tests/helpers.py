@@ -487,7 +487,8 @@ def hf_loss_on_step(model, run_dir: Path, step: int) -> float:
     sampler = StepSampler.for_layout(len(data), layout_from_recipe(recipe), rank=0, seed=recipe.train.seed)
     rows = sampler.peek_global(step - 1)  # 0-based
     with torch.no_grad():
-        ids, labels = data.input_ids[rows], data.labels[rows]
+        b = data.rows.batch(rows, sampler.epoch_of(step - 1))
+        ids, labels = b["input_ids"], b["labels"]
         return float(summed_token_loss(model(input_ids=ids).logits, labels)) / label_tokens(labels)
 
 

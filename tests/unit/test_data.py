@@ -28,6 +28,12 @@ def _write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
+def _all(rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row of a split: (input_ids, labels)."""
+    b = rows.batch(range(len(rows)))
+    return b["input_ids"], b["labels"]
+
+
 def _words(n: int, salt: int = 0) -> str:
     return " ".join(f"word{(i * 7 + salt) % 23}" for i in range(n))
 
@@ -112,21 +118,23 @@ def test_bpe_cache_hit_same_hash_and_tensors(stdlib_cache: Path, tmp_path: Path)
     b = prepare_data(section)
     assert a.tokenizer_hash == b.tokenizer_hash and a.tokenizer_dir == b.tokenizer_dir
     assert Path(a.tokenizer_dir).parent == stdlib_cache / "tokenizers"
-    assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels)
-    assert a.fingerprint == b.fingerprint
-    assert (stdlib_cache / "data" / f"{a.fingerprint['data_hash']}.pt").is_file()
+    assert all(torch.equal(x, y) for x, y in zip(_all(a.rows), _all(b.rows)))
+    assert a.fingerprint == b.fingerprint and a.spec == b.spec
+    prepared = Path(a.spec["sources"][0]["prefix"]).parent
+    assert prepared.parent == stdlib_cache / "prepared" and (prepared / "dataset.json").is_file()
     assert not [p for p in stdlib_cache.rglob(".tmp-*")]
     # Training is deterministic: a fresh cache trains byte-identical tokenizer files.
     fresh = prepare_data(DataSection(**SMALL, cache_dir=str(tmp_path)))
-    assert fresh.tokenizer_hash == a.tokenizer_hash and torch.equal(fresh.input_ids, a.input_ids)
+    assert fresh.tokenizer_hash == a.tokenizer_hash and torch.equal(_all(fresh.rows)[0], _all(a.rows)[0])
 
 
 def test_packed_rows_are_full(stdlib_cache: Path) -> None:
     data = prepare_data(DataSection(**SMALL, cache_dir=str(stdlib_cache)))
-    assert data.input_ids.dtype == torch.int64 and data.input_ids.shape == (len(data), 64)
-    assert torch.equal(data.labels, data.input_ids)
-    assert int(data.input_ids.max()) < data.vocab_size
-    assert (data.input_ids == data.eos_id).any() and data.pad_id != data.eos_id
+    input_ids, labels = _all(data.rows)
+    assert input_ids.dtype == torch.int64 and input_ids.shape == (len(data), 64)
+    assert torch.equal(labels, input_ids)
+    assert int(input_ids.max()) < data.vocab_size
+    assert (input_ids == data.eos_id).any() and data.pad_id != data.eos_id
     fp = data.fingerprint
     assert fp["num_samples"] == len(data) and fp["num_tokens"] == len(data) * 64 and fp["num_docs"] == 20
     assert fp["packing"] is True and fp["seq_len"] == 64 and len(fp["files"]) == 20
@@ -141,15 +149,17 @@ def test_unpacked_rows_mask_exactly_the_padding(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(data.tokenizer_dir, local_files_only=True)
+    input_ids, labels = _all(data.rows)
     counts = []
     for i, doc in enumerate(docs):
         ids = tok(doc, add_special_tokens=False)["input_ids"]
         n = min(len(ids) + 1, 16)  # eos appended when it fits
-        assert torch.equal(data.labels[i, :n], data.input_ids[i, :n])
-        assert (data.labels[i, n:] == -100).all() and (data.input_ids[i, n:] == data.pad_id).all()
+        assert input_ids[i, : min(len(ids), 16)].tolist() == ids[:16]
+        assert torch.equal(labels[i, :n], input_ids[i, :n])
+        assert (labels[i, n:] == -100).all() and (input_ids[i, n:] == data.pad_id).all()
         if len(ids) < 16:
-            assert int(data.input_ids[i, n - 1]) == data.eos_id
-        counts.append(int((data.labels[i] != -100).sum()))
+            assert int(input_ids[i, n - 1]) == data.eos_id
+        counts.append(int((labels[i] != -100).sum()))
     assert len(set(counts)) > 1  # rows carry different token counts
     assert data.fingerprint["num_tokens"] == sum(counts)
 
@@ -166,11 +176,13 @@ def test_local_tokenizer_dir_without_pad_pads_with_eos(stdlib_cache: Path, tmp_p
     data = prepare_data(section, root=tmp_path)
     assert data.pad_id == data.eos_id
     # Row 0 is short: its eos is a target, the identical pad ids after it are not.
-    n = int((data.labels[0] != -100).sum())
-    assert int(data.labels[0, n - 1]) == data.eos_id and (data.input_ids[0, n:] == data.eos_id).all()
+    input_ids, labels = _all(data.rows)
+    n = int((labels[0] != -100).sum())
+    assert int(labels[0, n - 1]) == data.eos_id and (input_ids[0, n:] == data.eos_id).all()
     # The directory's tokenizer files are hashed the same way as a trained BPE's.
     same = prepare_data(DataSection(**SMALL, tokenizer=trained.tokenizer_dir, cache_dir=str(stdlib_cache)))
-    assert same.tokenizer_hash == trained.tokenizer_hash and torch.equal(same.input_ids, trained.input_ids)
+    assert same.tokenizer_hash == trained.tokenizer_hash
+    assert torch.equal(_all(same.rows)[0], _all(trained.rows)[0])
 
 
 def test_missing_tokenizer_dir_and_too_few_samples(tmp_path: Path) -> None:
@@ -271,19 +283,22 @@ def test_eval_split_holds_out_whole_documents(tmp_path: Path) -> None:
     docs = [_words(30 + i, salt=i) for i in range(10)]
     _write_jsonl(tmp_path / "d.jsonl", [{"text": d} for d in docs])
     base = {"source": "files", "files": ["d.jsonl"], "vocab_size": 300, "seq_len": 8, "packing": False}
-    plain = prepare_data(DataSection(**base), root=tmp_path)
     split = prepare_data(DataSection(**base, eval={"fraction": 0.2}), root=tmp_path)
-    assert plain.eval_input_ids is None and "eval" not in plain.fingerprint
-    assert split.eval_input_ids is not None and split.eval_labels is not None
+    # one tokenizer for both (a BPE trains on the training documents only, so each split has its own)
+    plain = prepare_data(DataSection(**base, tokenizer=split.tokenizer_dir), root=tmp_path)
+    assert plain.eval_rows is None and "eval" not in plain.fingerprint
+    assert split.eval_rows is not None
     # unpacked: one row per document, so the rows are exactly the first 8 and the last 2 documents
-    assert torch.equal(split.input_ids, plain.input_ids[:8]) and torch.equal(
-        split.eval_input_ids, plain.input_ids[8:]
-    )
+    ids, labels = _all(plain.rows)
+    assert torch.equal(_all(split.rows)[0], ids[:8]) and torch.equal(_all(split.eval_rows)[0], ids[8:])
     assert split.fingerprint["eval"]["num_docs"] == 2 and split.fingerprint["eval"]["num_samples"] == 2
     assert split.fingerprint["data_hash"] != plain.fingerprint["data_hash"]  # another cache entry
     from tessera.data.dataset import eval_split_hash
 
-    assert split.fingerprint["eval"]["sha256"] == eval_split_hash(plain.input_ids[8:], plain.labels[8:])
+    assert split.fingerprint["eval"]["sha256"] == eval_split_hash(split.eval_rows)
+    # the BPE never saw the held-out documents: it is another tokenizer than one trained on all ten
+    everything = prepare_data(DataSection(**base), root=tmp_path)
+    assert everything.tokenizer_hash != split.tokenizer_hash
     with pytest.raises(DataError) as e:
         prepare_data(DataSection(**base, eval={"fraction": 0.99}), root=tmp_path)
     assert e.value.field == "data.eval.fraction"
@@ -309,15 +324,22 @@ def test_eval_batches_are_layout_free() -> None:
     assert e.value.field == "data.eval.fraction"
 
 
-def test_every_rank_knows_the_global_token_count_without_a_collective():
+def test_every_rank_knows_the_global_token_count_without_a_collective(tmp_path: Path):
     """The loop's counts (from the step's global indices, which each rank's sampler knows) equal the
     sum of every dp rank's own micro-batch counts, which an all-reduce would give, padding included."""
-    from tessera.engines.base import IGNORE_INDEX, known_counts, label_tokens, row_label_tokens
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-    gen = torch.Generator().manual_seed(0)
-    labels = torch.randint(0, 50, (40, 16), generator=gen)
-    labels[::3, 9:] = IGNORE_INDEX  # unpacked rows end in padding
-    row_tokens = row_label_tokens(labels)
+    from tessera.data.mapped import DocumentRows, TokenFile, strided
+    from tessera.engines.base import label_tokens
+
+    builder = IndexedDatasetBuilder(str(tmp_path / "d.bin"), dtype=np.uint16)
+    gen = np.random.default_rng(0)
+    for n in gen.integers(2, 30, size=40):  # unpacked rows: some end in padding, some are cut
+        builder.add_document(gen.integers(0, 50, size=n).astype(np.uint16), [int(n)])
+    builder.finalize(str(tmp_path / "d.idx"))
+    tf = TokenFile(str(tmp_path / "d"))
+    rows = DocumentRows(tf, strided(tf.num_docs, None), 16, pad_id=0)
     samplers = [
         StepSampler(40, global_batch=8, micro_batch=2, grad_accum=2, dp_rank=r, dp_size=2, seed=5)
         for r in range(2)
@@ -325,9 +347,7 @@ def test_every_rank_knows_the_global_token_count_without_a_collective():
     for _ in range(12):  # past an epoch boundary (5 steps per epoch)
         mine = [s.next_step() for s in samplers]
         assert samplers[0].last_global_batch == samplers[1].last_global_batch
-        summed = sum(label_tokens(labels[mb]) for rows in mine for mb in rows)
-        positions = sum(labels[mb].numel() for rows in mine for mb in rows)
-        assert known_counts(row_tokens, samplers[1].last_global_batch, 16) == (
-            float(summed),
-            float(positions),
-        )
+        batches = [rows.batch(mb) for micro in mine for mb in micro]
+        summed = sum(label_tokens(b["labels"]) for b in batches)
+        assert rows.label_tokens(samplers[1].last_global_batch) == summed
+        assert len(samplers[1].last_global_batch) * 16 == sum(b["input_ids"].numel() for b in batches)

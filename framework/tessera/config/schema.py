@@ -84,9 +84,38 @@ class EvalSection(_Section):
     max_samples: int = Field(256, ge=1, description="cap on eval rows (whole global batches are used)")
 
 
+class SourceEntry(_Section):
+    path: str = Field(
+        description="a prepared directory (tessera data prepare: dataset.json + tokens.bin/.idx), a megatron "
+        "indexed-dataset prefix (PATH.bin + PATH.idx, used as is), or text / jsonl / parquet / Arrow files, "
+        "a glob or a save_to_disk directory (prepared once into data.cache_dir, cached by content)"
+    )
+    weight: float = Field(
+        1.0, gt=0, description="share of the training rows drawn from this source (normalised)"
+    )
+    name: str | None = Field(
+        None, description="the source's name in metrics and the manifest (default: path)"
+    )
+
+
+class PrepareSection(_Section):
+    workers: int | None = Field(
+        None, ge=1, description="processes that tokenize raw sources before the launch; null = all cores"
+    )
+
+
 class DataSection(_Section):
     source: Literal["stdlib", "files"] = Field(
         "stdlib", description="stdlib = the Python standard library's source files; files = data.files"
+    )
+    sources: list[SourceEntry] = Field(
+        default_factory=list,
+        description="prepared datasets, megatron prefixes or raw files, blended by weight; replaces "
+        "data.source / data.files (and data.max_docs, which caps those only)",
+    )
+    prepare: PrepareSection = Field(
+        default_factory=PrepareSection,
+        description="how raw text is tokenized into the memory-mapped dataset the ranks read",
     )
     files: list[str] = Field(default_factory=list, description="local text / jsonl / parquet files or globs")
     format: Literal["auto", "text", "jsonl", "parquet"] = Field(
@@ -119,8 +148,15 @@ class DataSection(_Section):
 
     @model_validator(mode="after")
     def _files_given(self) -> DataSection:
-        if self.source == "files" and not self.files:
+        if self.sources and self.files:
+            raise ValueError(
+                "give data.sources or data.files, not both (data.sources: [{path: ...}] takes files too)"
+            )
+        if self.source == "files" and not self.files and not self.sources:
             raise ValueError("data.source: files needs data.files (a list of local paths)")
+        names = [e.name or e.path for e in self.sources]
+        if len(set(names)) != len(names):
+            raise ValueError(f"data.sources names repeat ({', '.join(names)}): give each a distinct name")
         return self
 
 

@@ -67,7 +67,12 @@ class Corpus:
         if self.section.source == "stdlib":
             docs = [p.read_text(encoding="utf-8", errors="replace") for p in self.files]
         else:
-            docs = _load_files(self.files, self.formats, self.section, self.datasets_cache)
+            docs = [
+                d
+                for d in _load_files(self.files, self.formats, self.section, self.datasets_cache)
+                if d.strip()
+            ]
+            # blank documents are dropped before data.max_docs picks, as the prepared dataset holds none
             docs = _strided_pick(docs, self.section.max_docs)
         docs = [d for d in docs if d.strip()]
         if not docs:

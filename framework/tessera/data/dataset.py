@@ -1,46 +1,57 @@
-"""Turn a data section into fixed-shape training tensors, cached by content hash.
+"""A data section -> the memory-mapped rows a run trains and evaluates on.
 
-Two layouts, both ``[N, seq_len]`` int64:
+Every source becomes a megatron-core indexed dataset (:mod:`tessera.data.sources`): raw text is prepared
+once into ``<cache_dir>/prepared/<key>`` by :mod:`tessera.data.prepare` (in ``data.prepare.workers``
+processes, cached by content), prepared directories and megatron prefixes are mapped as they are. The
+rows (:mod:`tessera.data.mapped`) are read from the mapped files on demand, so a rank's memory does not
+grow with the corpus:
 
-* ``packing: true`` - documents are tokenized, each followed by eos, concatenated and cut into rows of
-  exactly ``seq_len`` (the tail is dropped). Every position is a real token, so ``labels == input_ids``
-  (HF causal LMs shift labels internally).
-* ``packing: false`` - one row per document, truncated to ``seq_len`` (eos appended if it fits) and
-  right-padded. Labels are -100 on the padding, so rows carry different numbers of target tokens; this
-  is what exercises token-normalised gradient accumulation.
+* ``packing: true`` - documents, each followed by eos, joined and cut into rows of exactly ``seq_len``
+  (the tail is dropped); every position is a real token, labels equal the input ids (HF causal LMs shift
+  labels internally);
+* ``packing: false`` - one row per document, truncated to ``seq_len`` and right-padded; labels are -100
+  on the padding, so rows carry different numbers of target tokens (what exercises token-normalised
+  gradient accumulation).
 
-The result is cached at ``<cache_dir>/data/<key>.pt``; the key covers the corpus content hash, the
-tokenizer hash, ``seq_len`` and ``packing``, so a hit is guaranteed to be the same tensors. On a hit the
-corpus is never parsed (only hashed).
+Those are the rows the in-memory path before it produced, token for token. ``data.eval.fraction`` holds
+out the last documents of every source (a document is in one split only). Several sources are blended
+by weight (:class:`tessera.data.mapped.BlendRows`).
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from tessera.atomic import sha256_json
 from tessera.config.schema import DataSection
-from tessera.data._cache import atomic_torch_save, build_lock, sha256_json
-from tessera.data.corpus import Corpus, load_corpus
 from tessera.data.identity import data_key
-from tessera.data.tokenizer import load_tokenizer
+from tessera.data.mapped import (
+    IGNORE_INDEX,
+    BlendRows,
+    ConcatRows,
+    DocumentRows,
+    PackedRows,
+    Rows,
+    TokenFile,
+    strided,
+)
+from tessera.data.sources import SourceSpec, recorded_tokenizer, source_specs
+from tessera.data.tokenizer import TokenizerInfo, load_tokenizer, local_tokenizer, trains_bpe
 from tessera.errors import DataError
 
-IGNORE_INDEX = -100
-_TENSORS = ("input_ids", "labels", "eval_input_ids", "eval_labels")
+__all__ = ["IGNORE_INDEX", "PreparedData", "eval_docs", "load_prepared", "prepare_data"]
+_ROWS = ("rows", "eval_rows")
 
 
 @dataclass
 class PreparedData:
-    """The training samples of a run and everything needed to pin them in a manifest."""
+    """The training rows of a run and everything needed to pin them in a manifest."""
 
-    input_ids: torch.Tensor
-    """int64 ``[N, seq_len]`` token ids."""
-    labels: torch.Tensor
-    """int64 ``[N, seq_len]``; equals ``input_ids`` except -100 on padding (unpacked rows only)."""
+    rows: Rows
+    """the training rows (``rows.batch(indices, epoch)``: ``input_ids`` / ``labels`` int64 ``[n, seq_len]``)"""
     vocab_size: int
     """``len(tokenizer)``, including added special tokens: the smallest embedding that fits every id."""
     pad_id: int
@@ -48,108 +59,124 @@ class PreparedData:
     tokenizer_dir: str
     tokenizer_hash: str
     fingerprint: dict[str, Any]
-    """files, content_hash, data_hash, num_docs, num_tokens, num_samples, seq_len, packing."""
-    cache_file: str
-    """the cached tensors these rows were read from"""
-    eval_input_ids: torch.Tensor | None = None
-    """the held-out rows (``data.eval``), built from documents never trained on; None without a split"""
-    eval_labels: torch.Tensor | None = None
+    """source, files, content_hash, data_hash, num_docs, num_tokens, num_samples, seq_len, packing,
+    sources (each: name, kind, path, identity, weight, documents, tokens, rows), eval"""
+    spec: dict[str, Any]
+    """what :func:`load_prepared` re-opens the rows from: the prefixes and the document selection"""
+    eval_rows: Rows | None = None
+    """the held-out rows (``data.eval``), from documents never trained on; None without a split"""
     token_ids: dict[str, int | None] | None = None
     """bos / eos / pad ids as the tokenizer's files define them (pad None where they have none, though
-    ``pad_id`` is then eos): what a model trained from scratch is told (None: a record from before)"""
+    ``pad_id`` is then eos): what a model trained from scratch is told"""
 
     def __len__(self) -> int:
-        return int(self.input_ids.shape[0])
+        return len(self.rows)
 
     def record(self) -> dict[str, Any]:
-        """Everything but the tensors, as JSON: what :func:`load_prepared` needs to skip the hashing."""
-        return {k: v for k, v in self.__dict__.items() if k not in _TENSORS}
+        """Everything but the rows, as JSON: what :func:`load_prepared` needs to skip the hashing."""
+        return {k: v for k, v in self.__dict__.items() if k not in _ROWS}
 
 
 def load_prepared(record: dict[str, Any]) -> PreparedData:
-    """The data that :meth:`PreparedData.record` describes, read straight from its cache file.
+    """The data that :meth:`PreparedData.record` describes, mapped again from its files.
 
-    ``tessera run`` prepares the data once before launch and hands this record to the ranks, so that N
-    ranks do not each re-hash every data file and reload the tokenizer.
+    ``tessera run`` prepares the data once before launch (rank 0) and hands this record to the ranks,
+    so that N ranks do not each re-hash every data file and reload the tokenizer.
     """
-    payload = _read_cache(Path(record["cache_file"]))
-    if payload is None:
+    rows, eval_rows = build_rows(record["spec"])
+    return PreparedData(rows=rows, eval_rows=eval_rows, **record)
+
+
+def build_rows(spec: dict[str, Any]) -> tuple[Rows, Rows | None]:
+    """The training and held-out rows ``spec`` describes (see :func:`prepare_data`)."""
+    seq_len, packing, pad_id = spec["seq_len"], spec["packing"], spec["pad_id"]
+    train: list[Rows] = []
+    held: list[Rows] = []
+    for src in spec["sources"]:
+        tf = TokenFile(src["prefix"])
+        picks = strided(tf.num_docs, src["max_docs"])
+        n_eval = src["eval_docs"]
+        for docs, out in ((picks[: len(picks) - n_eval], train), (picks[len(picks) - n_eval :], held)):
+            if out is held and not n_eval:
+                continue
+            if packing:
+                out.append(PackedRows(tf, docs, seq_len, src["name"]))
+            else:
+                out.append(DocumentRows(tf, docs, seq_len, pad_id, src["name"]))
+    names = [s["name"] for s in spec["sources"]]
+    if len(train) == 1:
+        rows: Rows = train[0]
+    else:
+        blend = spec["blend"]
+        cache = Path(blend["cache"]) if blend.get("cache") else None
+        rows = BlendRows(train, [s["weight"] for s in spec["sources"]], names, blend["size"], cache)
+    eval_rows = None if not held else held[0] if len(held) == 1 else ConcatRows(held, names)
+    return rows, eval_rows
+
+
+def eval_docs(section: DataSection, num_docs: int, source: str = "the corpus") -> int:
+    """Documents held out for eval: ``data.eval.fraction`` of them, at least one, never all."""
+    if section.eval.fraction <= 0:
+        return 0
+    n = max(1, round(section.eval.fraction * num_docs))
+    if n >= num_docs:
         raise DataError(
-            "the prepared data cache file is gone",
-            field="data.cache_dir",
-            value=record["cache_file"],
-            fix="run `tessera run` again (it rebuilds the cache)",
+            f"data.eval.fraction holds out {n} of the {num_docs} documents of {source}, leaving none to train on",
+            field="data.eval.fraction",
+            value=section.eval.fraction,
+            fix="lower data.eval.fraction or read more documents (data.max_docs, data.files, data.sources)",
         )
-    return PreparedData(**_tensors(payload), **record)
+    return n
 
 
-def _tensors(payload: dict[str, Any]) -> dict[str, torch.Tensor | None]:
-    """The row tensors of a cache payload (packed rows store no labels: they equal the input ids)."""
-    out: dict[str, torch.Tensor | None] = {}
-    for prefix in ("", "eval_"):
-        ids = payload.get(prefix + "input_ids")
-        labels = payload.get(prefix + "labels")
-        out[prefix + "input_ids"] = ids
-        out[prefix + "labels"] = None if ids is None else (ids.clone() if labels is None else labels)
-    return out
+def prepare_data(
+    section: DataSection, *, root: Path | None = None, show_progress: bool = False
+) -> PreparedData:
+    """Sources -> tokenizer -> prepared, mapped rows; safe to call from several ranks at once (the
+    preparation's lock lets one build while the others wait).
 
-
-def eval_split_hash(input_ids: torch.Tensor, labels: torch.Tensor) -> str:
-    """sha256 of the eval rows (ids and labels, int64 little-endian): what the manifest pins."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for t in (input_ids, labels):
-        h.update(t.contiguous().to(torch.int64).numpy().tobytes())
-    return h.hexdigest()
-
-
-def prepare_data(section: DataSection, *, root: Path | None = None) -> PreparedData:
-    """Corpus -> tokenizer -> tensors, each step cached; safe to call from several ranks at once.
-
-    ``root`` is the base for a relative ``data.cache_dir`` and relative ``data.files`` (default: cwd).
+    ``root`` is the base for a relative ``data.cache_dir`` and relative paths (default: cwd).
     """
     root = Path.cwd() if root is None else Path(root)
     cache_dir = root / section.cache_dir  # an absolute cache_dir replaces root here
-    corpus = load_corpus(section, root=root, cache_dir=cache_dir)
-    tok = load_tokenizer(section, corpus, root=root, cache_dir=cache_dir)
+    specs, content_hash, corpus = source_specs(section, root=root, cache_dir=cache_dir)
+    tok = _tokenizer(section, specs, corpus, root=root, cache_dir=cache_dir)
     tokenizer = tok.tokenizer
     eos_id, pad_id = int(tokenizer.eos_token_id), int(tokenizer.pad_token_id)
-    data_hash = sha256_json(
-        data_key(section, content_hash=corpus.content_hash, tokenizer_hash=tok.tokenizer_hash)
-    )
-    target = cache_dir / "data" / f"{data_hash}.pt"
-    payload = _read_cache(target)
-    if payload is None:
-        with build_lock(target):
-            payload = _read_cache(target)  # built by another rank while we waited
-            if payload is None:
-                payload = _build(section, corpus, tokenizer, eos_id=eos_id, pad_id=pad_id)
-                atomic_torch_save(payload, target)
-    rows = _tensors(payload)
-    input_ids = rows["input_ids"]
-    assert input_ids is not None
-    fingerprint: dict[str, Any] = {
-        "source": corpus.fingerprint["source"],
-        "files": corpus.fingerprint["files"],
-        "content_hash": corpus.content_hash,
-        "data_hash": data_hash,
-        "num_docs": int(payload["num_docs"]),
-        "num_tokens": int(payload["num_tokens"]),
-        "num_samples": int(input_ids.shape[0]),
+    data_hash = sha256_json(data_key(section, content_hash=content_hash, tokenizer_hash=tok.tokenizer_hash))
+    entries = []
+    for s in specs:
+        prefix = _prefix(s, section, tok, cache_dir, show_progress)
+        tf = TokenFile(prefix)
+        picked = len(strided(tf.num_docs, s.max_docs))
+        entries.append(
+            {
+                "name": s.name,
+                "prefix": prefix,
+                "weight": s.weight,
+                "max_docs": s.max_docs,
+                "eval_docs": eval_docs(section, picked, s.name if section.sources else "the corpus"),
+                "documents": picked,
+            }
+        )
+    spec: dict[str, Any] = {
         "seq_len": section.seq_len,
         "packing": section.packing,
+        "pad_id": pad_id,
+        "sources": [{k: v for k, v in e.items() if k != "documents"} for e in entries],
     }
-    if rows["eval_input_ids"] is not None:
-        assert rows["eval_labels"] is not None
-        fingerprint["eval"] = {
-            "fraction": section.eval.fraction,
-            "num_docs": int(payload["eval_docs"]),
-            "num_samples": int(rows["eval_input_ids"].shape[0]),
-            "sha256": eval_split_hash(rows["eval_input_ids"], rows["eval_labels"]),
-        }
+    if len(specs) > 1:
+        spec["blend"] = {"size": 0, "cache": None}
+        train, _ = build_rows({**spec, "blend": {"size": 1, "cache": None}})  # parts' sizes
+        assert isinstance(train, BlendRows)
+        size = sum(len(p) for p in train.parts)
+        spec["blend"] = {"size": size, "cache": str(cache_dir / "blends" / f"{data_hash[:32]}-{size}")}
+    rows, eval_rows = build_rows(spec)
+    _require_samples(len(rows), section)
+    fingerprint = _fingerprint(section, specs, entries, rows, eval_rows, content_hash, data_hash, corpus)
     return PreparedData(
-        **rows,
+        rows=rows,
+        eval_rows=eval_rows,
         vocab_size=len(tokenizer),
         pad_id=pad_id,
         eos_id=eos_id,
@@ -157,96 +184,140 @@ def prepare_data(section: DataSection, *, root: Path | None = None) -> PreparedD
         tokenizer_hash=tok.tokenizer_hash,
         token_ids=tok.token_ids,
         fingerprint=fingerprint,
-        cache_file=str(target),
+        spec=spec,
     )
 
 
-def _read_cache(path: Path) -> dict[str, Any] | None:
-    """The cached payload, or None if absent. Written by rename, so a present file is complete."""
-    if not path.is_file():
-        return None
-    return torch.load(path, map_location="cpu", weights_only=True)
+def _tokenizer(
+    section: DataSection, specs: list[SourceSpec], corpus: Any, *, root: Path, cache_dir: Path
+) -> TokenizerInfo:
+    """The section's tokenizer. A BPE is trained on the training documents only (never the held-out
+    ones) of ``data.source`` / ``data.files``; ``data.sources`` name a tokenizer directory, or are all
+    prepared with one (then that one is used)."""
+    if corpus is not None:
+        docs = corpus.documents if trains_bpe(section) else None
+        held = eval_docs(section, len(docs)) if docs is not None else 0
+        return load_tokenizer(section, corpus, root=root, cache_dir=cache_dir, held_out=held)
+    if trains_bpe(section):
+        recorded = recorded_tokenizer(specs)
+        if recorded is None:
+            raise DataError(
+                "data.sources need a tokenizer directory: a BPE is trained only on data.source / data.files, "
+                "and these sources do not all record the same tokenizer",
+                field="data.tokenizer",
+                value=section.tokenizer,
+                fix="set data.tokenizer to the tokenizer directory the sources were (or are to be) tokenized with",
+            )
+        return local_tokenizer(recorded, root)
+    tok = local_tokenizer(section.tokenizer, root)
+    for s in specs:
+        was = (s.record or {}).get("tokenizer", {})
+        if (
+            s.kind == "prepared"
+            and was.get("sha256") != tok.tokenizer_hash
+            and not section.tokenizer_override
+        ):
+            raise DataError(
+                f"source {s.name} was prepared with the tokenizer {was.get('path')} (sha256 "
+                f"{str(was.get('sha256'))[:12]}), not with {tok.tokenizer_dir} ({tok.tokenizer_hash[:12]})",
+                field="data.tokenizer",
+                value=section.tokenizer,
+                fix=f"set data.tokenizer to {was.get('path')}, prepare the source again with this tokenizer, "
+                "or set data.tokenizer_override=true if the two tokenize alike",
+            )
+    return tok
 
 
-def _build(
-    section: DataSection, corpus: Corpus, tokenizer: Any, *, eos_id: int, pad_id: int
+def _prefix(
+    s: SourceSpec, section: DataSection, tok: TokenizerInfo, cache_dir: Path, show_progress: bool
+) -> str:
+    """The indexed dataset of a source: a raw one prepared (or found prepared) in the cache."""
+    if s.kind != "raw":
+        return s.prefix()
+    from tessera.data.prepare import prepare_cached
+
+    record = prepare_cached(
+        s.files,
+        info=tok,
+        cache_dir=cache_dir,
+        workers=section.prepare.workers,
+        text_field=section.text_field,
+        fmt=s.fmt,
+        hashes=s.hashes,
+        show_progress=show_progress,
+    )
+    s.record = record
+    s.path = record["dir"]
+    return s.prefix()
+
+
+def _fingerprint(
+    section: DataSection,
+    specs: list[SourceSpec],
+    entries: list[dict[str, Any]],
+    rows: Rows,
+    eval_rows: Rows | None,
+    content_hash: str,
+    data_hash: str,
+    corpus: Any,
 ) -> dict[str, Any]:
-    """Tokenize the corpus and lay it out as packed or padded rows; with ``data.eval`` the last documents
-    are laid out the same way into separate eval rows (a document is in one split only)."""
-    docs = corpus.documents
-    encoded = _encode(tokenizer, docs)
-    n_eval = _eval_docs(section, len(docs))
-    out = _rows(section, encoded[: len(docs) - n_eval], eos_id=eos_id, pad_id=pad_id, what="training")
-    out["num_docs"] = len(docs)
-    if n_eval:
-        held = _rows(section, encoded[len(docs) - n_eval :], eos_id=eos_id, pad_id=pad_id, what="eval")
-        out.update(eval_input_ids=held["input_ids"], eval_labels=held["labels"], eval_docs=n_eval)
+    """What the manifest records about the data (the pin a resume is checked against)."""
+    parts = rows.parts if isinstance(rows, BlendRows) else [rows]
+    out: dict[str, Any] = {
+        "source": section.source if corpus is not None else "sources",
+        "files": corpus.fingerprint["files"] if corpus is not None else [],
+        "content_hash": content_hash,
+        "data_hash": data_hash,
+        "num_docs": sum(e["documents"] for e in entries),
+        "num_tokens": len(rows) * section.seq_len if section.packing else sum(p.num_tokens for p in parts),
+        "num_samples": len(rows),
+        "seq_len": section.seq_len,
+        "packing": section.packing,
+        "sources": [
+            {
+                "name": s.name,
+                "kind": s.kind,
+                "path": s.path,
+                "identity": s.identity,
+                "dataset_json_sha256": (s.record or {}).get("key") if s.kind == "raw" else None,
+                "weight": e["weight"],
+                "documents": e["documents"],
+                "rows": len(p),
+            }
+            for s, e, p in zip(specs, entries, parts)
+        ],
+    }
+    if isinstance(rows, BlendRows):
+        for f, share, draws in zip(out["sources"], rows.weights, rows.draws):
+            f["share"], f["rows_per_pass"] = float(share), int(draws)
+    if eval_rows is not None:
+        out["eval"] = {
+            "fraction": section.eval.fraction,
+            "num_docs": sum(e["eval_docs"] for e in entries),
+            "num_samples": len(eval_rows),
+            "sha256": eval_split_hash(eval_rows),
+        }
     return out
 
 
-def _eval_docs(section: DataSection, num_docs: int) -> int:
-    """Documents held out for eval: ``data.eval.fraction`` of them, at least one, never all."""
-    if section.eval.fraction <= 0:
-        return 0
-    n = max(1, round(section.eval.fraction * num_docs))
-    if n >= num_docs:
-        raise DataError(
-            f"data.eval.fraction holds out {n} of {num_docs} documents, leaving none to train on",
-            field="data.eval.fraction",
-            value=section.eval.fraction,
-            fix="lower data.eval.fraction or read more documents (data.max_docs, data.files)",
-        )
-    return n
+def eval_split_hash(rows: Rows, chunk: int = 1024) -> str:
+    """sha256 of the held-out rows (ids then labels of each chunk of rows, int64 little-endian): what the
+    manifest pins; read in chunks, never the whole split at once."""
+    h = hashlib.sha256()
+    for a in range(0, len(rows), chunk):
+        b = rows.batch(range(a, min(a + chunk, len(rows))))
+        h.update(b["input_ids"].numpy().astype("<i8").tobytes())
+        h.update(b["labels"].numpy().astype("<i8").tobytes())
+    return h.hexdigest()
 
 
-def _rows(
-    section: DataSection, encoded: list[list[int]], *, eos_id: int, pad_id: int, what: str
-) -> dict[str, Any]:
-    """Token ids per document -> ``input_ids`` / ``labels`` rows (labels None when packed) + token count."""
-    seq_len = section.seq_len
-    labels: torch.Tensor | None
-    if section.packing:
-        stream = [t for ids in encoded for t in (*ids, eos_id)]
-        rows = len(stream) // seq_len
-        _require_samples(rows, section, f"{len(stream)} {what} tokens, fewer than seq_len={seq_len}")
-        input_ids = torch.tensor(stream[: rows * seq_len], dtype=torch.int64).view(rows, seq_len)
-        labels = None  # == input_ids; not stored twice, rebuilt on load
-        num_tokens = rows * seq_len
-    else:
-        encoded = [ids for ids in encoded if ids]
-        _require_samples(len(encoded), section, f"every {what} document tokenized to nothing")
-        input_ids = torch.full((len(encoded), seq_len), pad_id, dtype=torch.int64)
-        labels = torch.full((len(encoded), seq_len), IGNORE_INDEX, dtype=torch.int64)
-        for i, ids in enumerate(encoded):
-            row = ids[:seq_len] if len(ids) >= seq_len else [*ids, eos_id]
-            # Mask by position, not by id: pad may equal eos (a pretrained tokenizer without a pad token).
-            input_ids[i, : len(row)] = torch.tensor(row, dtype=torch.int64)
-            labels[i, : len(row)] = input_ids[i, : len(row)]
-        num_tokens = int((labels != IGNORE_INDEX).sum())
-    return {"input_ids": input_ids, "labels": labels, "num_tokens": num_tokens}
-
-
-def _encode(tokenizer: Any, docs: list[str]) -> list[list[int]]:
-    """Token ids per document, without special tokens: documents are separated by the eos we append,
-    not by whatever BOS/EOS a pretrained tokenizer would add.
-
-    A fast tokenizer goes straight to ``encode_batch_fast`` (no offsets): the same ids, about twice as
-    fast as ``tokenizer(...)`` on whole source files.
-    """
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and hasattr(backend, "encode_batch_fast"):
-        return [enc.ids for enc in backend.encode_batch_fast(docs, add_special_tokens=False)]
-    # verbose=False hides the "longer than model_max_length" warning: long documents are cut later.
-    return tokenizer(docs, add_special_tokens=False, verbose=False)["input_ids"]
-
-
-def _require_samples(rows: int, section: DataSection, why: str) -> None:
+def _require_samples(rows: int, section: DataSection) -> None:
     """A run needs at least one sample; say what to change rather than fail later in the sampler."""
     if rows >= 1:
         return
     raise DataError(
-        f"the corpus gives no training samples ({why})",
+        f"the data gives no training samples (fewer tokens than seq_len={section.seq_len}, or no document)",
         field="data.seq_len",
         value=section.seq_len,
-        fix="lower data.seq_len, raise data.max_docs, or add data.files",
+        fix="lower data.seq_len, raise data.max_docs, or add data.files / data.sources",
     )

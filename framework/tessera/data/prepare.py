@@ -301,7 +301,7 @@ def _tokenize_shard(
         )
         for text, size in reader:
             nbytes += size
-            if text is not None:
+            if text is not None and text.strip():  # a blank document is no document (as before)
                 batch.append(text)
             if len(batch) >= BATCH:
                 flush()
@@ -316,13 +316,24 @@ def _tokenize_shard(
 
 
 def _fingerprint(
-    sources: list[tuple[Path, str]], tokenizer_hash: str, field: str
+    sources: list[tuple[Path, str]], tokenizer_hash: str, field: str, hashes: dict[str, str] | None = None
 ) -> tuple[list[Source], str]:
-    found = [Source(str(p), kind, sha256_file(p), p.stat().st_size) for p, kind in sources]
+    """The sources as hashed (``hashes``: sha256 by path, already known to the caller) and the key of
+    the dataset they give with this tokenizer and text field."""
+    known = hashes or {}
+    found = [
+        Source(str(p), kind, known.get(str(p)) or sha256_file(p), p.stat().st_size) for p, kind in sources
+    ]
     empty = [s.path for s in found if s.bytes == 0]
     if empty:
         raise _fail("an empty source", empty[0], "remove it from the sources, or give it documents")
-    key = sha256_json(
+    return found, prepare_key(found, tokenizer_hash, field)
+
+
+def prepare_key(found: list[Source], tokenizer_hash: str, field: str) -> str:
+    """What a prepared directory is the result of: the sources' bytes and formats, the tokenizer, the
+    text field and this module's version."""
+    return sha256_json(
         {
             "version": PREPARE_VERSION,
             "sources": [[s.sha256, s.format] for s in found],
@@ -330,7 +341,6 @@ def _fingerprint(
             "text_field": field,
         }
     )
-    return found, key
 
 
 def prepare_dataset(
@@ -347,9 +357,48 @@ def prepare_dataset(
     prepared from the same bytes with the same tokenizer and options is left as it is."""
     from tessera.data.tokenizer import local_tokenizer
 
-    out = Path(out)
     info = local_tokenizer(tokenizer, root=Path.cwd())
     found, key = _fingerprint(resolve_sources(sources, fmt), info.tokenizer_hash, text_field)
+    return _prepare(found, key, info, Path(out), workers, text_field, show_progress)
+
+
+def prepare_cached(
+    files: list[Path],
+    *,
+    info: Any,
+    cache_dir: Path,
+    workers: int | None,
+    text_field: str,
+    fmt: str = "auto",
+    hashes: dict[str, str] | None = None,
+    show_progress: bool = False,
+) -> dict[str, Any]:
+    """``files`` prepared with the tokenizer ``info`` into ``<cache_dir>/prepared/<key>`` (what a recipe's
+    raw sources become before a run: once per content, shared by every run and rank that reads them);
+    returns the record, whose ``"dir"`` is where it is."""
+    from tessera.data._cache import build_lock
+
+    found, key = _fingerprint(
+        resolve_sources([str(f) for f in files], fmt), info.tokenizer_hash, text_field, hashes
+    )
+    out = cache_dir / "prepared" / key[:32]
+    if not (out / DATASET_JSON).is_file():
+        with build_lock(out):  # one process prepares; the others find it done
+            record = _prepare(found, key, info, out, workers, text_field, show_progress)
+    else:
+        record = json.loads((out / DATASET_JSON).read_text())
+    return record | {"dir": str(out)}
+
+
+def _prepare(
+    found: list[Source],
+    key: str,
+    info: Any,
+    out: Path,
+    workers: int | None,
+    text_field: str,
+    show_progress: bool,
+) -> dict[str, Any]:
     if (out / DATASET_JSON).is_file():
         old = json.loads((out / DATASET_JSON).read_text())
         if old.get("key") == key:
@@ -361,6 +410,14 @@ def prepare_dataset(
             "choose a new --out, or remove that directory",
             field="--out",
         )
+    if not hasattr(info.tokenizer, "backend_tokenizer"):
+        raise _fail(
+            "a slow (pure Python) tokenizer: preparing needs a fast one (tokenizer.json)",
+            str(info.tokenizer_dir),
+            "save the tokenizer with transformers' fast class (AutoTokenizer(..., use_fast=True)"
+            ".save_pretrained) so the directory has a tokenizer.json",
+            field="--tokenizer",
+        )
     workers = max(1, workers or os.cpu_count() or 1)
     paths = [(Path(s.path), s.format) for s in found]
     shards = _shards(paths, workers)
@@ -370,6 +427,12 @@ def prepare_dataset(
         docs, tokens = _run_shards(
             shards, text_field, tmp, str(info.tokenizer_dir), workers, found, show_progress
         )
+        if docs == 0:
+            raise _fail(
+                "the sources hold no non-empty documents",
+                [s.path for s in found],
+                "point at files with text in them (or set --text-field / data.text_field)",
+            )
         _merge(tmp, len(shards), info)
         record = {
             "format_version": PREPARE_VERSION,

@@ -72,6 +72,9 @@ class StepSampler:
         self.step_in_epoch = 0
         self.consumed_samples = 0
         self._perm: tuple[int, torch.Tensor] | None = None  # (epoch, permutation), the one in use
+        #: tokens trained on per source of a blend since the run began (kept in the position, so a resumed
+        #: run counts on); None for one source
+        self.source_tokens: list[int] | None = None
 
     @classmethod
     def for_layout(cls, num_samples: int, layout: ParallelLayout, *, rank: int, seed: int) -> StepSampler:
@@ -107,6 +110,10 @@ class StepSampler:
         start = step_in_epoch * self.global_batch
         return self._permutation(epoch)[start : start + self.global_batch]
 
+    def epoch_of(self, step: int) -> int:
+        """The pass over the data that global step ``step`` (counted from 0) belongs to."""
+        return step // self.steps_per_epoch
+
     def peek_global(self, step: int) -> list[int]:
         """All ``G`` sample indices of global step ``step`` (counted from 0 over all epochs); no state change."""
         epoch, s = divmod(step, self.steps_per_epoch)
@@ -118,6 +125,8 @@ class StepSampler:
         micro = self.split(batch)
         #: every rank's indices of the step just taken (each rank knows them: the order is seeded)
         self.last_global_batch = batch
+        #: the pass over the data they belong to (a blend reads other rows of a source in each pass)
+        self.last_epoch = self.epoch
         self.step_in_epoch += 1
         self.consumed_samples += self.global_batch
         if self.step_in_epoch == self.steps_per_epoch:
@@ -153,7 +162,7 @@ class StepSampler:
         while True:
             yield self.next_step()
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, Any]:
         """The position, as JSON-serialisable ints (layout-free: any layout can resume from it)."""
         return {
             "epoch": self.epoch,
@@ -162,7 +171,7 @@ class StepSampler:
             "seed": self.seed,
             "global_batch": self.global_batch,
             "num_samples": self.num_samples,
-        }
+        } | ({"source_tokens": list(self.source_tokens)} if self.source_tokens is not None else {})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume exactly where ``state`` was taken; refuse a state from a different data order."""
@@ -192,3 +201,5 @@ class StepSampler:
             )
         self.epoch, self.step_in_epoch = epoch, step
         self.consumed_samples = int(state.get("consumed_samples", self.global_step * self.global_batch))
+        if self.source_tokens is not None and "source_tokens" in state:
+            self.source_tokens = [int(t) for t in state["source_tokens"]]

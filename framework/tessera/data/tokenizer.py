@@ -72,37 +72,50 @@ def trains_bpe(section: DataSection) -> bool:
     return section.tokenizer in ("bpe", "auto")
 
 
-def load_tokenizer(section: DataSection, corpus: Corpus, *, root: Path, cache_dir: Path) -> TokenizerInfo:
-    """The tokenizer a data section asks for (trained and cached, or loaded from a local directory)."""
+def load_tokenizer(
+    section: DataSection, corpus: Corpus, *, root: Path, cache_dir: Path, held_out: int = 0
+) -> TokenizerInfo:
+    """The tokenizer a data section asks for (trained and cached, or loaded from a local directory). A BPE
+    is trained on the corpus's documents but the last ``held_out`` (the eval split's, which it must not
+    have seen)."""
     if trains_bpe(section):
-        return _cached_bpe(corpus, section.vocab_size, cache_dir)
+        return _cached_bpe(corpus, section.vocab_size, cache_dir, held_out, section.eval.fraction)
     return local_tokenizer(section.tokenizer, root)
 
 
-def bpe_cache_key(content_hash: str, vocab_size: int) -> str:
-    """Cache key of a trained BPE; the library version is in it because merges may differ across versions."""
+def bpe_cache_key(content_hash: str, vocab_size: int, eval_fraction: float = 0.0) -> str:
+    """Cache key of a trained BPE; the library version is in it because merges may differ across versions,
+    the eval fraction because the held-out documents are left out of its training text."""
     import tokenizers
 
-    return sha256_json(
-        {"corpus": content_hash, "vocab_size": vocab_size, "tokenizers": tokenizers.__version__}
-    )
+    key: dict[str, object] = {
+        "corpus": content_hash,
+        "vocab_size": vocab_size,
+        "tokenizers": tokenizers.__version__,
+    }
+    if eval_fraction > 0:
+        key["held_out"] = eval_fraction
+    return sha256_json(key)
 
 
 def tokenizer_hash_on_disk(
-    section: DataSection, content_hash: str, *, root: Path, cache_dir: Path
+    section: DataSection, content_hash: str, *, root: Path, cache_dir: Path, directory: str | None = None
 ) -> str | None:
     """The hash :func:`load_tokenizer` would report, from the files alone (no transformers, no training):
     None where it cannot be known yet (a BPE not trained yet, a directory that is not there: the ranks
     build it or report it)."""
+    if directory is not None:  # the tokenizer data.sources were prepared with
+        path = _local_dir(directory, root)
+        return sha256_dir(path, _tokenizer_files(path)) if path.is_dir() else None
     if trains_bpe(section):
-        target = _bpe_dir(content_hash, section.vocab_size, cache_dir)
+        target = _bpe_dir(content_hash, section.vocab_size, cache_dir, section.eval.fraction)
         return sha256_dir(target) if target.is_dir() else None
     path = _local_dir(section.tokenizer, root)
     return sha256_dir(path, _tokenizer_files(path)) if path.is_dir() else None
 
 
-def _bpe_dir(content_hash: str, vocab_size: int, cache_dir: Path) -> Path:
-    return cache_dir / "tokenizers" / bpe_cache_key(content_hash, vocab_size)
+def _bpe_dir(content_hash: str, vocab_size: int, cache_dir: Path, eval_fraction: float) -> Path:
+    return cache_dir / "tokenizers" / bpe_cache_key(content_hash, vocab_size, eval_fraction)
 
 
 def _local_dir(spec: str, root: Path) -> Path:
@@ -110,15 +123,18 @@ def _local_dir(spec: str, root: Path) -> Path:
     return path if path.is_absolute() else root / path
 
 
-def _cached_bpe(corpus: Corpus, vocab_size: int, cache_dir: Path) -> TokenizerInfo:
+def _cached_bpe(
+    corpus: Corpus, vocab_size: int, cache_dir: Path, held_out: int, eval_fraction: float
+) -> TokenizerInfo:
     """Reuse ``<cache>/tokenizers/<key>`` if present, else train it under a lock and publish atomically."""
-    target = _bpe_dir(corpus.content_hash, vocab_size, cache_dir)
+    target = _bpe_dir(corpus.content_hash, vocab_size, cache_dir, eval_fraction)
     if not target.is_dir():
         with build_lock(target):
             if not target.is_dir():  # another rank may have built it while we waited for the lock
                 tmp = temp_dir_beside(target)
                 try:
-                    _train_bpe(corpus.documents, vocab_size).save_pretrained(str(tmp))
+                    docs = corpus.documents
+                    _train_bpe(docs[: len(docs) - held_out], vocab_size).save_pretrained(str(tmp))
                 except BaseException:
                     shutil.rmtree(tmp, ignore_errors=True)
                     raise

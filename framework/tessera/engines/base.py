@@ -309,18 +309,6 @@ def dp_sum(t: torch.Tensor, layout: ParallelLayout, group: Any = None) -> torch.
     return t
 
 
-def row_label_tokens(labels: torch.Tensor) -> torch.Tensor:
-    """Label tokens of every row of ``labels`` ``[N, s]`` after the causal shift (:func:`label_tokens`
-    per row)."""
-    return (labels[:, 1:] != IGNORE_INDEX).sum(dim=1)
-
-
-def known_counts(row_tokens: torch.Tensor, indices: list[int], seq_len: int) -> tuple[float, float]:
-    """(label tokens, input positions) of the global batch of rows ``indices``; ``row_tokens``:
-    :func:`row_label_tokens` of the data."""
-    return float(row_tokens[indices].sum()), float(len(indices) * seq_len)
-
-
 class MicroBatches(list):
     """This rank's micro-batches of one step, with the global batch's (label tokens, input positions)
     when the caller knows them: the training loop does, from the seeded sampler that gives every rank

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from tessera.config.schema import Recipe
-from tessera.engines.base import MicroBatches, known_counts, row_label_tokens
+from tessera.engines.base import MicroBatches
 from tessera.engines.held import ACTIVATIONS
 from tessera.plan.layout import ParallelLayout
 from tessera.rundir import RunDir
@@ -97,7 +97,6 @@ class TrainingLoop:
     def __init__(self, ctx: RunContext, callbacks: list[Callback]) -> None:
         self.ctx = ctx
         self.callbacks = callbacks
-        self._row_tokens: torch.Tensor | None = None
         ctx.loop = self
 
     def _each(self, hook: str, *args: Any) -> None:
@@ -138,10 +137,14 @@ class TrainingLoop:
         data = ctx.data
         t_data = time.perf_counter()
         rows = ctx.sampler.next_step()
+        epoch, picked = ctx.sampler.last_epoch, ctx.sampler.last_global_batch
         micro = MicroBatches(
-            ({"input_ids": data.input_ids[i], "labels": data.labels[i]} for i in rows),
-            counts=self._global_counts(ctx.sampler.last_global_batch),
+            (data.rows.batch(i, epoch) for i in rows),
+            counts=(float(data.rows.label_tokens(picked, epoch)), float(len(picked) * data.rows.seq_len)),
         )
+        if ctx.sampler.source_tokens is not None:  # a blend: what each source gave this step
+            per = data.rows.tokens_by_source(picked, epoch)
+            ctx.sampler.source_tokens = [int(a + b) for a, b in zip(ctx.sampler.source_tokens, per)]
         data_s = time.perf_counter() - t_data
         ctx.beat(phase="step")
         cuda = ctx.device == "cuda"
@@ -181,6 +184,8 @@ class TrainingLoop:
             "compute_time_s": max(dt - comm_s - optimizer_s, 0.0),
             "wall_time": time.time(),
         }
+        if ctx.sampler.source_tokens is not None:
+            rec["tokens_by_source"] = dict(zip(ctx.data.rows.names, ctx.sampler.source_tokens))
         if res.moe_aux_loss is not None:  # the router load-balancing loss in the objective (not in "loss")
             rec["moe_aux_loss"] = res.moe_aux_loss
         if ctx.model_flops_per_step and ctx.peak_flops and dt > 0:
@@ -190,14 +195,6 @@ class TrainingLoop:
             if ctx.restart:
                 rec["restart"] = ctx.restart
         return rec, ops
-
-    def _global_counts(self, indices: list[int]) -> tuple[float, float]:
-        """(label tokens, input positions) of the global batch of rows ``indices``, which every rank knows:
-        the engines need no collective to normalise the loss."""
-        labels = self.ctx.data.labels
-        if self._row_tokens is None:
-            self._row_tokens = row_label_tokens(labels)
-        return known_counts(self._row_tokens, indices, labels.shape[1])
 
     def _eval_due(self, step: int) -> bool:
         every = self.ctx.recipe.train.eval_every
@@ -213,7 +210,7 @@ class TrainingLoop:
         devices = [ctx.engine.device] if ctx.device == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             for batch in ctx.eval_batches:
-                micro = [{"input_ids": data.eval_input_ids[i], "labels": data.eval_labels[i]} for i in batch]
+                micro = [data.eval_rows.batch(i) for i in batch]
                 s, n = ctx.engine.eval_loss(micro)
                 loss_sum, tokens = loss_sum + s, tokens + n
         return loss_sum / max(tokens, 1.0)

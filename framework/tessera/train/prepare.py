@@ -86,7 +86,7 @@ def prepare_run_dir(recipe: Recipe, run_dir: Path | RunDir, *, root: Path):
 
     rd = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
     write_recipe(recipe, rd)
-    data = prepare_data(recipe.data, root=root)
+    data = prepare_data(recipe.data, root=root, show_progress=True)
     rd.write_json(RunDir.DATA, data.record())
     return data
 

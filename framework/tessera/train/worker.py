@@ -283,6 +283,8 @@ def setup(run_dir: RunDir, start: Start, heartbeat: Any = None) -> tuple[RunCont
     engine = engine_class(layout.engine)(source, recipe, layout, device=device)
     counter.namer = group_namer(layout, engine.named_groups())
     sampler = StepSampler.for_layout(len(data), layout, rank=rank, seed=recipe.train.seed)
+    if len(data.rows.names) > 1:  # a blend: count what each source gives (metrics, W&B, manifest)
+        sampler.source_tokens = [0] * len(data.rows.names)
     manifest = _manifest(recipe, layout, data, run_dir, device)
     if fault is not None:
         manifest["fault_injection"] = fault.describe()
@@ -342,9 +344,9 @@ def _evidence_inputs(ctx: RunContext, data: Any, device: str) -> None:
     from tessera.plan.search import hardware_for
 
     recipe = ctx.recipe
-    if data.eval_input_ids is not None:
+    if data.eval_rows is not None:
         ctx.eval_batches = ctx.sampler.eval_batches(
-            len(data.eval_input_ids), max_samples=recipe.data.eval.max_samples
+            len(data.eval_rows), max_samples=recipe.data.eval.max_samples
         )
     plan = ctx.manifest.get("plan") or {}
     ctx.model_flops_per_step = plan.get("model_flops_per_step")

@@ -1,0 +1,377 @@
+"""Training rows read from memory-mapped indexed datasets (megatron-core's ``.bin`` / ``.idx``).
+
+A rank maps the files and reads only the rows of its micro-batches: its memory does not grow with the
+corpus (the page cache holds what was read; nothing is copied into the process but the rows of a step).
+
+* :func:`open_tokens` opens a prefix with megatron-core's ``IndexedDataset`` (the reader Megatron-LM,
+  Megatron-Bridge and NeMo use) after checking that the ``.idx`` and the ``.bin`` belong together: a
+  header that is not megatron's, sizes that do not match the file, or a ``.bin`` shorter or longer than
+  the index says are refused with the file named (megatron-core would assert or read garbage).
+* :class:`PackedRows`: documents (each stored with its eos) joined and cut into rows of ``seq_len`` —
+  row ``i`` is tokens ``[i*L, (i+1)*L)`` of the selected documents' stream, the same rows as packing the
+  tokenized documents in memory. Written by hand because megatron-core's ``GPTDataset`` has other rows
+  (``seq_len + 1`` tokens overlapping by one, documents shuffled per epoch by its own index): the order
+  belongs to :class:`tessera.data.sampler.StepSampler`, whose position is layout-free, and a packed row
+  of a contiguous stream is one slice of the mapped file.
+* :class:`DocumentRows`: one row per document, truncated to ``seq_len`` and right-padded (labels -100 on
+  the padding), as ``data.packing: false`` does.
+* :class:`BlendRows`: a weighted mixture of several sources. The sequence of sources comes from
+  megatron-core's ``build_blending_indices`` (the compiled helper ``BlendedDataset`` uses: at every
+  position the source furthest behind its weight); the row inside a source advances by the source's
+  draws per pass, so a downsampled source shows other rows in the next epoch and an upsampled one wraps.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tessera.errors import DataError
+
+IGNORE_INDEX = -100
+#: megatron-core's ``.idx`` header (``indexed_dataset._INDEX_HEADER``) and the fixed part after it
+_HEADER = b"MMIDIDX\x00\x00"
+_FIXED = 9 + 8 + 1 + 8 + 8
+
+
+def _bad(prefix: str, why: str, fix: str) -> DataError:
+    return DataError(why, field="data.sources", value=prefix, fix=fix)
+
+
+class TokenFile:
+    """One indexed dataset (``PREFIX.bin`` + ``PREFIX.idx``), checked and mapped."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        idx, bin_ = Path(prefix + ".idx"), Path(prefix + ".bin")
+        for p in (idx, bin_):
+            if not p.is_file():
+                raise _bad(
+                    prefix, f"{p} not found", "name a prefix PATH with PATH.bin and PATH.idx beside it"
+                )
+        counts = _check_index(idx)
+        import warnings
+
+        with warnings.catch_warnings():  # megatron-core's package import warns about TransformerEngine / Apex
+            warnings.simplefilter("ignore")
+            from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+        try:
+            self.dataset = IndexedDataset(prefix, mmap=True)
+        except (AssertionError, ValueError) as e:  # megatron-core validates with asserts
+            raise _bad(prefix, f"{idx}: not a readable megatron index ({e})", _REPREPARE) from None
+        index = self.dataset.index
+        self.dtype = np.dtype(index.dtype)
+        self.lengths: np.ndarray = index.sequence_lengths
+        self.pointers: np.ndarray = index.sequence_pointers
+        self.doc_index: np.ndarray = index.document_indices
+        if (len(self.lengths), len(self.doc_index)) != counts:
+            raise _bad(prefix, f"{idx}: the index does not read back as its header says", _REPREPARE)
+        n = len(self.lengths)
+        end = int(self.pointers[-1]) + int(self.lengths[-1]) * self.dtype.itemsize if n else 0
+        size = bin_.stat().st_size
+        if size != end:
+            what = "truncated" if size < end else "longer than its index"
+            raise _bad(
+                prefix,
+                f"{bin_} is {what}: {size:,} bytes, the index {idx.name} describes {end:,}",
+                _REPREPARE,
+            )
+        if n and not (
+            self.pointers[0] == 0
+            and np.array_equal(
+                self.pointers[1:], self.pointers[:-1] + self.lengths[:-1] * self.dtype.itemsize
+            )
+        ):
+            raise _bad(prefix, f"{idx}: sequence pointers are not contiguous in {bin_.name}", _REPREPARE)
+        self.tokens = np.memmap(bin_, dtype=self.dtype, mode="r") if end else np.zeros(0, self.dtype)
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.doc_index) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def doc_bounds(self, docs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Token start and end of each document in ``docs`` (a document is one or more sequences)."""
+        first, last = self.doc_index[docs], self.doc_index[docs + 1] - 1
+        start = self.pointers[first] // self.dtype.itemsize
+        end = self.pointers[last] // self.dtype.itemsize + self.lengths[last]
+        return start.astype(np.int64), end.astype(np.int64)
+
+
+_REPREPARE = (
+    "prepare the source again (tessera data prepare), or restore the .bin/.idx pair it was written as"
+)
+
+
+def _check_index(idx: Path) -> tuple[int, int]:
+    """(sequences, documents + 1) from the header, after checking the file's size is what they imply."""
+    import struct
+
+    size = idx.stat().st_size
+    with open(idx, "rb") as f:
+        head = f.read(_FIXED)
+    if len(head) < _FIXED or head[:9] != _HEADER:
+        raise _bad(str(idx)[:-4], f"{idx}: not a megatron index (header {head[:9]!r})", _REPREPARE)
+    version, _code, seqs, docs = struct.unpack("<QBQQ", head[9:])
+    want = _FIXED + seqs * (4 + 8) + docs * 8
+    if version != 1 or size not in (want, want + seqs):  # + seqs: the multimodal index's mode bytes
+        raise _bad(
+            str(idx)[:-4],
+            f"{idx}: {size:,} bytes, its header (version {version}, {seqs:,} sequences, {docs:,} document "
+            f"offsets) needs {want:,}",
+            _REPREPARE,
+        )
+    return seqs, docs
+
+
+def strided(n: int, k: int | None) -> np.ndarray:
+    """``k`` indices spread evenly over ``range(n)`` (all of them if ``k`` is None or ``>= n``): the
+    documents ``data.max_docs`` keeps (evenly strided so a small CPU corpus spans the whole source)."""
+    if k is None or k >= n:
+        return np.arange(n, dtype=np.int64)
+    return (np.arange(k, dtype=np.int64) * n) // k
+
+
+# ---- rows ------------------------------------------------------------------------------------------
+
+
+class Rows:
+    """The rows of one split: ``len``, ``batch`` of row indices, label tokens and tokens per source."""
+
+    seq_len: int
+    names: list[str]
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def rows(self, indices: Sequence[int], epoch: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, label lengths): ``[n, seq_len]`` token ids and each row's real (unpadded) length."""
+        raise NotImplementedError
+
+    def batch(self, indices: Sequence[int], epoch: int = 0) -> dict[str, torch.Tensor]:
+        """``input_ids`` / ``labels`` (int64 ``[n, seq_len]``) of rows ``indices`` in pass ``epoch``."""
+        ids, n = self.rows(indices, epoch)
+        input_ids = torch.from_numpy(ids.astype(np.int64))
+        labels = input_ids.clone()
+        pad = np.arange(self.seq_len)[None, :] >= n[:, None]
+        if pad.any():
+            labels[torch.from_numpy(pad)] = IGNORE_INDEX
+        return {"input_ids": input_ids, "labels": labels}
+
+    def lengths(self, indices: Sequence[int], epoch: int = 0) -> np.ndarray:
+        """Each row's real tokens (``seq_len`` for a packed row)."""
+        raise NotImplementedError
+
+    def label_tokens(self, indices: Sequence[int], epoch: int = 0) -> int:
+        """Label tokens of rows ``indices`` after the causal shift (what the loss is normalised by)."""
+        return int((self.lengths(indices, epoch) - 1).sum())
+
+    def tokens_by_source(self, indices: Sequence[int], epoch: int = 0) -> np.ndarray:
+        """Real tokens of rows ``indices`` per source (one source: everything)."""
+        return np.array([int(self.lengths(indices, epoch).sum())])
+
+
+@dataclass
+class _Stream:
+    """Selected documents of one file as a token stream: runs of contiguous tokens."""
+
+    starts: np.ndarray
+    """token offset of each run in the file"""
+    cum: np.ndarray
+    """stream offset of each run (``len(starts) + 1``, the last is the stream's length)"""
+
+
+def _stream(tf: TokenFile, docs: np.ndarray) -> _Stream:
+    """The documents ``docs`` (ascending) as runs of contiguous tokens: one run for a range of
+    documents, so a source read whole costs two numbers however large it is."""
+    if len(docs) == 0:
+        return _Stream(np.zeros(0, np.int64), np.zeros(1, np.int64))
+    start, end = tf.doc_bounds(docs)
+    breaks = np.flatnonzero(start[1:] != end[:-1]) + 1  # where a document does not follow the last
+    first = np.concatenate([[0], breaks])
+    last = np.concatenate([breaks, [len(docs)]]) - 1
+    starts, ends = start[first], end[last]
+    return _Stream(starts, np.concatenate([[0], np.cumsum(ends - starts)]))
+
+
+class PackedRows(Rows):
+    """Rows of ``seq_len`` tokens cut from the stream of the selected documents (the tail is dropped)."""
+
+    def __init__(self, tf: TokenFile, docs: np.ndarray, seq_len: int, name: str = "data"):
+        self.tf, self.seq_len, self.names = tf, seq_len, [name]
+        self.stream = _stream(tf, docs)
+        self.num_tokens = int(self.stream.cum[-1])
+
+    def __len__(self) -> int:
+        return self.num_tokens // self.seq_len
+
+    def rows(self, indices: Sequence[int], epoch: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        L, s = self.seq_len, self.stream
+        out = np.empty((len(indices), L), dtype=self.tf.dtype)
+        for k, i in enumerate(indices):
+            if not 0 <= i < len(self):
+                raise IndexError(f"row {i} of {len(self)}")
+            pos, filled = int(i) * L, 0
+            run = int(np.searchsorted(s.cum, pos, side="right")) - 1
+            while filled < L:  # a row spans runs only where documents were left out between them
+                off = pos + filled - int(s.cum[run])
+                take = min(L - filled, int(s.cum[run + 1]) - pos - filled)
+                a = int(s.starts[run]) + off
+                out[k, filled : filled + take] = self.tf.tokens[a : a + take]
+                filled, run = filled + take, run + 1
+        return out, np.full(len(indices), L)
+
+    def lengths(self, indices: Sequence[int], epoch: int = 0) -> np.ndarray:
+        return np.full(len(indices), self.seq_len)
+
+
+class DocumentRows(Rows):
+    """One row per selected document (a document of only its eos is no row), truncated and padded."""
+
+    def __init__(self, tf: TokenFile, docs: np.ndarray, seq_len: int, pad_id: int, name: str = "data"):
+        self.tf, self.seq_len, self.pad_id, self.names = tf, seq_len, pad_id, [name]
+        start, end = tf.doc_bounds(docs)
+        keep = end - start > 1
+        self.start = start[keep]
+        self.len = np.minimum(end[keep] - start[keep], seq_len)
+
+    def __len__(self) -> int:
+        return len(self.start)
+
+    def rows(self, indices: Sequence[int], epoch: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        out = np.full((len(indices), self.seq_len), self.pad_id, dtype=np.int64)
+        n = self.len[np.asarray(indices, dtype=np.int64)]
+        for k, i in enumerate(indices):
+            a = int(self.start[i])
+            out[k, : n[k]] = self.tf.tokens[a : a + n[k]]
+        return out, n
+
+    def lengths(self, indices: Sequence[int], epoch: int = 0) -> np.ndarray:
+        return self.len[np.asarray(indices, dtype=np.int64)]
+
+    @cached_property
+    def num_tokens(self) -> int:
+        return int(self.len.sum())
+
+
+class BlendRows(Rows):
+    """A deterministic weighted mixture of the rows of several sources (see the module)."""
+
+    def __init__(
+        self, parts: list[Rows], weights: list[float], names: list[str], size: int, cache: Path | None
+    ):
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from megatron.core.datasets import helpers
+
+        self.parts, self.names, self.size = parts, names, size
+        self.seq_len = parts[0].seq_len
+        w = np.asarray(weights, dtype=np.float64)
+        self.weights = w / w.sum()
+        self.source, self.sample = _blend_index(helpers, self.weights, size, cache)
+        self.draws = np.bincount(self.source, minlength=len(parts)).astype(np.int64)
+        """rows each source gives per pass"""
+
+    def __len__(self) -> int:
+        return self.size
+
+    def _locate(self, indices: Sequence[int], epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        j = np.asarray(indices, dtype=np.int64)
+        src = self.source[j].astype(np.int64)
+        sizes = np.array([len(p) for p in self.parts], dtype=np.int64)
+        row = (self.sample[j] + epoch * self.draws[src]) % sizes[src]
+        return src, row
+
+    def rows(self, indices: Sequence[int], epoch: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        src, row = self._locate(indices, epoch)
+        out = np.empty((len(indices), self.seq_len), dtype=np.int64)
+        n = np.empty(len(indices), dtype=np.int64)
+        for s in np.unique(src):
+            at = np.flatnonzero(src == s)
+            ids, lens = self.parts[s].rows(row[at].tolist())
+            out[at], n[at] = ids, lens
+        return out, n
+
+    def lengths(self, indices: Sequence[int], epoch: int = 0) -> np.ndarray:
+        src, row = self._locate(indices, epoch)
+        n = np.empty(len(indices), dtype=np.int64)
+        for s in np.unique(src):
+            at = np.flatnonzero(src == s)
+            n[at] = self.parts[s].lengths(row[at].tolist())
+        return n
+
+    def tokens_by_source(self, indices: Sequence[int], epoch: int = 0) -> np.ndarray:
+        src, _ = self._locate(indices, epoch)
+        return np.bincount(src, weights=self.lengths(indices, epoch), minlength=len(self.parts)).astype(
+            np.int64
+        )
+
+
+def _blend_index(
+    helpers: Any, weights: np.ndarray, size: int, cache: Path | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """megatron-core's blending indices, cached as numpy files under ``cache`` (as ``BlendedDataset``
+    caches them) and mapped: ten bytes a row, in the page cache rather than in every rank."""
+    if cache is not None and (cache / "source.npy").is_file():
+        return np.load(cache / "source.npy", mmap_mode="r"), np.load(cache / "sample.npy", mmap_mode="r")
+    source = np.zeros(size, dtype=np.int16)
+    sample = np.zeros(size, dtype=np.int64)
+    helpers.build_blending_indices(source, sample, weights, len(weights), size, False)
+    if cache is not None:
+        from tessera.data._cache import publish_dir, temp_dir_beside
+
+        tmp = temp_dir_beside(cache)
+        np.save(tmp / "source.npy", source)
+        np.save(tmp / "sample.npy", sample)
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        publish_dir(tmp, cache)
+    return source, sample
+
+
+class ConcatRows(Rows):
+    """The rows of several sources one after the other (the held-out split of a blend: every source's
+    held-out documents, unweighted)."""
+
+    def __init__(self, parts: list[Rows], names: list[str]):
+        self.parts, self.names, self.seq_len = parts, names, parts[0].seq_len
+        self.offsets = np.cumsum([0] + [len(p) for p in parts])
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def _locate(self, indices: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        j = np.asarray(indices, dtype=np.int64)
+        src = np.searchsorted(self.offsets, j, side="right") - 1
+        return src, j - self.offsets[src]
+
+    def rows(self, indices: Sequence[int], epoch: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        src, row = self._locate(indices)
+        out = np.empty((len(indices), self.seq_len), dtype=np.int64)
+        n = np.empty(len(indices), dtype=np.int64)
+        for s in np.unique(src):
+            at = np.flatnonzero(src == s)
+            out[at], n[at] = self.parts[s].rows(row[at].tolist())
+        return out, n
+
+    def lengths(self, indices: Sequence[int], epoch: int = 0) -> np.ndarray:
+        src, row = self._locate(indices)
+        n = np.empty(len(indices), dtype=np.int64)
+        for s in np.unique(src):
+            at = np.flatnonzero(src == s)
+            n[at] = self.parts[s].lengths(row[at].tolist())
+        return n
