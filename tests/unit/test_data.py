@@ -289,7 +289,7 @@ def test_eval_split_holds_out_whole_documents(tmp_path: Path) -> None:
     assert plain.eval_rows is None and "eval" not in plain.fingerprint
     assert split.eval_rows is not None
     # unpacked: one row per document, so the rows are exactly the first 8 and the last 2 documents
-    ids, labels = _all(plain.rows)
+    ids = _all(plain.rows)[0]
     assert torch.equal(_all(split.rows)[0], ids[:8]) and torch.equal(_all(split.eval_rows)[0], ids[8:])
     assert split.fingerprint["eval"]["num_docs"] == 2 and split.fingerprint["eval"]["num_samples"] == 2
     assert split.fingerprint["data_hash"] != plain.fingerprint["data_hash"]  # another cache entry

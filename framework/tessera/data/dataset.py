@@ -21,6 +21,7 @@ by weight (:class:`tessera.data.mapped.BlendRows`).
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -130,12 +131,17 @@ def eval_docs(section: DataSection, num_docs: int, source: str = "the corpus") -
 
 
 def prepare_data(
-    section: DataSection, *, root: Path | None = None, show_progress: bool = False
+    section: DataSection,
+    *,
+    root: Path | None = None,
+    show_progress: bool = False,
+    progress: Callable[[], None] | None = None,
 ) -> PreparedData:
     """Sources -> tokenizer -> prepared, mapped rows; safe to call from several ranks at once (the
     preparation's lock lets one build while the others wait).
 
-    ``root`` is the base for a relative ``data.cache_dir`` and relative paths (default: cwd).
+    ``root`` is the base for a relative ``data.cache_dir`` and relative paths (default: cwd);
+    ``show_progress``: a progress bar while raw sources are prepared; ``progress``: called as they advance.
     """
     root = Path.cwd() if root is None else Path(root)
     cache_dir = root / section.cache_dir  # an absolute cache_dir replaces root here
@@ -146,7 +152,7 @@ def prepare_data(
     data_hash = sha256_json(data_key(section, content_hash=content_hash, tokenizer_hash=tok.tokenizer_hash))
     entries = []
     for s in specs:
-        prefix = _prefix(s, section, tok, cache_dir, show_progress)
+        prefix = _prefix(s, section, tok, cache_dir, show_progress, progress)
         tf = TokenFile(prefix)
         picked = len(strided(tf.num_docs, s.max_docs))
         entries.append(
@@ -229,7 +235,12 @@ def _tokenizer(
 
 
 def _prefix(
-    s: SourceSpec, section: DataSection, tok: TokenizerInfo, cache_dir: Path, show_progress: bool
+    s: SourceSpec,
+    section: DataSection,
+    tok: TokenizerInfo,
+    cache_dir: Path,
+    show_progress: bool,
+    progress: Callable[[], None] | None,
 ) -> str:
     """The indexed dataset of a source: a raw one prepared (or found prepared) in the cache."""
     if s.kind != "raw":
@@ -245,6 +256,7 @@ def _prefix(
         fmt=s.fmt,
         hashes=s.hashes,
         show_progress=show_progress,
+        progress=progress,
     )
     s.record = record
     s.path = record["dir"]

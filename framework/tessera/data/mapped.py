@@ -33,16 +33,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from tessera.errors import DataError
+from tessera.data.sources import REPREPARE, bad_source, check_index
 
 IGNORE_INDEX = -100
-#: megatron-core's ``.idx`` header (``indexed_dataset._INDEX_HEADER``) and the fixed part after it
-_HEADER = b"MMIDIDX\x00\x00"
-_FIXED = 9 + 8 + 1 + 8 + 8
-
-
-def _bad(prefix: str, why: str, fix: str) -> DataError:
-    return DataError(why, field="data.sources", value=prefix, fix=fix)
 
 
 class TokenFile:
@@ -53,10 +46,10 @@ class TokenFile:
         idx, bin_ = Path(prefix + ".idx"), Path(prefix + ".bin")
         for p in (idx, bin_):
             if not p.is_file():
-                raise _bad(
+                raise bad_source(
                     prefix, f"{p} not found", "name a prefix PATH with PATH.bin and PATH.idx beside it"
                 )
-        counts = _check_index(idx)
+        counts = check_index(idx)
         import warnings
 
         with warnings.catch_warnings():  # megatron-core's package import warns about TransformerEngine / Apex
@@ -66,23 +59,23 @@ class TokenFile:
         try:
             self.dataset = IndexedDataset(prefix, mmap=True)
         except (AssertionError, ValueError) as e:  # megatron-core validates with asserts
-            raise _bad(prefix, f"{idx}: not a readable megatron index ({e})", _REPREPARE) from None
+            raise bad_source(prefix, f"{idx}: not a readable megatron index ({e})", REPREPARE) from None
         index = self.dataset.index
         self.dtype = np.dtype(index.dtype)
         self.lengths: np.ndarray = index.sequence_lengths
         self.pointers: np.ndarray = index.sequence_pointers
         self.doc_index: np.ndarray = index.document_indices
         if (len(self.lengths), len(self.doc_index)) != counts:
-            raise _bad(prefix, f"{idx}: the index does not read back as its header says", _REPREPARE)
+            raise bad_source(prefix, f"{idx}: the index does not read back as its header says", REPREPARE)
         n = len(self.lengths)
         end = int(self.pointers[-1]) + int(self.lengths[-1]) * self.dtype.itemsize if n else 0
         size = bin_.stat().st_size
         if size != end:
             what = "truncated" if size < end else "longer than its index"
-            raise _bad(
+            raise bad_source(
                 prefix,
                 f"{bin_} is {what}: {size:,} bytes, the index {idx.name} describes {end:,}",
-                _REPREPARE,
+                REPREPARE,
             )
         if n and not (
             self.pointers[0] == 0
@@ -90,7 +83,7 @@ class TokenFile:
                 self.pointers[1:], self.pointers[:-1] + self.lengths[:-1] * self.dtype.itemsize
             )
         ):
-            raise _bad(prefix, f"{idx}: sequence pointers are not contiguous in {bin_.name}", _REPREPARE)
+            raise bad_source(prefix, f"{idx}: sequence pointers are not contiguous in {bin_.name}", REPREPARE)
         self.tokens = np.memmap(bin_, dtype=self.dtype, mode="r") if end else np.zeros(0, self.dtype)
 
     @property
@@ -107,32 +100,6 @@ class TokenFile:
         start = self.pointers[first] // self.dtype.itemsize
         end = self.pointers[last] // self.dtype.itemsize + self.lengths[last]
         return start.astype(np.int64), end.astype(np.int64)
-
-
-_REPREPARE = (
-    "prepare the source again (tessera data prepare), or restore the .bin/.idx pair it was written as"
-)
-
-
-def _check_index(idx: Path) -> tuple[int, int]:
-    """(sequences, documents + 1) from the header, after checking the file's size is what they imply."""
-    import struct
-
-    size = idx.stat().st_size
-    with open(idx, "rb") as f:
-        head = f.read(_FIXED)
-    if len(head) < _FIXED or head[:9] != _HEADER:
-        raise _bad(str(idx)[:-4], f"{idx}: not a megatron index (header {head[:9]!r})", _REPREPARE)
-    version, _code, seqs, docs = struct.unpack("<QBQQ", head[9:])
-    want = _FIXED + seqs * (4 + 8) + docs * 8
-    if version != 1 or size not in (want, want + seqs):  # + seqs: the multimodal index's mode bytes
-        raise _bad(
-            str(idx)[:-4],
-            f"{idx}: {size:,} bytes, its header (version {version}, {seqs:,} sequences, {docs:,} document "
-            f"offsets) needs {want:,}",
-            _REPREPARE,
-        )
-    return seqs, docs
 
 
 def strided(n: int, k: int | None) -> np.ndarray:

@@ -22,7 +22,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -372,6 +372,7 @@ def prepare_cached(
     fmt: str = "auto",
     hashes: dict[str, str] | None = None,
     show_progress: bool = False,
+    progress: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """``files`` prepared with the tokenizer ``info`` into ``<cache_dir>/prepared/<key>`` (what a recipe's
     raw sources become before a run: once per content, shared by every run and rank that reads them);
@@ -384,7 +385,7 @@ def prepare_cached(
     out = cache_dir / "prepared" / key[:32]
     if not (out / DATASET_JSON).is_file():
         with build_lock(out):  # one process prepares; the others find it done
-            record = _prepare(found, key, info, out, workers, text_field, show_progress)
+            record = _prepare(found, key, info, out, workers, text_field, show_progress, progress)
     else:
         record = json.loads((out / DATASET_JSON).read_text())
     return record | {"dir": str(out)}
@@ -398,6 +399,7 @@ def _prepare(
     workers: int | None,
     text_field: str,
     show_progress: bool,
+    progress: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     if (out / DATASET_JSON).is_file():
         old = json.loads((out / DATASET_JSON).read_text())
@@ -425,7 +427,7 @@ def _prepare(
     try:
         t0 = time.perf_counter()
         docs, tokens = _run_shards(
-            shards, text_field, tmp, str(info.tokenizer_dir), workers, found, show_progress
+            shards, text_field, tmp, str(info.tokenizer_dir), workers, found, show_progress, progress
         )
         if docs == 0:
             raise _fail(
@@ -464,6 +466,7 @@ def _run_shards(
     workers: int,
     found: list[Source],
     show_progress: bool,
+    on_progress: Callable[[], None] | None = None,
 ) -> tuple[int, int]:
     """The shards through ``workers`` processes, with a progress bar of MB/s, tokens/s and the ETA."""
     import multiprocessing as mp
@@ -500,6 +503,8 @@ def _run_shards(
                 done_bytes, done_tokens = done_bytes + b, done_tokens + t
                 dt = max(time.perf_counter() - t0, 1e-9)
                 bar.update(task, completed=done_bytes, mbs=done_bytes / dt / 1e6, tps=done_tokens / dt)
+                if on_progress is not None:
+                    on_progress()
             except queue.Empty:
                 if all(r.ready() for r in pending):
                     break

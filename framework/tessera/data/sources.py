@@ -132,3 +132,66 @@ def recorded_tokenizer(specs: list[SourceSpec]) -> str | None:
     if len(paths) == 1 and all(s.kind == "prepared" for s in specs):
         return paths.pop()
     return None
+
+
+#: megatron-core's ``.idx`` header (``indexed_dataset._INDEX_HEADER``) and the fixed part after it
+_HEADER = b"MMIDIDX\x00\x00"
+_FIXED = 9 + 8 + 1 + 8 + 8
+REPREPARE = "prepare the source again (tessera data prepare), or restore the .bin/.idx pair it was written as"
+
+
+def bad_source(prefix: str, why: str, fix: str) -> DataError:
+    return DataError(why, field="data.sources", value=prefix, fix=fix)
+
+
+def check_index(idx: Path) -> tuple[int, int]:
+    """(sequences, documents + 1) from a megatron ``.idx`` header, after checking that the file's size is
+    what they imply (megatron-core itself would assert, or map past the end)."""
+    import struct
+
+    size = idx.stat().st_size
+    with open(idx, "rb") as f:
+        head = f.read(_FIXED)
+    if len(head) < _FIXED or head[:9] != _HEADER:
+        raise bad_source(str(idx)[:-4], f"{idx}: not a megatron index (header {head[:9]!r})", REPREPARE)
+    version, _code, seqs, docs = struct.unpack("<QBQQ", head[9:])
+    want = _FIXED + seqs * (4 + 8) + docs * 8
+    if version != 1 or size not in (want, want + seqs):  # + seqs: the multimodal index's mode bytes
+        raise bad_source(
+            str(idx)[:-4],
+            f"{idx}: {size:,} bytes, its header (version {version}, {seqs:,} sequences, {docs:,} document "
+            f"offsets) needs {want:,}",
+            REPREPARE,
+        )
+    return seqs, docs
+
+
+def describe_sources(section: DataSection, *, root: Path) -> list[str]:
+    """A dry run's look at ``data.sources``, cheap at any size (no file is hashed or read whole): each
+    source found, its kind, and for an indexed dataset its header checked against the file sizes."""
+    lines = []
+    for e in section.sources:
+        path = _local(e.path, root)
+        name = e.name or e.path
+        if (path / "dataset.json").is_file():
+            rec = json.loads((path / "dataset.json").read_text())
+            prefix = str(path / rec.get("prefix", "tokens"))
+            what = f"prepared, {rec.get('documents', 0):,} documents, {rec.get('tokens', 0):,} tokens"
+        elif Path(f"{path}.idx").is_file():
+            prefix, what = str(path), "megatron prefix"
+        else:
+            from tessera.data.prepare import resolve_sources
+
+            try:
+                files = resolve_sources([str(path)], section.format)
+            except DataError as err:
+                raise DataError(err.message, field="data.sources", value=e.path, fix=err.fix) from None
+            lines.append(
+                f"{name}: {len(files)} raw file(s), prepared before the launch (weight {e.weight:g})"
+            )
+            continue
+        seqs, _ = check_index(Path(prefix + ".idx"))
+        if not Path(prefix + ".bin").is_file():
+            raise bad_source(prefix, f"{prefix}.bin not found", REPREPARE)
+        lines.append(f"{name}: {what}, {seqs:,} sequences (weight {e.weight:g})")
+    return lines

@@ -219,7 +219,8 @@ def check_resume_inputs(ckpt: Path, meta: dict[str, Any], recipe: Any, *, accept
     raise CheckpointError(
         f"the data changed since {ckpt.name} was written ({what})",
         field="data",
-        value=recipe.data.files if recipe.data.source == "files" else recipe.data.source,
+        value=[e.path for e in recipe.data.sources]
+        or (recipe.data.files if recipe.data.source == "files" else recipe.data.source),
         fix="restore the data files and tokenizer the run was trained on, or pass --accept-data-change "
         "to continue on the new data",
     )
@@ -273,8 +274,14 @@ def start_run(
         cmd, env = build_command(
             resolved.recipe, run_dir, resume=resume, device=device, worker_args=(*flags, PREPARE_FLAG)
         )
-        # the first records of each file through the ranks' reader: a wrong text_field fails now
-        sample = sample_corpus(recipe.data, root=Path.cwd())
+        # the first records of each file through the ranks' reader: a wrong text_field fails now;
+        # data.sources: each found, an indexed dataset's header checked against its files
+        if recipe.data.sources:
+            from tessera.data.sources import describe_sources
+
+            sample = describe_sources(recipe.data, root=Path.cwd())
+        else:
+            sample = sample_corpus(recipe.data, root=Path.cwd())
         again = [*_tessera_command(), "run", recipe_path, *overrides]
         again += ["--resume"] if resume and resume_from is None else []
         again += [*flags, *(["--accept-data-change"] if accept_data_change else [])]
@@ -354,6 +361,8 @@ def _tessera_command() -> list[str]:
 
 def _describe_sample(section: Any, sample: Any) -> str:
     """One line on what a dry run read of the data."""
+    if section.sources:
+        return f"{len(sample)} source(s): " + "; ".join(sample)
     if section.source == "stdlib":
         return f"{len(sample.files)} source files of the Python standard library"
     formats = ", ".join(sorted(set(sample.formats)))

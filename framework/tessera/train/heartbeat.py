@@ -84,6 +84,11 @@ class Heartbeat:
         if new_step:
             self.write()
 
+    def tick(self) -> None:
+        """Progress inside a start-up phase (the data preparation's shards): the watchdog judges a phase
+        by its progress, so a long preparation that advances is not taken for a hang."""
+        self._phase_changes += 1
+
     def snapshot(self) -> dict[str, Any]:
         cur = self.counter.current
         return {

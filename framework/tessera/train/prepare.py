@@ -79,26 +79,32 @@ def plan_record(resolved: Any, layout: Any, device: str) -> dict[str, Any]:
     }
 
 
-def prepare_run_dir(recipe: Recipe, run_dir: Path | RunDir, *, root: Path):
+def prepare_run_dir(
+    recipe: Recipe, run_dir: Path | RunDir, *, root: Path, progress: Callable[[], None] | None = None
+):
     """The resolved recipe and the prepared data (tokenised and cached once, here, for every rank).
     Returns the data."""
     from tessera.data import prepare_data
 
     rd = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
     write_recipe(recipe, rd)
-    data = prepare_data(recipe.data, root=root, show_progress=True)
+    data = prepare_data(recipe.data, root=root, show_progress=True, progress=progress)
     rd.write_json(RunDir.DATA, data.record())
     return data
 
 
 def prepare_as_rank0(
-    run_dir: RunDir, *, phase: Callable[[str], None] = lambda name: None
+    run_dir: RunDir,
+    *,
+    phase: Callable[[str], None] = lambda name: None,
+    progress: Callable[[], None] | None = None,
 ) -> tuple[Recipe, Any, Any]:
     """Rank 0 of a ``tessera run`` launch: the planner's layout for ``parallel: auto`` (the recipe is
     rewritten with it), the model checks, the data, plan.json; then :data:`RunDir.PREPARED` releases the
     other ranks. Returns the recipe as written, its layout and the data, which rank 0 then uses as they
     are (the other ranks read the recipe back). ``phase``: told "prepare" and "data prepare" (the
-    heartbeat's phases, each bounded by the supervisor's ``stop.startup_timeout_s``)."""
+    heartbeat's phases, each bounded by the supervisor's ``stop.startup_timeout_s``); ``progress``: told of
+    each piece of data prepared (so a long preparation that advances is not judged stuck)."""
     from tessera.config.loader import ResolvedRecipe
     from tessera.device import resolve_device
 
@@ -107,7 +113,7 @@ def prepare_as_rank0(
     device = resolve_device(resolved.recipe.run.device)
     layout = check_model(resolved, device)
     phase("data prepare")
-    data = prepare_run_dir(resolved.recipe, run_dir, root=Path.cwd())
+    data = prepare_run_dir(resolved.recipe, run_dir, root=Path.cwd(), progress=progress)
     run_dir.write_json(RunDir.PLAN, plan_record(resolved, layout, device))
     seq_len = resolved.recipe.data.seq_len
     print(f"data: {len(data)} samples x {seq_len} tokens, vocab {data.vocab_size}", flush=True)

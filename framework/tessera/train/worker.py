@@ -244,7 +244,8 @@ def setup(run_dir: RunDir, start: Start, heartbeat: Any = None) -> tuple[RunCont
         from tessera.train.prepare import prepare_as_rank0, wait_prepared
 
         if rank == 0:
-            recipe, layout, data = prepare_as_rank0(run_dir, phase=phase)
+            tick = heartbeat.tick if heartbeat is not None else None
+            recipe, layout, data = prepare_as_rank0(run_dir, phase=phase, progress=tick)
         else:
             wait_prepared(run_dir, phase=phase)
     recipe = recipe if recipe is not None else load_run_recipe(run_dir)
