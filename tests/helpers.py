@@ -484,7 +484,7 @@ def hf_loss_on_step(model, run_dir: Path, step: int) -> float:
     rd = RunDir(run_dir)
     recipe = validate_recipe(yaml.safe_load(rd.recipe.read_text()))
     data = load_prepared(rd.read_json(RunDir.DATA))
-    sampler = StepSampler.for_layout(len(data), layout_from_recipe(recipe), rank=0, seed=recipe.train.seed)
+    sampler = StepSampler.for_data(data, layout_from_recipe(recipe), rank=0, seed=recipe.train.seed)
     rows = sampler.peek_global(step - 1)  # 0-based
     with torch.no_grad():
         b = data.rows.batch(rows, sampler.epoch_of(step - 1))

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tessera.data.sources import REPREPARE, bad_source, check_index
+from tessera.data.sources import REPREPARE, bad_source, check_prefix
 
 IGNORE_INDEX = -100
 
@@ -43,13 +43,7 @@ class TokenFile:
 
     def __init__(self, prefix: str):
         self.prefix = prefix
-        idx, bin_ = Path(prefix + ".idx"), Path(prefix + ".bin")
-        for p in (idx, bin_):
-            if not p.is_file():
-                raise bad_source(
-                    prefix, f"{p} not found", "name a prefix PATH with PATH.bin and PATH.idx beside it"
-                )
-        counts = check_index(idx)
+        counts = check_prefix(prefix)
         import warnings
 
         with warnings.catch_warnings():  # megatron-core's package import warns about TransformerEngine / Apex
@@ -59,32 +53,39 @@ class TokenFile:
         try:
             self.dataset = IndexedDataset(prefix, mmap=True)
         except (AssertionError, ValueError) as e:  # megatron-core validates with asserts
-            raise bad_source(prefix, f"{idx}: not a readable megatron index ({e})", REPREPARE) from None
+            raise bad_source(
+                prefix, f"{prefix}.idx: not a readable megatron index ({e})", REPREPARE
+            ) from None
         index = self.dataset.index
         self.dtype = np.dtype(index.dtype)
         self.lengths: np.ndarray = index.sequence_lengths
         self.pointers: np.ndarray = index.sequence_pointers
         self.doc_index: np.ndarray = index.document_indices
         if (len(self.lengths), len(self.doc_index)) != counts:
-            raise bad_source(prefix, f"{idx}: the index does not read back as its header says", REPREPARE)
-        n = len(self.lengths)
-        end = int(self.pointers[-1]) + int(self.lengths[-1]) * self.dtype.itemsize if n else 0
-        size = bin_.stat().st_size
-        if size != end:
-            what = "truncated" if size < end else "longer than its index"
             raise bad_source(
-                prefix,
-                f"{bin_} is {what}: {size:,} bytes, the index {idx.name} describes {end:,}",
-                REPREPARE,
+                prefix, f"{prefix}.idx: the index does not read back as its header says", REPREPARE
             )
-        if n and not (
-            self.pointers[0] == 0
-            and np.array_equal(
-                self.pointers[1:], self.pointers[:-1] + self.lengths[:-1] * self.dtype.itemsize
+        if not self._contiguous():
+            raise bad_source(
+                prefix, f"{prefix}.idx: sequence pointers are not contiguous in the .bin", REPREPARE
             )
-        ):
-            raise bad_source(prefix, f"{idx}: sequence pointers are not contiguous in {bin_.name}", REPREPARE)
-        self.tokens = np.memmap(bin_, dtype=self.dtype, mode="r") if end else np.zeros(0, self.dtype)
+        bin_ = Path(prefix + ".bin")
+        self.tokens = (
+            np.memmap(bin_, dtype=self.dtype, mode="r") if bin_.stat().st_size else np.zeros(0, self.dtype)
+        )
+
+    def _contiguous(self, chunk: int = 1 << 20) -> bool:
+        """Each sequence starts where the one before it ends (what packing a stream relies on); checked a
+        million sequences at a time, so the check's memory does not grow with the corpus either."""
+        n, size = len(self.lengths), self.dtype.itemsize
+        if n and self.pointers[0] != 0:
+            return False
+        for a in range(0, max(n - 1, 0), chunk):
+            b = min(a + chunk, n - 1)
+            want = self.pointers[a:b] + self.lengths[a:b].astype(np.int64) * size
+            if not np.array_equal(self.pointers[a + 1 : b + 1], want):
+                return False
+        return True
 
     @property
     def num_docs(self) -> int:
@@ -94,19 +95,21 @@ class TokenFile:
     def num_tokens(self) -> int:
         return int(self.tokens.shape[0])
 
-    def doc_bounds(self, docs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def doc_bounds(self, docs: np.ndarray | range) -> tuple[np.ndarray, np.ndarray]:
         """Token start and end of each document in ``docs`` (a document is one or more sequences)."""
+        docs = np.asarray(docs, dtype=np.int64)
         first, last = self.doc_index[docs], self.doc_index[docs + 1] - 1
         start = self.pointers[first] // self.dtype.itemsize
         end = self.pointers[last] // self.dtype.itemsize + self.lengths[last]
         return start.astype(np.int64), end.astype(np.int64)
 
 
-def strided(n: int, k: int | None) -> np.ndarray:
+def strided(n: int, k: int | None) -> np.ndarray | range:
     """``k`` indices spread evenly over ``range(n)`` (all of them if ``k`` is None or ``>= n``): the
-    documents ``data.max_docs`` keeps (evenly strided so a small CPU corpus spans the whole source)."""
+    documents ``data.max_docs`` keeps (evenly strided so a small CPU corpus spans the whole source).
+    All of them is a ``range``: two numbers, however many documents."""
     if k is None or k >= n:
-        return np.arange(n, dtype=np.int64)
+        return range(n)
     return (np.arange(k, dtype=np.int64) * n) // k
 
 
@@ -118,6 +121,12 @@ class Rows:
 
     seq_len: int
     names: list[str]
+    #: the rows come in an order of their own (a blend: the weights hold at every step), so the sampler
+    #: takes them in sequence rather than shuffling them (see :class:`BlendRows`)
+    own_order = False
+
+    def set_seed(self, seed: int) -> None:
+        """The run's seed, for rows that shuffle themselves (a blend shuffles inside each source)."""
 
     def __len__(self) -> int:
         raise NotImplementedError
@@ -159,11 +168,15 @@ class _Stream:
     """stream offset of each run (``len(starts) + 1``, the last is the stream's length)"""
 
 
-def _stream(tf: TokenFile, docs: np.ndarray) -> _Stream:
+def _stream(tf: TokenFile, docs: np.ndarray | range) -> _Stream:
     """The documents ``docs`` (ascending) as runs of contiguous tokens: one run for a range of
     documents, so a source read whole costs two numbers however large it is."""
     if len(docs) == 0:
         return _Stream(np.zeros(0, np.int64), np.zeros(1, np.int64))
+    if isinstance(docs, range):  # contiguous: its first document's start, its last one's end
+        start, _ = tf.doc_bounds(np.array([docs[0]]))
+        _, end = tf.doc_bounds(np.array([docs[-1]]))
+        return _Stream(start, np.array([0, int(end[0] - start[0])], dtype=np.int64))
     start, end = tf.doc_bounds(docs)
     breaks = np.flatnonzero(start[1:] != end[:-1]) + 1  # where a document does not follow the last
     first = np.concatenate([[0], breaks])
@@ -175,7 +188,7 @@ def _stream(tf: TokenFile, docs: np.ndarray) -> _Stream:
 class PackedRows(Rows):
     """Rows of ``seq_len`` tokens cut from the stream of the selected documents (the tail is dropped)."""
 
-    def __init__(self, tf: TokenFile, docs: np.ndarray, seq_len: int, name: str = "data"):
+    def __init__(self, tf: TokenFile, docs: np.ndarray | range, seq_len: int, name: str = "data"):
         self.tf, self.seq_len, self.names = tf, seq_len, [name]
         self.stream = _stream(tf, docs)
         self.num_tokens = int(self.stream.cum[-1])
@@ -206,7 +219,9 @@ class PackedRows(Rows):
 class DocumentRows(Rows):
     """One row per selected document (a document of only its eos is no row), truncated and padded."""
 
-    def __init__(self, tf: TokenFile, docs: np.ndarray, seq_len: int, pad_id: int, name: str = "data"):
+    def __init__(
+        self, tf: TokenFile, docs: np.ndarray | range, seq_len: int, pad_id: int, name: str = "data"
+    ):
         self.tf, self.seq_len, self.pad_id, self.names = tf, seq_len, pad_id, [name]
         start, end = tf.doc_bounds(docs)
         keep = end - start > 1
@@ -233,7 +248,16 @@ class DocumentRows(Rows):
 
 
 class BlendRows(Rows):
-    """A deterministic weighted mixture of the rows of several sources (see the module)."""
+    """A deterministic weighted mixture of the rows of several sources (see the module).
+
+    As in megatron-core (a ``BlendedDataset`` read in sequence), position ``j`` of a pass draws from the
+    source megatron's blending index names, so after any number of steps each source has given its weight
+    of the rows to within one row; the shuffling happens inside each source instead: a source's ``k``-th
+    draw is row ``perm_p[k mod n]`` of its pass ``p = k div n``, a permutation seeded by the run's seed,
+    the source and the pass, so every row of a source is seen once before any is seen again.
+    """
+
+    own_order = True
 
     def __init__(
         self, parts: list[Rows], weights: list[float], names: list[str], size: int, cache: Path | None
@@ -251,6 +275,22 @@ class BlendRows(Rows):
         self.source, self.sample = _blend_index(helpers, self.weights, size, cache)
         self.draws = np.bincount(self.source, minlength=len(parts)).astype(np.int64)
         """rows each source gives per pass"""
+        self.sizes = np.array([len(p) for p in parts], dtype=np.int64)
+        self.seed = 0
+        self._perms: dict[tuple[int, int], np.ndarray] = {}
+
+    def set_seed(self, seed: int) -> None:
+        self.seed, self._perms = seed, {}
+
+    def _perm(self, source: int, p: int) -> np.ndarray:
+        """Source ``source``'s row order in its pass ``p`` (the two last used are kept per source)."""
+        key = (source, p)
+        if key not in self._perms:
+            for old in [k for k in self._perms if k[0] == source and k[1] < p - 1]:
+                del self._perms[old]
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + source * 10_007 + p)
+            self._perms[key] = torch.randperm(int(self.sizes[source]), generator=gen).numpy()
+        return self._perms[key]
 
     def __len__(self) -> int:
         return self.size
@@ -258,8 +298,11 @@ class BlendRows(Rows):
     def _locate(self, indices: Sequence[int], epoch: int) -> tuple[np.ndarray, np.ndarray]:
         j = np.asarray(indices, dtype=np.int64)
         src = self.source[j].astype(np.int64)
-        sizes = np.array([len(p) for p in self.parts], dtype=np.int64)
-        row = (self.sample[j] + epoch * self.draws[src]) % sizes[src]
+        k = self.sample[j] + epoch * self.draws[src]  # the source's draws before this one
+        row = np.empty(len(j), dtype=np.int64)
+        for i, (s, draw) in enumerate(zip(src.tolist(), k.tolist())):
+            p, at = divmod(draw, int(self.sizes[s]))
+            row[i] = self._perm(s, p)[at]
         return src, row
 
     def rows(self, indices: Sequence[int], epoch: int = 0) -> tuple[np.ndarray, np.ndarray]:

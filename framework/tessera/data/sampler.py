@@ -38,6 +38,7 @@ class StepSampler:
         dp_rank: int,
         dp_size: int,
         seed: int = 0,
+        shuffle: bool = True,
     ):
         if micro_batch < 1 or grad_accum < 1 or dp_size < 1:
             raise ValueError(
@@ -68,6 +69,7 @@ class StepSampler:
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.seed = seed
+        self.shuffle = shuffle
         self.epoch = 0
         self.step_in_epoch = 0
         self.consumed_samples = 0
@@ -77,7 +79,9 @@ class StepSampler:
         self.source_tokens: list[int] | None = None
 
     @classmethod
-    def for_layout(cls, num_samples: int, layout: ParallelLayout, *, rank: int, seed: int) -> StepSampler:
+    def for_layout(
+        cls, num_samples: int, layout: ParallelLayout, *, rank: int, seed: int, shuffle: bool = True
+    ) -> StepSampler:
         """The sampler of global ``rank`` in ``layout`` (batch split and dp rank come from the layout)."""
         return cls(
             num_samples,
@@ -87,7 +91,19 @@ class StepSampler:
             dp_rank=layout.dp_rank(rank),
             dp_size=layout.dp,
             seed=seed,
+            shuffle=shuffle,
         )
+
+    @classmethod
+    def for_data(cls, data: Any, layout: ParallelLayout, *, rank: int, seed: int) -> StepSampler:
+        """The sampler of a run's prepared data: rows with an order of their own (a blend) are taken in
+        sequence and told the seed; a blend's sampler counts the tokens of each source."""
+        rows = data.rows
+        rows.set_seed(seed)
+        sampler = cls.for_layout(len(rows), layout, rank=rank, seed=seed, shuffle=not rows.own_order)
+        if len(rows.names) > 1:
+            sampler.source_tokens = [0] * len(rows.names)
+        return sampler
 
     @property
     def steps_per_epoch(self) -> int:
@@ -102,8 +118,11 @@ class StepSampler:
     def _permutation(self, epoch: int) -> torch.Tensor:
         """The epoch's permutation; an explicit generator keeps it independent of torch's global RNG."""
         if self._perm is None or self._perm[0] != epoch:
-            gen = torch.Generator().manual_seed(self.seed + epoch)
-            self._perm = (epoch, torch.randperm(self.num_samples, generator=gen))
+            if self.shuffle:
+                gen = torch.Generator().manual_seed(self.seed + epoch)
+                self._perm = (epoch, torch.randperm(self.num_samples, generator=gen))
+            else:
+                self._perm = (epoch, torch.arange(self.num_samples))
         return self._perm[1]
 
     def _global_batch(self, epoch: int, step_in_epoch: int) -> torch.Tensor:

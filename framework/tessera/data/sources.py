@@ -190,8 +190,44 @@ def describe_sources(section: DataSection, *, root: Path) -> list[str]:
                 f"{name}: {len(files)} raw file(s), prepared before the launch (weight {e.weight:g})"
             )
             continue
-        seqs, _ = check_index(Path(prefix + ".idx"))
-        if not Path(prefix + ".bin").is_file():
-            raise bad_source(prefix, f"{prefix}.bin not found", REPREPARE)
+        seqs, _ = check_prefix(prefix)
         lines.append(f"{name}: {what}, {seqs:,} sequences (weight {e.weight:g})")
     return lines
+
+
+def _check_bin(idx: Path, bin_: Path, seqs: int) -> None:
+    """The ``.bin`` is as long as the index's last sequence says (read from the index: two numbers)."""
+    import struct
+
+    if not bin_.is_file():
+        raise bad_source(str(bin_)[:-4], f"{bin_} not found", REPREPARE)
+    if seqs == 0:
+        return
+    with open(idx, "rb") as f:
+        code = f.read(_FIXED)[17]
+        f.seek(_FIXED + 4 * (seqs - 1))
+        (length,) = struct.unpack("<i", f.read(4))
+        f.seek(_FIXED + 4 * seqs + 8 * (seqs - 1))
+        (pointer,) = struct.unpack("<q", f.read(8))
+    itemsize = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 4, 8: 2}.get(code, 0)  # megatron-core's DType codes
+    end, size = pointer + length * itemsize, bin_.stat().st_size
+    if itemsize and size != end:
+        what = "truncated" if size < end else "longer than its index"
+        raise bad_source(
+            str(bin_)[:-4],
+            f"{bin_} is {what}: {size:,} bytes, the index {idx.name} describes {end:,}",
+            REPREPARE,
+        )
+
+
+def check_prefix(prefix: str) -> tuple[int, int]:
+    """An indexed dataset's ``.idx`` header against the file's size and the ``.bin``'s size against the
+    index; (sequences, documents + 1). Reads a few bytes, whatever the size of the dataset."""
+    idx = Path(prefix + ".idx")
+    if not idx.is_file():
+        raise bad_source(
+            prefix, f"{idx} not found", "name a prefix PATH with PATH.bin and PATH.idx beside it"
+        )
+    seqs, docs = check_index(idx)
+    _check_bin(idx, Path(prefix + ".bin"), seqs)
+    return seqs, docs

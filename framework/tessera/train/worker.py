@@ -283,9 +283,7 @@ def setup(run_dir: RunDir, start: Start, heartbeat: Any = None) -> tuple[RunCont
     )
     engine = engine_class(layout.engine)(source, recipe, layout, device=device)
     counter.namer = group_namer(layout, engine.named_groups())
-    sampler = StepSampler.for_layout(len(data), layout, rank=rank, seed=recipe.train.seed)
-    if len(data.rows.names) > 1:  # a blend: count what each source gives (metrics, W&B, manifest)
-        sampler.source_tokens = [0] * len(data.rows.names)
+    sampler = StepSampler.for_data(data, layout, rank=rank, seed=recipe.train.seed)
     manifest = _manifest(recipe, layout, data, run_dir, device)
     if fault is not None:
         manifest["fault_injection"] = fault.describe()
