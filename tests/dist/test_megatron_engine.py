@@ -8,6 +8,8 @@ processes (train_runs) to pay the imports once.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from helpers import (
@@ -91,6 +93,8 @@ def runs(tmp_path_factory):
     for name, (base_run, how) in RECOMPUTED.items():  # megatron-core's recompute granularities
         two[name] = (TWO[base_run][0], [*COMMON, f"parallel.recompute={how}"], False)
     two["deepspeed_dp2_zero2"] = (LLAMA, COMMON, False)  # the foundation's engine, same seed
+    two["ddp_dp2"] = (LLAMA, [*COMMON, "parallel.engine=ddp", "parallel.zero=0"], False)  # the baseline
+    two["blend_ddp"] = (LLAMA, [*COMMON, *_blend_sources(base), "parallel.engine=ddp", "parallel.zero=0"], False)
     for name, (recipe, over) in MOE_AUX.items():  # the router load-balancing loss in three engines
         two[name] = (recipe, [*COMMON, f"model.moe_aux_loss_coeff={AUX_COEFF}", *over], False)
     # first halves of the resume checks (checkpoint at step 5), on the dist_checkpointing paths
@@ -112,6 +116,35 @@ def runs(tmp_path_factory):
     batch({k: (rec, COMMON, False) for k, rec in FOUR.items()}, 4)
     out["_base"] = base  # type: ignore[assignment]
     return out
+
+
+def _blend_sources(base) -> list[str]:
+    """Two sources blended 0.7 / 0.3: one prepared by `tessera data prepare` (jsonl of standard-library
+    files), one written by megatron-core's own IndexedDatasetBuilder (not through Tessera), both with the
+    tokenizer of the recipe's BPE. Returns the recipe overrides that name them."""
+    import json
+
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    from transformers import AutoTokenizer
+
+    from tessera.config.loader import load_recipe
+    from tessera.data import load_corpus, prepare_data
+    from tessera.data.prepare import prepare_dataset
+
+    section = load_recipe(LLAMA, COMMON).recipe.data
+    tok_dir = prepare_data(section, root=REPO).tokenizer_dir  # the BPE the other runs use (cached)
+    docs = load_corpus(section, root=REPO).documents
+    (base / "web.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[:60]))
+    prepare_dataset([str(base / "web.jsonl")], tokenizer=tok_dir, out=base / "web", workers=1, show_progress=False)
+    tok = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
+    builder = IndexedDatasetBuilder(str(base / "code_text_document.bin"), dtype=np.uint16)
+    for d in docs[60:120]:
+        ids = [*tok(d, add_special_tokens=False)["input_ids"], tok.eos_token_id]
+        builder.add_document(np.asarray(ids, dtype=np.uint16), [len(ids)])
+    builder.finalize(str(base / "code_text_document.idx"))
+    sources = f"[{{path: {base / 'web'}, weight: 0.7, name: web}}, {{path: {base / 'code_text_document'}, weight: 0.3, name: code}}]"
+    return [f"data.sources={sources}", f"data.tokenizer={tok_dir}"]
 
 
 # Mixtral with the router load-balancing loss (2 micro-batches per rank: its averaging is checked too)
@@ -193,6 +226,50 @@ def test_four_rank_layouts_match_single_rank(runs, name):
 def test_deepspeed_dp2_zero2_matches_megatron_tp2(runs):
     """The two engines from the same seed, step by step."""
     assert_close_rel(losses(runs["tp2"]), losses(runs["deepspeed_dp2_zero2"]), 1e-5)
+
+
+def test_engines_agree_on_the_mapped_dataset_at_step_10(runs):
+    """ZeRO-2, megatron TP2 and ddp read the same rows from the memory-mapped dataset (the prepared
+    standard-library corpus in the cache, mapped by every rank): their step-10 losses agree to 1e-6."""
+    from tessera.rundir import RunDir
+
+    for name in ("deepspeed_dp2_zero2", "tp2", "ddp_dp2"):
+        spec = RunDir(runs["_base"] / name).read_json(RunDir.DATA)["spec"]
+        prefix = spec["sources"][0]["prefix"]
+        assert Path(prefix).parent.parent.name == "prepared"  # <cache_dir>/prepared/<key>/tokens
+        assert Path(prefix + ".bin").is_file() and Path(prefix + ".idx").is_file()
+    ref = runs["ddp_dp2"][STEPS - 1]["loss"]
+    for name in ("deepspeed_dp2_zero2", "tp2"):
+        assert abs(runs[name][STEPS - 1]["loss"] - ref) <= 1e-6 * ref, (name, runs[name][STEPS - 1]["loss"], ref)
+
+
+def test_a_blend_reports_the_tokens_of_each_source(runs):
+    """A 0.7 / 0.3 blend of a prepared directory and a megatron-core builder's prefix trains; the tokens
+    per source in metrics.jsonl and the manifest are what the sampler and the rows give, recomputed here
+    from the run's own data record, and follow the weights to within a row."""
+    from tessera.config.loader import load_run_recipe
+    from tessera.data import StepSampler, load_prepared
+    from tessera.plan.layout import layout_from_recipe
+    from tessera.rundir import RunDir
+
+    rd = RunDir(runs["_base"] / "blend_ddp")
+    recs = runs["blend_ddp"]
+    assert len(recs) == STEPS and recs[-1]["loss"] < recs[0]["loss"]
+    data = load_prepared(rd.read_json(RunDir.DATA))
+    recipe = load_run_recipe(rd)
+    sampler = StepSampler.for_data(data, layout_from_recipe(recipe), rank=0, seed=recipe.train.seed)
+    counts = [0, 0]
+    for rec in recs:
+        sampler.next_step()
+        per = data.rows.tokens_by_source(sampler.last_global_batch, sampler.last_epoch)
+        counts = [a + int(b) for a, b in zip(counts, per)]
+        assert rec["tokens_by_source"] == {"web": counts[0], "code": counts[1]}
+    rows = STEPS * recipe.parallel.global_batch
+    assert abs(counts[0] / recipe.data.seq_len - 0.7 * rows) <= 1
+    manifest = rd.read_json(RunDir.MANIFEST)
+    assert manifest["tokens_by_source"] == recs[-1]["tokens_by_source"]
+    kinds = {s["name"]: s["kind"] for s in manifest["data"]["sources"]}
+    assert kinds == {"web": "prepared", "code": "megatron"}
 
 
 @pytest.mark.parametrize("name", ["dp2_distopt", "tp2"])

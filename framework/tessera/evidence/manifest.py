@@ -236,6 +236,7 @@ def capture_manifest(
 # inputs (the plan follows from config + hardware)
 _VOLATILE = {
     "launcher_command", "hardware.hostname", "checkpoint_step", "resumed_from", "resharded", "plan", "restarts", "stopped",
+    "tokens_by_source",
     "fault_injection", "environment.MASTER_ADDR", "environment.MASTER_PORT", "environment.WORLD_SIZE",
     "tokenizer.path",  # where the cache or the checkout is; tokenizer.sha256 pins what it holds
 }  # fmt: skip

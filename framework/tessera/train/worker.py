@@ -401,6 +401,8 @@ def finish(ctx: RunContext, *, stopped: RunStopped | None = None) -> None:
         return
     records = ctx.run_dir.read_metrics()
     pngs = plot_run(ctx.run_dir.path, records, peaks, held, activations)
+    tokens = ctx.sampler.source_tokens  # a blend: what each source gave, since the run began
+    seen = {} if tokens is None else {"tokens_by_source": dict(zip(ctx.data.rows.names, tokens))}
     latest = ctx.ckpt.latest() if ctx.last_saved is not None else None
     ctx.run_dir.write_json(
         RunDir.SUMMARY,
@@ -417,10 +419,13 @@ def finish(ctx: RunContext, *, stopped: RunStopped | None = None) -> None:
             "plots": [str(p) for p in pngs],
             "stopped": None if stopped is None else {"diagnosis": str(stopped), "exit_code": stopped.code},
             "restarts": ctx.manifest.get("restarts", []),
-        },
+        }
+        | seen,
     )
     if stopped is not None:
         ctx.manifest["stopped"] = {"diagnosis": str(stopped), "exit_code": stopped.code}
+    if stopped is not None or seen:
+        ctx.manifest.update(seen)
         ctx.run_dir.write_json(RunDir.MANIFEST, ctx.manifest)
 
 
