@@ -609,3 +609,41 @@ def read_wandb_records(run_dir: Path) -> list:
             out.append(rec)
             parts = []
     return out
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def chat_tokenizer(base_dir, out):
+    """The tokenizer in ``base_dir`` with ChatML's turn markers as special tokens and a ChatML chat
+    template, saved to ``out`` (what a chat fine-tune's tokenizer directory holds)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(base_dir), local_files_only=True)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = CHATML
+    tok.save_pretrained(str(out))
+    return out
+
+
+def chat_rows(n: int, salt: int = 0) -> list[dict]:
+    """``n`` conversations of 2-4 turns (some with a system turn, some with two assistant turns)."""
+    words = ["alpha", "beta", "gamma", "delta", "def", "return", "import", "class", "value", "list"]
+    rows = []
+    for i in range(n):
+
+        def say(k: int, length: int, i: int = i) -> str:
+            return " ".join(words[(i * 3 + k * 7 + j + salt) % len(words)] for j in range(length))
+
+        msgs = [{"role": "system", "content": say(0, 3)}] if i % 3 == 0 else []
+        msgs += [
+            {"role": "user", "content": say(1, 4 + i % 5)},
+            {"role": "assistant", "content": say(2, 3 + i % 7)},
+        ]
+        if i % 2:
+            msgs += [{"role": "user", "content": say(3, 2)}, {"role": "assistant", "content": say(4, 5)}]
+        rows.append({"messages": msgs})
+    return rows

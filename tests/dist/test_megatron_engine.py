@@ -95,6 +95,9 @@ def runs(tmp_path_factory):
     two["deepspeed_dp2_zero2"] = (LLAMA, COMMON, False)  # the foundation's engine, same seed
     two["ddp_dp2"] = (LLAMA, [*COMMON, "parallel.engine=ddp", "parallel.zero=0"], False)  # the baseline
     two["blend_ddp"] = (LLAMA, [*COMMON, *_blend_sources(base), "parallel.engine=ddp", "parallel.zero=0"], False)
+    chat = _chat_finetune(base)  # one fine-tune, three engines, the same losses
+    for name, over in CHAT.items():
+        two[name] = (LLAMA, [*COMMON, *chat, *over], False)
     for name, (recipe, over) in MOE_AUX.items():  # the router load-balancing loss in three engines
         two[name] = (recipe, [*COMMON, f"model.moe_aux_loss_coeff={AUX_COEFF}", *over], False)
     # first halves of the resume checks (checkpoint at step 5), on the dist_checkpointing paths
@@ -145,6 +148,46 @@ def _blend_sources(base) -> list[str]:
     builder.finalize(str(base / "code_text_document.idx"))
     sources = f"[{{path: {base / 'web'}, weight: 0.7, name: web}}, {{path: {base / 'code_text_document'}, weight: 0.3, name: code}}]"
     return [f"data.sources={sources}", f"data.tokenizer={tok_dir}"]
+
+
+CHAT = {
+    "chat_ddp": ["parallel.engine=ddp", "parallel.zero=0"],
+    "chat_zero3": ["parallel.zero=3"],
+    "chat_tp2": ["parallel.engine=megatron", "parallel.tp=2", "parallel.zero=0"],
+}
+
+
+def _chat_finetune(base) -> list[str]:
+    """A pretrained tiny Llama (save_pretrained, seed 7) whose tokenizer is the recipe's BPE with ChatML
+    turn markers and template, and 64 conversations in a jsonl: the overrides of a chat fine-tune
+    (padded rows, the loss on the assistant turns only)."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from helpers import chat_rows, chat_tokenizer
+    from tessera.config.loader import load_recipe
+    from tessera.data import prepare_data
+    from tessera.models.hf import load_hf_config
+
+    recipe = load_recipe(LLAMA).recipe
+    hf = base / "chat-model"
+    torch.manual_seed(7)
+    AutoModelForCausalLM.from_config(load_hf_config(recipe.model, vocab_size=520)).save_pretrained(hf)
+    chat_tokenizer(prepare_data(recipe.data, root=REPO).tokenizer_dir, hf)
+    (base / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat_rows(64)))
+    return [
+        "model.hf_config=null",
+        f"model.path={hf}",
+        "model.pretrained=true",
+        "data.source=files",
+        f"data.files=[{base / 'chat.jsonl'}]",
+        "data.format=chat",
+        "data.packing=false",
+        "data.chat.too_long=truncate",
+        "data.eval.fraction=0.1",
+    ]
 
 
 # Mixtral with the router load-balancing loss (2 micro-batches per rank: its averaging is checked too)
@@ -270,6 +313,24 @@ def test_a_blend_reports_the_tokens_of_each_source(runs):
     assert manifest["tokens_by_source"] == recs[-1]["tokens_by_source"]
     kinds = {s["name"]: s["kind"] for s in manifest["data"]["sources"]}
     assert kinds == {"web": "prepared", "code": "megatron"}
+
+
+def test_a_chat_finetune_gives_the_same_losses_under_ddp_zero3_and_megatron_tp2(runs):
+    """From one pretrained directory, on padded chat rows whose labels are the assistant turns only: the
+    three engines' losses (steps 1-10) and final eval loss agree to 1e-6."""
+    from tessera.data import load_prepared
+    from tessera.rundir import RunDir
+
+    data = load_prepared(RunDir(runs["_base"] / "chat_ddp").read_json(RunDir.DATA))
+    assert data.rows.masked and data.fingerprint["sources"][0]["format"] == "chat"
+    b = data.rows.batch(range(16))
+    trained, real = int((b["labels"] != -100).sum()), int((b["input_ids"] != data.pad_id).sum())
+    assert 0 < trained < real  # the prompts and headers are in the rows but not in the loss
+    ref = runs["chat_ddp"]
+    assert len(ref) == STEPS and ref[-1]["loss"] < ref[0]["loss"]
+    for name in ("chat_zero3", "chat_tp2"):
+        assert_close_rel(losses(runs[name]), losses(ref), 1e-6)
+        assert abs(runs[name][-1]["eval_loss"] - ref[-1]["eval_loss"]) <= 1e-6 * ref[-1]["eval_loss"]
 
 
 @pytest.mark.parametrize("name", ["dp2_distopt", "tp2"])

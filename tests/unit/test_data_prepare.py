@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tessera.atomic import sha256_file
-from tessera.data.prepare import DATASET_JSON, PREFIX, Shard, _jsonl_docs, prepare_dataset
+from tessera.data.prepare import DATASET_JSON, PREFIX, RowKind, Shard, _jsonl_docs, prepare_dataset
 from tessera.errors import DataError
 
 
@@ -98,9 +98,9 @@ def test_jsonl_shards_own_every_line_once_wherever_they_are_cut(tmp_path):
     n = path.stat().st_size
     for cuts in ([0, n], [0, 1, n], [0, len(lines[0]), len(lines[0]) + 1, n], [*range(0, n, 37), n]):
         got = [
-            text
+            values[0]
             for a, b in itertools.pairwise(cuts)
-            for text, _ in _jsonl_docs(Shard(0, str(path), "jsonl", a, b), "text")
+            for values, _, _ in _jsonl_docs(Shard(0, str(path), "jsonl", a, b), RowKind())
         ]
         assert got == [json.loads(x)["text"] for x in lines], cuts
 

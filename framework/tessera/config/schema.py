@@ -104,6 +104,17 @@ class PrepareSection(_Section):
     )
 
 
+class ChatSection(_Section):
+    no_assistant: Literal["error", "skip"] = Field(
+        "error", description="a chat row without an assistant turn: refuse it, or skip it (counted)"
+    )
+    too_long: Literal["error", "skip", "truncate"] = Field(
+        "error",
+        description="a fine-tuning row longer than data.seq_len (data.packing: false): refuse, skip "
+        "(counted) or cut it",
+    )
+
+
 class DataSection(_Section):
     source: Literal["stdlib", "files"] = Field(
         "stdlib", description="stdlib = the Python standard library's source files; files = data.files"
@@ -118,8 +129,15 @@ class DataSection(_Section):
         description="how raw text is tokenized into the memory-mapped dataset the ranks read",
     )
     files: list[str] = Field(default_factory=list, description="local text / jsonl / parquet files or globs")
-    format: Literal["auto", "text", "jsonl", "parquet"] = Field(
-        "auto", description="file format; auto picks by extension"
+    format: Literal["auto", "text", "jsonl", "parquet", "chat", "prompt_completion"] = Field(
+        "auto",
+        description="file format (auto picks by extension); chat = rows of messages [{role, content}] "
+        "rendered with the tokenizer's chat template, the loss on assistant turns; prompt_completion = rows "
+        "of prompt and completion, the loss on the completion (both: files by extension)",
+    )
+    chat: ChatSection = Field(
+        default_factory=lambda: ChatSection(),
+        description="fine-tuning rows (data.format chat / prompt_completion): what to do with the odd ones",
     )
     text_field: str = Field("text", description="column holding the text in jsonl / parquet files")
     tokenizer: str = Field(

@@ -192,8 +192,9 @@ def _expand_files(patterns: list[str], root: Path) -> list[Path]:
 
 
 def _file_format(path: Path, fmt: str) -> str:
-    """The format a file is read as: ``data.format`` if set, else by its extension."""
-    if fmt != "auto":
+    """The format a file is read as: ``data.format`` if set, else by its extension (also for chat and
+    prompt-completion rows, which are kinds of rows, not of files)."""
+    if fmt not in ("auto", "chat", "prompt_completion"):
         return fmt
     suffix = path.suffix.lower()
     if suffix not in _EXT_FORMAT:
@@ -368,9 +369,22 @@ def sample_corpus(
             if not rows:
                 continue  # an empty file adds no documents to the run, and no columns to check
             columns = list(dict.fromkeys(k for row in rows for k in row))
+            n_records += len(rows)
+            if section.format in ("chat", "prompt_completion"):  # rows of fields, checked by the prepare
+                from tessera.data.chat import KINDS
+
+                absent = [f for f in KINDS[section.format] if f not in columns]
+                if absent:
+                    raise DataError(
+                        f"{path.name}: no {absent[0]!r} field in its first records (fields: {', '.join(columns)})",
+                        field="data.format",
+                        value=section.format,
+                        fix=f"{section.format} rows need the fields {', '.join(KINDS[section.format])}",
+                    )
+                n_docs += len(rows)
+                continue
             column = _text_column(columns, fmt, [path], section)
             texts = _texts((row.get(column) for row in rows), column, section)
-            n_records += len(rows)
             n_docs += sum(1 for t in texts if t.strip())
     if exhausted and n_docs == 0:  # every file read to its end: the run would find nothing either
         raise DataError(

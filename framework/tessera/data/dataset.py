@@ -26,8 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from tessera.atomic import sha256_json
 from tessera.config.schema import DataSection
+from tessera.data.chat import KINDS
 from tessera.data.identity import data_key
 from tessera.data.mapped import (
     IGNORE_INDEX,
@@ -95,15 +98,24 @@ def build_rows(spec: dict[str, Any]) -> tuple[Rows, Rows | None]:
     held: list[Rows] = []
     for src in spec["sources"]:
         tf = TokenFile(src["prefix"])
+        mask = TokenFile(src["mask"]) if src.get("mask") else None
+        if mask is not None and not np.array_equal(mask.lengths, tf.lengths):
+            raise DataError(
+                f"{src['mask']}.idx does not describe the documents of {src['prefix']}.idx",
+                field="data.sources",
+                value=src["name"],
+                fix="prepare the source again (tessera data prepare)",
+            )
         picks = strided(tf.num_docs, src["max_docs"])
         n_eval = src["eval_docs"]
         for docs, out in ((picks[: len(picks) - n_eval], train), (picks[len(picks) - n_eval :], held)):
             if out is held and not n_eval:
                 continue
             if packing:
-                out.append(PackedRows(tf, docs, seq_len, src["name"]))
+                out.append(PackedRows(tf, docs, seq_len, src["name"], mask=mask))
             else:
-                out.append(DocumentRows(tf, docs, seq_len, pad_id, src["name"]))
+                too_long = src.get("too_long", "truncate")
+                out.append(DocumentRows(tf, docs, seq_len, pad_id, src["name"], mask=mask, too_long=too_long))
     names = [s["name"] for s in spec["sources"]]
     if len(train) == 1:
         rows: Rows = train[0]
@@ -159,6 +171,8 @@ def prepare_data(
             {
                 "name": s.name,
                 "prefix": prefix,
+                "mask": s.mask_prefix(),
+                "too_long": section.chat.too_long if s.mask_prefix() else "truncate",
                 "weight": s.weight,
                 "max_docs": s.max_docs,
                 "eval_docs": eval_docs(section, picked, s.name if section.sources else "the corpus"),
@@ -200,6 +214,15 @@ def _tokenizer(
     """The section's tokenizer. A BPE is trained on the training documents only (never the held-out
     ones) of ``data.source`` / ``data.files``; ``data.sources`` name a tokenizer directory, or are all
     prepared with one (then that one is used)."""
+    if corpus is not None and trains_bpe(section) and section.format in KINDS:
+        raise DataError(
+            f"data.format={section.format} needs a tokenizer directory (a trained BPE has no chat template "
+            "and no idea of turns)",
+            field="data.tokenizer",
+            value=section.tokenizer,
+            fix="set data.tokenizer to a tokenizer directory (with a chat template for chat rows), or use "
+            "model.pretrained (its own tokenizer)",
+        )
     if corpus is not None:
         docs = corpus.documents if trains_bpe(section) else None
         held = eval_docs(section, len(docs)) if docs is not None else 0
@@ -254,6 +277,7 @@ def _prefix(
         workers=section.prepare.workers,
         text_field=section.text_field,
         fmt=s.fmt,
+        no_assistant=section.chat.no_assistant,
         hashes=s.hashes,
         show_progress=show_progress,
         progress=progress,
@@ -295,6 +319,11 @@ def _fingerprint(
                 "weight": e["weight"],
                 "documents": e["documents"],
                 "rows": len(p),
+                "format": (s.record or {}).get("rows", "text"),
+                "skipped": {
+                    **(s.record or {}).get("skipped", {}),
+                    **({"too_long": p.skipped} if getattr(p, "skipped", 0) else {}),
+                },
             }
             for s, e, p in zip(specs, entries, parts)
         ],

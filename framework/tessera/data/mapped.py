@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from tessera.data.sources import REPREPARE, bad_source, check_prefix
+from tessera.errors import DataError
 
 IGNORE_INDEX = -100
 
@@ -131,18 +132,29 @@ class Rows:
     def __len__(self) -> int:
         raise NotImplementedError
 
+    #: whether the rows carry a loss mask (chat / prompt-completion sources)
+    masked = False
+
     def rows(self, indices: Sequence[int], epoch: int = 0) -> tuple[np.ndarray, np.ndarray]:
-        """(ids, label lengths): ``[n, seq_len]`` token ids and each row's real (unpadded) length."""
+        """(ids, lengths): ``[n, seq_len]`` token ids and each row's real (unpadded) length."""
         raise NotImplementedError
 
+    def masks(self, indices: Sequence[int], epoch: int = 0) -> np.ndarray | None:
+        """``[n, seq_len]`` uint8, 1 where the loss is taken (before padding); None: everywhere."""
+        return None
+
     def batch(self, indices: Sequence[int], epoch: int = 0) -> dict[str, torch.Tensor]:
-        """``input_ids`` / ``labels`` (int64 ``[n, seq_len]``) of rows ``indices`` in pass ``epoch``."""
+        """``input_ids`` / ``labels`` (int64 ``[n, seq_len]``) of rows ``indices`` in pass ``epoch``:
+        labels are -100 on padding and where a loss mask is 0."""
         ids, n = self.rows(indices, epoch)
         input_ids = torch.from_numpy(ids.astype(np.int64))
         labels = input_ids.clone()
-        pad = np.arange(self.seq_len)[None, :] >= n[:, None]
-        if pad.any():
-            labels[torch.from_numpy(pad)] = IGNORE_INDEX
+        off = np.arange(self.seq_len)[None, :] >= n[:, None]
+        mask = self.masks(indices, epoch)
+        if mask is not None:
+            off |= mask == 0
+        if off.any():
+            labels[torch.from_numpy(off)] = IGNORE_INDEX
         return {"input_ids": input_ids, "labels": labels}
 
     def lengths(self, indices: Sequence[int], epoch: int = 0) -> np.ndarray:
@@ -150,8 +162,15 @@ class Rows:
         raise NotImplementedError
 
     def label_tokens(self, indices: Sequence[int], epoch: int = 0) -> int:
-        """Label tokens of rows ``indices`` after the causal shift (what the loss is normalised by)."""
-        return int((self.lengths(indices, epoch) - 1).sum())
+        """Label tokens of rows ``indices`` after the causal shift (what the loss is normalised by). With a
+        loss mask this reads the mask bytes of the rows (one byte a token), never their tokens."""
+        n = self.lengths(indices, epoch)
+        if not self.masked:
+            return int((n - 1).sum())
+        mask = self.masks(indices, epoch)
+        assert mask is not None
+        real = np.arange(self.seq_len)[None, :] < n[:, None]
+        return int(((mask == 1) & real)[:, 1:].sum())
 
     def tokens_by_source(self, indices: Sequence[int], epoch: int = 0) -> np.ndarray:
         """Real tokens of rows ``indices`` per source (one source: everything)."""
@@ -188,8 +207,16 @@ def _stream(tf: TokenFile, docs: np.ndarray | range) -> _Stream:
 class PackedRows(Rows):
     """Rows of ``seq_len`` tokens cut from the stream of the selected documents (the tail is dropped)."""
 
-    def __init__(self, tf: TokenFile, docs: np.ndarray | range, seq_len: int, name: str = "data"):
-        self.tf, self.seq_len, self.names = tf, seq_len, [name]
+    def __init__(
+        self,
+        tf: TokenFile,
+        docs: np.ndarray | range,
+        seq_len: int,
+        name: str = "data",
+        mask: TokenFile | None = None,
+    ):
+        self.tf, self.seq_len, self.names, self.mask = tf, seq_len, [name], mask
+        self.masked = mask is not None
         self.stream = _stream(tf, docs)
         self.num_tokens = int(self.stream.cum[-1])
 
@@ -197,8 +224,15 @@ class PackedRows(Rows):
         return self.num_tokens // self.seq_len
 
     def rows(self, indices: Sequence[int], epoch: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        return self._gather(self.tf, indices), np.full(len(indices), self.seq_len)
+
+    def masks(self, indices: Sequence[int], epoch: int = 0) -> np.ndarray | None:
+        return None if self.mask is None else self._gather(self.mask, indices)
+
+    def _gather(self, tf: TokenFile, indices: Sequence[int]) -> np.ndarray:
+        """Rows ``indices`` of the stream, read from ``tf`` (the tokens, or their mask)."""
         L, s = self.seq_len, self.stream
-        out = np.empty((len(indices), L), dtype=self.tf.dtype)
+        out = np.empty((len(indices), L), dtype=tf.dtype)
         for k, i in enumerate(indices):
             if not 0 <= i < len(self):
                 raise IndexError(f"row {i} of {len(self)}")
@@ -208,23 +242,49 @@ class PackedRows(Rows):
                 off = pos + filled - int(s.cum[run])
                 take = min(L - filled, int(s.cum[run + 1]) - pos - filled)
                 a = int(s.starts[run]) + off
-                out[k, filled : filled + take] = self.tf.tokens[a : a + take]
+                out[k, filled : filled + take] = tf.tokens[a : a + take]
                 filled, run = filled + take, run + 1
-        return out, np.full(len(indices), L)
+        return out
 
     def lengths(self, indices: Sequence[int], epoch: int = 0) -> np.ndarray:
         return np.full(len(indices), self.seq_len)
 
 
 class DocumentRows(Rows):
-    """One row per selected document (a document of only its eos is no row), truncated and padded."""
+    """One row per selected document (a document of only its eos is no row), truncated and padded.
+
+    ``too_long``: a document longer than ``seq_len`` is cut (``truncate``), left out (``skip``, counted in
+    :attr:`skipped`) or refused (``error``), the recipe's explicit choice for fine-tuning rows."""
 
     def __init__(
-        self, tf: TokenFile, docs: np.ndarray | range, seq_len: int, pad_id: int, name: str = "data"
+        self,
+        tf: TokenFile,
+        docs: np.ndarray | range,
+        seq_len: int,
+        pad_id: int,
+        name: str = "data",
+        mask: TokenFile | None = None,
+        too_long: str = "truncate",
     ):
-        self.tf, self.seq_len, self.pad_id, self.names = tf, seq_len, pad_id, [name]
+        self.tf, self.seq_len, self.pad_id, self.names, self.mask = tf, seq_len, pad_id, [name], mask
+        self.masked = mask is not None
         start, end = tf.doc_bounds(docs)
         keep = end - start > 1
+        longer = keep & (end - start > seq_len)
+        self.skipped = 0
+        if longer.any() and too_long == "error":
+            first = int(np.asarray(docs)[np.flatnonzero(longer)[0]])
+            raise DataError(
+                f"{int(longer.sum())} rows of {name} are longer than seq_len={seq_len} (the first: document "
+                f"{first}, {int((end - start)[longer][0])} tokens)",
+                field="data.chat.too_long",
+                value=too_long,
+                fix="set data.chat.too_long to truncate (cut them) or skip (leave them out, counted), or raise "
+                "data.seq_len",
+            )
+        if too_long == "skip":
+            self.skipped = int(longer.sum())
+            keep &= ~longer
         self.start = start[keep]
         self.len = np.minimum(end[keep] - start[keep], seq_len)
 
@@ -232,12 +292,20 @@ class DocumentRows(Rows):
         return len(self.start)
 
     def rows(self, indices: Sequence[int], epoch: int = 0) -> tuple[np.ndarray, np.ndarray]:
-        out = np.full((len(indices), self.seq_len), self.pad_id, dtype=np.int64)
         n = self.len[np.asarray(indices, dtype=np.int64)]
+        return self._gather(self.tf, indices, n, self.pad_id), n
+
+    def masks(self, indices: Sequence[int], epoch: int = 0) -> np.ndarray | None:
+        if self.mask is None:
+            return None
+        return self._gather(self.mask, indices, self.len[np.asarray(indices, dtype=np.int64)], 0)
+
+    def _gather(self, tf: TokenFile, indices: Sequence[int], n: np.ndarray, fill: int) -> np.ndarray:
+        out = np.full((len(indices), self.seq_len), fill, dtype=np.int64)
         for k, i in enumerate(indices):
             a = int(self.start[i])
-            out[k, : n[k]] = self.tf.tokens[a : a + n[k]]
-        return out, n
+            out[k, : n[k]] = tf.tokens[a : a + n[k]]
+        return out
 
     def lengths(self, indices: Sequence[int], epoch: int = 0) -> np.ndarray:
         return self.len[np.asarray(indices, dtype=np.int64)]
@@ -247,7 +315,52 @@ class DocumentRows(Rows):
         return int(self.len.sum())
 
 
-class BlendRows(Rows):
+class _Composite(Rows):
+    """Rows drawn from several sources' rows: :meth:`_locate` maps an index to (source, row)."""
+
+    parts: list[Rows]
+
+    def _locate(self, indices: Sequence[int], epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        raise NotImplementedError
+
+    @property
+    def masked(self) -> bool:  # type: ignore[override]
+        return any(p.masked for p in self.parts)
+
+    def _each(self, indices: Sequence[int], epoch: int, read: Any, width: int | None) -> np.ndarray:
+        """``read(part, rows)`` of each source's share of ``indices``, put back in their order."""
+        src, row = self._locate(indices, epoch)
+        out = np.empty((len(indices), width) if width else len(indices), dtype=np.int64)
+        for s in np.unique(src):
+            at = np.flatnonzero(src == s)
+            out[at] = read(self.parts[s], row[at].tolist())
+        return out
+
+    def rows(self, indices: Sequence[int], epoch: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        ids = self._each(indices, epoch, lambda p, r: p.rows(r)[0], self.seq_len)
+        return ids, self.lengths(indices, epoch)
+
+    def lengths(self, indices: Sequence[int], epoch: int = 0) -> np.ndarray:
+        return self._each(indices, epoch, lambda p, r: p.lengths(r), None)
+
+    def masks(self, indices: Sequence[int], epoch: int = 0) -> np.ndarray | None:
+        if not self.masked:
+            return None
+        ones = np.ones(self.seq_len, dtype=np.int64)  # a source without a mask trains on every token
+
+        def read(p: Rows, r: list[int]) -> np.ndarray:
+            m = p.masks(r)
+            return np.broadcast_to(ones, (len(r), self.seq_len)) if m is None else m
+
+        return self._each(indices, epoch, read, self.seq_len)
+
+    def tokens_by_source(self, indices: Sequence[int], epoch: int = 0) -> np.ndarray:
+        src, _ = self._locate(indices, epoch)
+        n = self.lengths(indices, epoch)
+        return np.bincount(src, weights=n, minlength=len(self.parts)).astype(np.int64)
+
+
+class BlendRows(_Composite):
     """A deterministic weighted mixture of the rows of several sources (see the module).
 
     As in megatron-core (a ``BlendedDataset`` read in sequence), position ``j`` of a pass draws from the
@@ -305,30 +418,6 @@ class BlendRows(Rows):
             row[i] = self._perm(s, p)[at]
         return src, row
 
-    def rows(self, indices: Sequence[int], epoch: int = 0) -> tuple[np.ndarray, np.ndarray]:
-        src, row = self._locate(indices, epoch)
-        out = np.empty((len(indices), self.seq_len), dtype=np.int64)
-        n = np.empty(len(indices), dtype=np.int64)
-        for s in np.unique(src):
-            at = np.flatnonzero(src == s)
-            ids, lens = self.parts[s].rows(row[at].tolist())
-            out[at], n[at] = ids, lens
-        return out, n
-
-    def lengths(self, indices: Sequence[int], epoch: int = 0) -> np.ndarray:
-        src, row = self._locate(indices, epoch)
-        n = np.empty(len(indices), dtype=np.int64)
-        for s in np.unique(src):
-            at = np.flatnonzero(src == s)
-            n[at] = self.parts[s].lengths(row[at].tolist())
-        return n
-
-    def tokens_by_source(self, indices: Sequence[int], epoch: int = 0) -> np.ndarray:
-        src, _ = self._locate(indices, epoch)
-        return np.bincount(src, weights=self.lengths(indices, epoch), minlength=len(self.parts)).astype(
-            np.int64
-        )
-
 
 def _blend_index(
     helpers: Any, weights: np.ndarray, size: int, cache: Path | None
@@ -353,7 +442,7 @@ def _blend_index(
     return source, sample
 
 
-class ConcatRows(Rows):
+class ConcatRows(_Composite):
     """The rows of several sources one after the other (the held-out split of a blend: every source's
     held-out documents, unweighted)."""
 
@@ -364,24 +453,7 @@ class ConcatRows(Rows):
     def __len__(self) -> int:
         return int(self.offsets[-1])
 
-    def _locate(self, indices: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    def _locate(self, indices: Sequence[int], epoch: int = 0) -> tuple[np.ndarray, np.ndarray]:
         j = np.asarray(indices, dtype=np.int64)
         src = np.searchsorted(self.offsets, j, side="right") - 1
         return src, j - self.offsets[src]
-
-    def rows(self, indices: Sequence[int], epoch: int = 0) -> tuple[np.ndarray, np.ndarray]:
-        src, row = self._locate(indices)
-        out = np.empty((len(indices), self.seq_len), dtype=np.int64)
-        n = np.empty(len(indices), dtype=np.int64)
-        for s in np.unique(src):
-            at = np.flatnonzero(src == s)
-            out[at], n[at] = self.parts[s].rows(row[at].tolist())
-        return out, n
-
-    def lengths(self, indices: Sequence[int], epoch: int = 0) -> np.ndarray:
-        src, row = self._locate(indices)
-        n = np.empty(len(indices), dtype=np.int64)
-        for s in np.unique(src):
-            at = np.flatnonzero(src == s)
-            n[at] = self.parts[s].lengths(row[at].tolist())
-        return n

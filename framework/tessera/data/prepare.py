@@ -36,6 +36,8 @@ PREPARE_VERSION = 1
 DATASET_JSON = "dataset.json"
 #: the indexed dataset's path prefix inside ``--out``: ``tokens.bin`` / ``tokens.idx``
 PREFIX = "tokens"
+#: the loss mask's (chat / prompt-completion rows): one uint8 per token, the same documents
+MASK = "mask"
 _TEXT = {".txt", ".text", ".md", ".rst", ".py"}
 _FORMATS = {
     **dict.fromkeys(_TEXT, "text"),
@@ -148,8 +150,58 @@ def _line_of(path: str, offset: int) -> int:
         return f.read(offset).count(b"\n") + 1
 
 
-def _jsonl_docs(shard: Shard, field: str) -> Iterator[tuple[str | None, int]]:
-    """(text, bytes) of each line whose first byte lies in the shard's range; None for a null text."""
+@dataclass(frozen=True)
+class RowKind:
+    """What a source's rows hold: ``text`` (``field``), ``chat`` (``messages``) or ``prompt_completion``."""
+
+    kind: str = "text"
+    field: str = "text"
+    no_assistant: str = "error"
+    """a chat row without an assistant turn: ``error`` or ``skip`` (counted in dataset.json)"""
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        from tessera.data.chat import KINDS
+
+        return KINDS.get(self.kind, (self.field,))
+
+    @property
+    def setting(self) -> tuple[str, str]:
+        """The recipe field and the fix for a row that lacks a field."""
+        if self.kind == "text":
+            return "data.text_field", "set --text-field (data.text_field) to the field that holds the text"
+        return "data.format", f"{self.kind} rows need the fields {', '.join(self.fields)}"
+
+    @property
+    def masked(self) -> bool:
+        return self.kind != "text"
+
+
+def row_kind(fmt: str, field: str = "text", no_assistant: str = "error") -> tuple[str, RowKind]:
+    """``--format`` / ``data.format`` split into the file format and the rows' kind (``chat`` and
+    ``prompt_completion`` are kinds of rows in files whose format goes by their extension)."""
+    from tessera.data.chat import KINDS
+
+    if fmt in KINDS:
+        return "auto", RowKind(fmt, field, no_assistant)
+    return fmt, RowKind("text", field)
+
+
+Where = Callable[[], str]
+
+
+def _missing(row: Any, kind: RowKind, where: Where) -> DataError | None:
+    missing = [f for f in kind.fields if f not in row] if isinstance(row, dict) else list(kind.fields)
+    if not missing:
+        return None
+    setting, fix = kind.setting
+    has = f" (fields: {', '.join(row)})" if isinstance(row, dict) else ""
+    return _fail(f"{where()}: no {missing[0]!r} field{has}", missing[0], fix, field=setting)
+
+
+def _jsonl_docs(shard: Shard, kind: RowKind) -> Iterator[tuple[tuple[Any, ...] | None, int, Where]]:
+    """(values of the kind's fields, bytes, where) of each line whose first byte lies in the shard's
+    range; None for a blank line."""
     with open(shard.path, "rb") as f:
         if shard.start > 0:
             f.seek(shard.start - 1)
@@ -159,36 +211,29 @@ def _jsonl_docs(shard: Shard, field: str) -> Iterator[tuple[str | None, int]]:
             raw = f.readline()
             if not raw:
                 break
+
+            def where(pos: int = pos) -> str:  # the line number is counted only for a refused row
+                return f"{shard.path}:{_line_of(shard.path, pos)}"
+
             if not raw.strip():
-                yield None, len(raw)
+                yield None, len(raw), where
                 continue
             try:
                 row = json.loads(raw.decode("utf-8"))
             except UnicodeDecodeError as e:
-                where = f"{shard.path}:{_line_of(shard.path, pos)}"
                 raise _fail(
-                    f"{where}: not UTF-8 ({e.reason} at byte {pos + e.start})",
+                    f"{where()}: not UTF-8 ({e.reason} at byte {pos + e.start})",
                     shard.path,
                     "re-encode the file as UTF-8",
                 ) from None
             except json.JSONDecodeError as e:
-                where = f"{shard.path}:{_line_of(shard.path, pos)}"
                 raise _fail(
-                    f"{where}: not a JSON object ({e.msg})", shard.path, "fix or remove that line"
+                    f"{where()}: not a JSON object ({e.msg})", shard.path, "fix or remove that line"
                 ) from None
-            if not isinstance(row, dict) or field not in row:
-                where = f"{shard.path}:{_line_of(shard.path, pos)}"
-                raise _fail(
-                    f"{where}: no {field!r} field"
-                    + (f" (fields: {', '.join(row)})" if isinstance(row, dict) else ""),
-                    field,
-                    "set --text-field (data.text_field) to the field that holds the text",
-                    field="data.text_field",
-                )
-            value = row[field]
-            if value is not None and not isinstance(value, str):
-                _text(value, f"{shard.path}:{_line_of(shard.path, pos)}", field)
-            yield value, len(raw)
+            missing = _missing(row, kind, where)
+            if missing is not None:
+                raise missing
+            yield tuple(row[f] for f in kind.fields), len(raw), where
 
 
 def _text(value: Any, where: str, field: str) -> str | None:
@@ -202,16 +247,29 @@ def _text(value: Any, where: str, field: str) -> str | None:
     )
 
 
-def _table_docs(shard: Shard, field: str) -> Iterator[tuple[str | None, int]]:
+def _size(values: tuple[Any, ...]) -> int:
+    """A row's text bytes (what the progress bar counts for a table's rows)."""
+    n = 0
+    for v in values:
+        if isinstance(v, str):
+            n += len(v.encode("utf-8"))
+        elif isinstance(v, list):
+            n += sum(len(str(m.get("content", "")).encode("utf-8")) for m in v if isinstance(m, dict))
+    return n
+
+
+def _table_docs(shard: Shard, kind: RowKind) -> Iterator[tuple[tuple[Any, ...] | None, int, Where]]:
     """Rows of a parquet row group or of an Arrow file (datasets' IPC stream, or the IPC file format)."""
     import pyarrow as pa
 
+    fields = list(kind.fields)
     if shard.format == "parquet":
         import pyarrow.parquet as pq
 
         pf = pq.ParquetFile(shard.path)
         names = pf.schema_arrow.names
-        batches = pf.iter_batches(row_groups=[shard.row_group], columns=[field] if field in names else [])
+        present = [f for f in fields if f in names]
+        batches = pf.iter_batches(row_groups=[shard.row_group], columns=present)
     else:
         source = pa.memory_map(shard.path)
         try:
@@ -223,23 +281,31 @@ def _table_docs(shard: Shard, field: str) -> Iterator[tuple[str | None, int]]:
         else:
             names = reader.schema.names
         batches = reader
-    if field not in names:
+    absent = [f for f in fields if f not in names]
+    if absent:
+        setting, fix = kind.setting
         raise _fail(
-            f"{shard.path}: no column {field!r} (columns: {', '.join(names)})",
-            field,
-            "set --text-field (data.text_field) to the column that holds the text",
-            field="data.text_field",
+            f"{shard.path}: no column {absent[0]!r} (columns: {', '.join(names)})",
+            absent[0],
+            fix.replace("field", "column"),
+            field=setting,
         )
     row = 0
     for batch in batches:
-        for value in batch.column(field).to_pylist():
+        for values in zip(*(batch.column(f).to_pylist() for f in fields)):
             row += 1
-            text = _text(value, f"{shard.path} row {row}", field)
-            yield text, len(text.encode("utf-8")) if text else 0
+            yield values, _size(values), lambda row=row: f"{shard.path} row {row}"
 
 
-def _text_docs(shard: Shard) -> Iterator[tuple[str | None, int]]:
+def _text_docs(shard: Shard, kind: RowKind) -> Iterator[tuple[tuple[Any, ...] | None, int, Where]]:
     """A text file is one document (as ``datasets``' text builder with ``sample_by: document`` reads it)."""
+    if kind.masked:
+        raise _fail(
+            f"{shard.path}: a text file holds no {kind.kind} rows",
+            shard.path,
+            f"give {kind.kind} rows as jsonl / parquet / Arrow, with the fields {', '.join(kind.fields)}",
+            field="data.format",
+        )
     raw = Path(shard.path).read_bytes()
     try:
         text = raw.decode("utf-8")
@@ -250,7 +316,7 @@ def _text_docs(shard: Shard) -> Iterator[tuple[str | None, int]]:
             shard.path,
             "re-encode the file as UTF-8",
         ) from None
-    yield text, len(raw)
+    yield (text,), len(raw), lambda: f"{shard.path}:1"
 
 
 _STATE: dict[str, Any] = {}
@@ -261,62 +327,118 @@ def _worker_init(tokenizer_dir: str, progress: Any) -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-    _STATE.update(backend=tok.backend_tokenizer, eos=int(tok.eos_token_id), vocab=len(tok), progress=progress)
+    _STATE.update(
+        tokenizer=tok,
+        backend=tok.backend_tokenizer,
+        eos=int(tok.eos_token_id),
+        vocab=len(tok),
+        progress=progress,
+    )
+
+
+def _encode(kind: RowKind, batch: list[Any]) -> list[tuple[list[int], Any]]:
+    """(ids, mask or None) of each row of a batch: text + eos; prompt + completion + eos, the mask on the
+    completion and eos; a chat conversation through the template, the mask on the assistant turns."""
+    import numpy as np
+
+    backend, eos = _STATE["backend"], _STATE["eos"]
+    if kind.kind == "text":
+        return [([*e.ids, eos], None) for e in backend.encode_batch_fast(batch, add_special_tokens=False)]
+    if kind.kind == "prompt_completion":
+        prompts = backend.encode_batch_fast([p for p, _ in batch], add_special_tokens=False)
+        completions = backend.encode_batch_fast([c for _, c in batch], add_special_tokens=False)
+        out = []
+        for p, c in zip(prompts, completions):
+            mask = np.concatenate([np.zeros(len(p.ids), np.uint8), np.ones(len(c.ids) + 1, np.uint8)])
+            out.append(([*p.ids, *c.ids, eos], mask))
+        return out
+    from tessera.data.chat import render_chat
+
+    out = []
+    for messages, where in batch:
+        try:
+            out.append(render_chat(_STATE["tokenizer"], messages))
+        except ValueError as e:
+            raise _fail(
+                f"{where()}: {e}",
+                where(),
+                "use a tokenizer whose chat template renders turn by turn",
+                field="data.tokenizer",
+            ) from None
+    return out
+
+
+def _payload(kind: RowKind, values: tuple[Any, ...], where: Where) -> Any:
+    """A row's checked payload for :func:`_encode`, or None for a row that adds no document."""
+    from tessera.data import chat
+
+    if kind.kind == "text":
+        text = _text(values[0], where(), kind.field) if not isinstance(values[0], str) else values[0]
+        return text if text is not None and text.strip() else None  # a blank document is no document
+    if kind.kind == "prompt_completion":
+        return chat.check_pair(values, where)
+    messages = chat.check_messages(values[0], where, no_assistant=kind.no_assistant)
+    return None if messages is None else (messages, where)
 
 
 def _tokenize_shard(
-    shard: Shard, field: str, tmp: str
-) -> tuple[str, int, int] | tuple[str, str, Any, str, str]:
-    """Tokenize one shard into ``tmp/shard-NNNNN.{bin,idx}``; ("ok", documents, tokens) or the error's parts
-    (a DataError does not survive the trip between processes as itself)."""
+    shard: Shard, kind: RowKind, tmp: str
+) -> tuple[str, int, int, int] | tuple[str, str, Any, str, str]:
+    """Tokenize one shard into ``tmp/shard-NNNNN.{bin,idx}`` (and ``mask-NNNNN`` for masked rows);
+    ("ok", documents, tokens, skipped) or the error's parts (a DataError does not survive the trip
+    between processes as itself)."""
     import numpy as np
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
-    backend, eos, progress = _STATE["backend"], _STATE["eos"], _STATE["progress"]
-    prefix = f"{tmp}/shard-{shard.index:05d}"
+    progress = _STATE["progress"]
+    prefix, mprefix = f"{tmp}/shard-{shard.index:05d}", f"{tmp}/mask-{shard.index:05d}"
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=DType.optimal_dtype(_STATE["vocab"]))
-    docs = tokens = 0
-    batch: list[str] = []
+    masks = IndexedDatasetBuilder(mprefix + ".bin", dtype=np.uint8) if kind.masked else None
+    docs = tokens = skipped = 0
+    batch: list[Any] = []
     nbytes = 0
 
     def flush() -> None:
         nonlocal docs, tokens, nbytes
         added = 0
-        for enc in backend.encode_batch_fast(batch, add_special_tokens=False) if batch else ():
-            ids = np.asarray([*enc.ids, eos])
-            builder.add_document(ids, [ids.size])
-            added += ids.size
+        for ids, mask in _encode(kind, batch) if batch else ():
+            arr = np.asarray(ids)
+            builder.add_document(arr, [arr.size])
+            if masks is not None:
+                masks.add_document(np.asarray(mask, dtype=np.uint8), [arr.size])
+            added += arr.size
         docs, tokens = docs + len(batch), tokens + added
         progress.put((nbytes, added, len(batch)))
         batch.clear()
         nbytes = 0
 
     try:
-        reader = (
-            _jsonl_docs(shard, field)
-            if shard.format == "jsonl"
-            else _text_docs(shard)
-            if shard.format == "text"
-            else _table_docs(shard, field)
+        read = (
+            _jsonl_docs if shard.format == "jsonl" else _text_docs if shard.format == "text" else _table_docs
         )
-        for text, size in reader:
+        for values, size, where in read(shard, kind):
             nbytes += size
-            if text is not None and text.strip():  # a blank document is no document (as before)
-                batch.append(text)
+            item = None if values is None else _payload(kind, values, where)
+            if item is not None:
+                batch.append(item)
+            elif values is not None and kind.kind == "chat":
+                skipped += 1  # no assistant turn, data.chat.no_assistant: skip
             if len(batch) >= BATCH:
                 flush()
         flush()
         builder.finalize(prefix + ".idx")
+        if masks is not None:
+            masks.finalize(mprefix + ".idx")
     except DataError as e:
         return ("error", e.message, e.value, e.fix, e.field)
-    return ("ok", docs, tokens)
+    return ("ok", docs, tokens, skipped)
 
 
 # ---- the parent --------------------------------------------------------------------------------------
 
 
 def _fingerprint(
-    sources: list[tuple[Path, str]], tokenizer_hash: str, field: str, hashes: dict[str, str] | None = None
+    sources: list[tuple[Path, str]], tokenizer_hash: str, kind: RowKind, hashes: dict[str, str] | None = None
 ) -> tuple[list[Source], str]:
     """The sources as hashed (``hashes``: sha256 by path, already known to the caller) and the key of
     the dataset they give with this tokenizer and text field."""
@@ -327,20 +449,21 @@ def _fingerprint(
     empty = [s.path for s in found if s.bytes == 0]
     if empty:
         raise _fail("an empty source", empty[0], "remove it from the sources, or give it documents")
-    return found, prepare_key(found, tokenizer_hash, field)
+    return found, prepare_key(found, tokenizer_hash, kind)
 
 
-def prepare_key(found: list[Source], tokenizer_hash: str, field: str) -> str:
+def prepare_key(found: list[Source], tokenizer_hash: str, kind: RowKind) -> str:
     """What a prepared directory is the result of: the sources' bytes and formats, the tokenizer, the
-    text field and this module's version."""
-    return sha256_json(
-        {
-            "version": PREPARE_VERSION,
-            "sources": [[s.sha256, s.format] for s in found],
-            "tokenizer": tokenizer_hash,
-            "text_field": field,
-        }
-    )
+    text field (or the kind of rows) and this module's version."""
+    key: dict[str, Any] = {
+        "version": PREPARE_VERSION,
+        "sources": [[s.sha256, s.format] for s in found],
+        "tokenizer": tokenizer_hash,
+        "text_field": kind.field,
+    }
+    if kind.masked:
+        key.update(rows=kind.kind, no_assistant=kind.no_assistant)
+    return sha256_json(key)
 
 
 def prepare_dataset(
@@ -352,14 +475,18 @@ def prepare_dataset(
     text_field: str = "text",
     fmt: str = "auto",
     show_progress: bool = True,
+    no_assistant: str = "error",
 ) -> dict[str, Any]:
     """Prepare ``sources`` into ``out`` (see the module); returns ``dataset.json``'s record. A directory
-    prepared from the same bytes with the same tokenizer and options is left as it is."""
+    prepared from the same bytes with the same tokenizer and options is left as it is. ``fmt``: a file
+    format, or ``chat`` / ``prompt_completion`` rows (:mod:`tessera.data.chat`); ``no_assistant``: what a
+    chat row without an assistant turn is (``error`` or ``skip``)."""
     from tessera.data.tokenizer import local_tokenizer
 
     info = local_tokenizer(tokenizer, root=Path.cwd())
-    found, key = _fingerprint(resolve_sources(sources, fmt), info.tokenizer_hash, text_field)
-    return _prepare(found, key, info, Path(out), workers, text_field, show_progress)
+    file_fmt, kind = row_kind(fmt, text_field, no_assistant)
+    found, key = _fingerprint(resolve_sources(sources, file_fmt), info.tokenizer_hash, kind)
+    return _prepare(found, key, info, Path(out), workers, kind, show_progress)
 
 
 def prepare_cached(
@@ -370,6 +497,7 @@ def prepare_cached(
     workers: int | None,
     text_field: str,
     fmt: str = "auto",
+    no_assistant: str = "error",
     hashes: dict[str, str] | None = None,
     show_progress: bool = False,
     progress: Callable[[], None] | None = None,
@@ -379,13 +507,14 @@ def prepare_cached(
     returns the record, whose ``"dir"`` is where it is."""
     from tessera.data._cache import build_lock
 
+    file_fmt, kind = row_kind(fmt, text_field, no_assistant)
     found, key = _fingerprint(
-        resolve_sources([str(f) for f in files], fmt), info.tokenizer_hash, text_field, hashes
+        resolve_sources([str(f) for f in files], file_fmt), info.tokenizer_hash, kind, hashes
     )
     out = cache_dir / "prepared" / key[:32]
     if not (out / DATASET_JSON).is_file():
         with build_lock(out):  # one process prepares; the others find it done
-            record = _prepare(found, key, info, out, workers, text_field, show_progress, progress)
+            record = _prepare(found, key, info, out, workers, kind, show_progress, progress)
     else:
         record = json.loads((out / DATASET_JSON).read_text())
     return record | {"dir": str(out)}
@@ -397,7 +526,7 @@ def _prepare(
     info: Any,
     out: Path,
     workers: int | None,
-    text_field: str,
+    kind: RowKind,
     show_progress: bool,
     progress: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
@@ -426,8 +555,8 @@ def _prepare(
     tmp = temp_dir_beside(out)
     try:
         t0 = time.perf_counter()
-        docs, tokens = _run_shards(
-            shards, text_field, tmp, str(info.tokenizer_dir), workers, found, show_progress, progress
+        docs, tokens, skipped = _run_shards(
+            shards, kind, tmp, str(info.tokenizer_dir), workers, found, show_progress, progress
         )
         if docs == 0:
             raise _fail(
@@ -435,15 +564,18 @@ def _prepare(
                 [s.path for s in found],
                 "point at files with text in them (or set --text-field / data.text_field)",
             )
-        _merge(tmp, len(shards), info)
+        _merge(tmp, len(shards), info, kind.masked)
         record = {
             "format_version": PREPARE_VERSION,
             "key": key,
             "prefix": PREFIX,
             "sources": [asdict(s) for s in found],
-            "text_field": text_field,
+            "text_field": kind.field,
+            "rows": kind.kind,
+            "loss_mask": MASK if kind.masked else None,
             "tokenizer": {"path": str(info.tokenizer_dir), "sha256": info.tokenizer_hash, **info.token_ids},
-            "eod_appended": True,
+            "eod_appended": kind.kind != "chat",  # a chat template ends its turns itself
+            "skipped": {"no_assistant": skipped} if kind.kind == "chat" else {},
             "documents": docs,
             "tokens": tokens,
             "workers": workers,
@@ -460,14 +592,14 @@ def _prepare(
 
 def _run_shards(
     shards: list[Shard],
-    field: str,
+    kind: RowKind,
     tmp: Path,
     tokenizer_dir: str,
     workers: int,
     found: list[Source],
     show_progress: bool,
     on_progress: Callable[[], None] | None = None,
-) -> tuple[int, int]:
+) -> tuple[int, int, int]:
     """The shards through ``workers`` processes, with a progress bar of MB/s, tokens/s and the ETA."""
     import multiprocessing as mp
     import queue
@@ -496,7 +628,7 @@ def _run_shards(
     t0 = time.perf_counter()
     with ctx.Pool(workers, initializer=_worker_init, initargs=(tokenizer_dir, progress)) as pool, bar:
         task = bar.add_task("prepare", total=total, mbs=0.0, tps=0.0)
-        pending = [pool.apply_async(_tokenize_shard, (s, field, str(tmp))) for s in shards]
+        pending = [pool.apply_async(_tokenize_shard, (s, kind, str(tmp))) for s in shards]
         while True:
             try:
                 b, t, _ = progress.get(timeout=0.1)
@@ -513,19 +645,22 @@ def _run_shards(
         if r[0] == "error":
             _, message, value, fix, field_name = r
             raise DataError(message, field=field_name, value=value, fix=fix)
-    return sum(r[1] for r in results), sum(r[2] for r in results)
+    return sum(r[1] for r in results), sum(r[2] for r in results), sum(r[3] for r in results)
 
 
-def _merge(tmp: Path, n: int, info: Any) -> None:
-    """The shards, in source order, into ``tmp/tokens.{bin,idx}`` by megatron-core's ``add_index``."""
+def _merge(tmp: Path, n: int, info: Any, masked: bool = False) -> None:
+    """The shards, in source order, into ``tmp/tokens.{bin,idx}`` (and ``tmp/mask.{bin,idx}``) by
+    megatron-core's ``add_index``."""
+    import numpy as np
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
-    builder = IndexedDatasetBuilder(
-        str(tmp / f"{PREFIX}.bin"), dtype=DType.optimal_dtype(len(info.tokenizer))
-    )
-    for i in range(n):
-        shard = tmp / f"shard-{i:05d}"
-        builder.add_index(str(shard))
-        for ext in (".bin", ".idx"):
-            (tmp / f"shard-{i:05d}{ext}").unlink()
-    builder.finalize(str(tmp / f"{PREFIX}.idx"))
+    parts = [(PREFIX, "shard", DType.optimal_dtype(len(info.tokenizer)))]
+    if masked:
+        parts.append((MASK, "mask", np.uint8))
+    for name, stem, dtype in parts:
+        builder = IndexedDatasetBuilder(str(tmp / f"{name}.bin"), dtype=dtype)
+        for i in range(n):
+            builder.add_index(str(tmp / f"{stem}-{i:05d}"))
+            for ext in (".bin", ".idx"):
+                (tmp / f"{stem}-{i:05d}{ext}").unlink()
+        builder.finalize(str(tmp / f"{name}.idx"))

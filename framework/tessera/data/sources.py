@@ -54,6 +54,11 @@ class SourceSpec:
         assert self.record is not None
         return str(Path(self.path) / self.record.get("prefix", "tokens"))
 
+    def mask_prefix(self) -> str | None:
+        """The loss mask's prefix (chat / prompt-completion rows), None for plain text."""
+        name = (self.record or {}).get("loss_mask")
+        return None if not name else str(Path(self.path) / name)
+
 
 def _local(spec: str, root: Path) -> Path:
     path = Path(os.path.expanduser(spec))
@@ -111,11 +116,11 @@ def _entry(spec: str, weight: float, name: str | None, section: DataSection, roo
             value=spec,
             fix="name a `tessera data prepare` output, a megatron prefix (PATH for PATH.bin/.idx), files or a glob",
         )
-    from tessera.data.prepare import resolve_sources
+    from tessera.data.prepare import resolve_sources, row_kind
 
     fmt = section.format
     try:
-        files = [p for p, _ in resolve_sources([str(path)], fmt)]
+        files = [p for p, _ in resolve_sources([str(path)], row_kind(fmt)[0])]
     except DataError as e:
         raise DataError(e.message, field="data.sources", value=spec, fix=e.fix) from None
     hashes = {str(p): sha256_file(p) for p in files}
@@ -180,10 +185,10 @@ def describe_sources(section: DataSection, *, root: Path) -> list[str]:
         elif Path(f"{path}.idx").is_file():
             prefix, what = str(path), "megatron prefix"
         else:
-            from tessera.data.prepare import resolve_sources
+            from tessera.data.prepare import resolve_sources, row_kind
 
             try:
-                files = resolve_sources([str(path)], section.format)
+                files = resolve_sources([str(path)], row_kind(section.format)[0])
             except DataError as err:
                 raise DataError(err.message, field="data.sources", value=e.path, fix=err.fix) from None
             lines.append(
