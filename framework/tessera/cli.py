@@ -350,14 +350,19 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
         text_field=args.text_field,
         fmt=args.format,
         show_progress=sys.stderr.isatty(),
+        no_assistant=args.no_assistant,
     )
     if rec.get("up_to_date"):
         print(f"{args.out}: up to date ({rec['documents']:,} documents, {rec['tokens']:,} tokens)")
         return 0
     mb = sum(s["bytes"] for s in rec["sources"]) / 1e6
+    skipped = "".join(
+        f", {n:,} skipped ({why.replace('_', ' ')})" for why, n in rec.get("skipped", {}).items() if n
+    )
     print(
         f"prepared {args.out}: {rec['documents']:,} documents, {rec['tokens']:,} tokens from {mb:,.1f} MB "
         f"in {rec['seconds']:.1f} s ({mb / max(rec['seconds'], 1e-9):,.1f} MB/s, {rec['workers']} workers)"
+        + skipped
     )
     return 0
 
@@ -593,7 +598,18 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--out", required=True, help="the dataset directory to write (atomically)")
     dp.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: all cores)")
     dp.add_argument("--text-field", default="text", help="the field / column holding the text")
-    dp.add_argument("--format", default="auto", choices=["auto", "text", "jsonl", "parquet", "arrow"])
+    dp.add_argument(
+        "--format",
+        default="auto",
+        choices=["auto", "text", "jsonl", "parquet", "arrow", "chat", "prompt_completion"],
+        help="file format (auto: by extension), or rows of chat messages / prompt + completion (with a loss mask)",
+    )
+    dp.add_argument(
+        "--no-assistant",
+        default="error",
+        choices=["error", "skip"],
+        help="a chat row without an assistant turn: refuse it, or skip it (counted in dataset.json)",
+    )
     dp.set_defaults(fn=cmd_data_prepare)
     return ap
 

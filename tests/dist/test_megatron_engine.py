@@ -174,7 +174,9 @@ def _chat_finetune(base) -> list[str]:
     recipe = load_recipe(LLAMA).recipe
     hf = base / "chat-model"
     torch.manual_seed(7)
-    AutoModelForCausalLM.from_config(load_hf_config(recipe.model, vocab_size=520)).save_pretrained(hf)
+    cfg = load_hf_config(recipe.model)
+    cfg.vocab_size = 520  # the BPE's 512 tokens and ChatML's two turn markers
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(hf)
     chat_tokenizer(prepare_data(recipe.data, root=REPO).tokenizer_dir, hf)
     (base / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat_rows(64)))
     return [

@@ -156,6 +156,11 @@ class DataSection(_Section):
     packing: bool = Field(
         True, description="pack documents into full rows; false pads each document (labels -100)"
     )
+    document_boundaries: bool = Field(
+        False,
+        description="packed rows: position ids restart at each document, attention stays inside it and a "
+        "document's first token is not a target (HF-module engines: deepspeed, ddp)",
+    )
     max_docs: int | None = Field(
         400, ge=1, description="cap on documents read (keeps CPU runs small); null = all"
     )
@@ -455,6 +460,27 @@ class Recipe(_Section):
                 value=data.tokenizer,
                 fix=f"data.tokenizer=auto (the model's own tokenizer), or keep it and set "
                 f"data.tokenizer_override=true if this tokenizer is the one {own} was trained with",
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _boundaries_on_an_hf_module(self) -> Recipe:
+        """Document boundaries in packed rows need an attention that reads them: transformers' mask
+        builder does (packed sequences from restarting position ids); megatron-core's local spec has no
+        packed-sequence attention on this path (it needs Transformer Engine's THD format)."""
+        from tessera.tables.engines import ENGINES, engines_with
+
+        if (
+            self.data.document_boundaries
+            and self.data.packing
+            and not ENGINES[self.parallel.engine].caps.hf_module
+        ):
+            raise RecipeError(
+                f"engine '{self.parallel.engine}' cannot keep attention inside each document of a packed row",
+                field="data.document_boundaries",
+                value=True,
+                fix=f"use parallel.engine: {engines_with(lambda c: c.hf_module)} (transformers' attention honours "
+                "it: sdpa, eager, flex, flash-attention), or data.document_boundaries=false",
             )
         return self
 

@@ -112,7 +112,8 @@ def build_rows(spec: dict[str, Any]) -> tuple[Rows, Rows | None]:
             if out is held and not n_eval:
                 continue
             if packing:
-                out.append(PackedRows(tf, docs, seq_len, src["name"], mask=mask))
+                bounds = spec.get("document_boundaries", False)
+                out.append(PackedRows(tf, docs, seq_len, src["name"], mask=mask, boundaries=bounds))
             else:
                 too_long = src.get("too_long", "truncate")
                 out.append(DocumentRows(tf, docs, seq_len, pad_id, src["name"], mask=mask, too_long=too_long))
@@ -182,6 +183,7 @@ def prepare_data(
     spec: dict[str, Any] = {
         "seq_len": section.seq_len,
         "packing": section.packing,
+        "document_boundaries": section.document_boundaries,
         "pad_id": pad_id,
         "sources": [{k: v for k, v in e.items() if k != "documents"} for e in entries],
     }
@@ -309,6 +311,7 @@ def _fingerprint(
         "num_samples": len(rows),
         "seq_len": section.seq_len,
         "packing": section.packing,
+        "document_boundaries": section.document_boundaries,
         "sources": [
             {
                 "name": s.name,

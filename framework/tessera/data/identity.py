@@ -30,6 +30,8 @@ def data_key(section: DataSection, *, content_hash: str, tokenizer_hash: str) ->
     }
     if section.eval.fraction > 0:  # absent otherwise: runs without a split keep their cache entries
         key["eval_fraction"] = section.eval.fraction
+    if section.document_boundaries:
+        key["document_boundaries"] = True
     if section.format in ("chat", "prompt_completion"):  # other rows and masks from the same files
         key["rows"] = section.format
         key["chat"] = section.chat.model_dump()

@@ -143,19 +143,41 @@ class Rows:
         """``[n, seq_len]`` uint8, 1 where the loss is taken (before padding); None: everywhere."""
         return None
 
+    #: packed rows restart their position ids at each document (``data.document_boundaries``)
+    boundaries = False
+
+    def doc_starts(self, indices: Sequence[int], epoch: int = 0) -> np.ndarray | None:
+        """``[n, seq_len]`` bool, True where a document starts inside a row (not at its first position);
+        None: rows are not cut at documents."""
+        return None
+
+    def _off(self, indices: Sequence[int], epoch: int, n: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """Where a row's labels are -100 (padding, a loss mask's 0, a document's first token: it is not
+        predicted from the document before it), and the document starts (None without boundaries)."""
+        off = np.arange(self.seq_len)[None, :] >= n[:, None]
+        mask = self.masks(indices, epoch)
+        if mask is not None:
+            off |= mask == 0
+        starts = self.doc_starts(indices, epoch) if self.boundaries else None
+        if starts is not None:
+            off |= starts
+        return off, starts
+
     def batch(self, indices: Sequence[int], epoch: int = 0) -> dict[str, torch.Tensor]:
         """``input_ids`` / ``labels`` (int64 ``[n, seq_len]``) of rows ``indices`` in pass ``epoch``:
         labels are -100 on padding and where a loss mask is 0."""
         ids, n = self.rows(indices, epoch)
         input_ids = torch.from_numpy(ids.astype(np.int64))
         labels = input_ids.clone()
-        off = np.arange(self.seq_len)[None, :] >= n[:, None]
-        mask = self.masks(indices, epoch)
-        if mask is not None:
-            off |= mask == 0
+        off, starts = self._off(indices, epoch, n)
         if off.any():
             labels[torch.from_numpy(off)] = IGNORE_INDEX
-        return {"input_ids": input_ids, "labels": labels}
+        out = {"input_ids": input_ids, "labels": labels}
+        if starts is not None:  # positions count from each document's first token
+            pos = np.arange(self.seq_len)[None, :].repeat(len(indices), 0)
+            last = np.maximum.accumulate(np.where(starts, pos, 0), axis=1)
+            out["position_ids"] = torch.from_numpy(pos - last)
+        return out
 
     def lengths(self, indices: Sequence[int], epoch: int = 0) -> np.ndarray:
         """Each row's real tokens (``seq_len`` for a packed row)."""
@@ -165,12 +187,10 @@ class Rows:
         """Label tokens of rows ``indices`` after the causal shift (what the loss is normalised by). With a
         loss mask this reads the mask bytes of the rows (one byte a token), never their tokens."""
         n = self.lengths(indices, epoch)
-        if not self.masked:
+        if not self.masked and not self.boundaries:
             return int((n - 1).sum())
-        mask = self.masks(indices, epoch)
-        assert mask is not None
-        real = np.arange(self.seq_len)[None, :] < n[:, None]
-        return int(((mask == 1) & real)[:, 1:].sum())
+        off, _ = self._off(indices, epoch, n)
+        return int((~off)[:, 1:].sum())
 
     def tokens_by_source(self, indices: Sequence[int], epoch: int = 0) -> np.ndarray:
         """Real tokens of rows ``indices`` per source (one source: everything)."""
@@ -214,9 +234,10 @@ class PackedRows(Rows):
         seq_len: int,
         name: str = "data",
         mask: TokenFile | None = None,
+        boundaries: bool = False,
     ):
         self.tf, self.seq_len, self.names, self.mask = tf, seq_len, [name], mask
-        self.masked = mask is not None
+        self.masked, self.boundaries = mask is not None, boundaries
         self.stream = _stream(tf, docs)
         self.num_tokens = int(self.stream.cum[-1])
 
@@ -228,6 +249,27 @@ class PackedRows(Rows):
 
     def masks(self, indices: Sequence[int], epoch: int = 0) -> np.ndarray | None:
         return None if self.mask is None else self._gather(self.mask, indices)
+
+    def doc_starts(self, indices: Sequence[int], epoch: int = 0) -> np.ndarray | None:
+        """From the index alone (no token read): the documents whose first token lies inside each row."""
+        L, s, tf = self.seq_len, self.stream, self.tf
+        out = np.zeros((len(indices), L), dtype=bool)
+        size = tf.dtype.itemsize
+        for k, i in enumerate(indices):
+            pos, filled = int(i) * L, 0
+            run = int(np.searchsorted(s.cum, pos, side="right")) - 1
+            while filled < L:
+                off = pos + filled - int(s.cum[run])
+                take = min(L - filled, int(s.cum[run + 1]) - pos - filled)
+                a = int(s.starts[run]) + off  # file tokens [a, a + take) fill the row from ``filled``
+                lo, hi = np.searchsorted(tf.pointers, [a * size, (a + take) * size], side="left")
+                seqs = np.arange(lo, hi)
+                d_lo, d_hi = np.searchsorted(tf.doc_index, [lo, hi], side="left")
+                firsts = seqs[np.isin(seqs, tf.doc_index[d_lo:d_hi])]  # sequences that open a document
+                at = filled + tf.pointers[firsts] // size - a
+                out[k, at[at > 0]] = True
+                filled, run = filled + take, run + 1
+        return out
 
     def _gather(self, tf: TokenFile, indices: Sequence[int]) -> np.ndarray:
         """Rows ``indices`` of the stream, read from ``tf`` (the tokens, or their mask)."""
@@ -353,6 +395,17 @@ class _Composite(Rows):
             return np.broadcast_to(ones, (len(r), self.seq_len)) if m is None else m
 
         return self._each(indices, epoch, read, self.seq_len)
+
+    @property
+    def boundaries(self) -> bool:  # type: ignore[override]
+        return any(p.boundaries for p in self.parts)
+
+    def doc_starts(self, indices: Sequence[int], epoch: int = 0) -> np.ndarray | None:
+        def read(p: Rows, r: list[int]) -> np.ndarray:
+            d = p.doc_starts(r) if p.boundaries else None
+            return np.zeros((len(r), self.seq_len), dtype=bool) if d is None else d
+
+        return self._each(indices, epoch, read, self.seq_len).astype(bool)
 
     def tokens_by_source(self, indices: Sequence[int], epoch: int = 0) -> np.ndarray:
         src, _ = self._locate(indices, epoch)

@@ -406,12 +406,21 @@ class HFObjective:
         ids = mb["input_ids"].to(device, non_blocking=True)
         labels = mb["labels"].to(device, non_blocking=True)
         extra = {"output_router_logits": True} if self.aux_coeff else {}
+        extra |= position_ids(mb, device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.autocast_bf16):
             out = model(input_ids=ids, use_cache=False, **extra)
         loss = summed_token_loss(out.logits, labels)
         if not self.aux_coeff:
             return loss, None
         return loss, router_balance_loss(out.router_logits, topk=self.topk, coeff=self.aux_coeff)
+
+
+def position_ids(mb: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """``{"position_ids": ...}`` for rows cut at documents (``data.document_boundaries``), else nothing.
+    transformers' mask builder reads restarting positions as packed sequences and keeps attention inside
+    each one (sdpa, eager, flex; flash-attention goes varlen)."""
+    pos = mb.get("position_ids")
+    return {} if pos is None else {"position_ids": pos.to(device, non_blocking=True)}
 
 
 def hf_eval_loss(
@@ -431,7 +440,7 @@ def hf_eval_loss(
         for mb in micro_batches:
             ids = mb["input_ids"].to(device, non_blocking=True)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast_bf16):
-                logits = model(input_ids=ids, use_cache=False).logits
+                logits = model(input_ids=ids, use_cache=False, **position_ids(mb, device)).logits
             loss_sum += summed_token_loss(logits, mb["labels"].to(device, non_blocking=True))
     tokens, _ = global_counts(micro_batches, layout, device=device, group=group)
     return float(dp_sum(loss_sum, layout, group)), tokens
