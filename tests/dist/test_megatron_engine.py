@@ -159,7 +159,7 @@ CHAT = {
 
 def _chat_finetune(base) -> list[str]:
     """A pretrained tiny Llama (save_pretrained, seed 7) whose tokenizer is the recipe's BPE with ChatML
-    turn markers and template, and 64 conversations in a jsonl: the overrides of a chat fine-tune
+    turn markers and template, and 128 conversations in a jsonl: the overrides of a chat fine-tune
     (padded rows, the loss on the assistant turns only)."""
     import json
 
@@ -178,7 +178,7 @@ def _chat_finetune(base) -> list[str]:
     cfg.vocab_size = 520  # the BPE's 512 tokens and ChatML's two turn markers
     AutoModelForCausalLM.from_config(cfg).save_pretrained(hf)
     chat_tokenizer(prepare_data(recipe.data, root=REPO).tokenizer_dir, hf)
-    (base / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat_rows(64)))
+    (base / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat_rows(128)))
     return [
         "model.hf_config=null",
         f"model.path={hf}",
@@ -188,7 +188,7 @@ def _chat_finetune(base) -> list[str]:
         "data.format=chat",
         "data.packing=false",
         "data.chat.too_long=truncate",
-        "data.eval.fraction=0.1",
+        "data.eval.fraction=0.125",  # 16 held-out conversations: one global batch
     ]
 
 

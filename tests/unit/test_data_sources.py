@@ -4,6 +4,7 @@ step and resume to the same samples at any dp, and a damaged ``.idx`` / ``.bin``
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 from pathlib import Path
@@ -302,3 +303,66 @@ def test_resume_on_a_changed_dataset_is_refused_naming_both_hashes(tok, tmp_path
         check_resume_inputs(tmp_path, meta, _Recipe, accept_data_change=True)
     finally:
         os.chdir(cwd)
+
+
+def test_document_boundaries_restart_positions_and_keep_attention_inside_each_document(tok, tmp_path):
+    """Packed rows with data.document_boundaries: position ids count from each document's first token,
+    which is no target; transformers' attention (sdpa, eager) then gives each document the logits it has
+    alone; megatron is refused."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    docs = [[10 + (i * 5 + k) % 200 for k in range(3 + i % 7)] + [0] for i in range(40)]  # eos 0 ends each
+    prefix = _megatron_prefix(tmp_path / "d", docs)
+    base = {
+        "sources": [{"path": prefix}],
+        "tokenizer": str(tok),
+        "seq_len": 16,
+        "cache_dir": str(tmp_path / "c"),
+    }
+    plain = prepare_data(DataSection(**base), root=tmp_path)
+    cut = prepare_data(DataSection(**base, document_boundaries=True), root=tmp_path)
+    b, p = cut.rows.batch(range(len(cut.rows))), plain.rows.batch(range(len(plain.rows)))
+    assert torch.equal(b["input_ids"], p["input_ids"]) and "position_ids" not in p
+    stream = [t for d in docs for t in d]
+    starts = set(np.cumsum([0] + [len(d) for d in docs])[1:-1].tolist())  # where documents begin
+    for r in range(len(cut.rows)):
+        for c in range(16):
+            g = r * 16 + c
+            if c > 0 and g in starts:
+                assert b["position_ids"][r, c] == 0 and b["labels"][r, c] == -100
+            else:
+                assert b["labels"][r, c] == stream[g]
+                assert b["position_ids"][r, c] == (0 if c == 0 else b["position_ids"][r, c - 1] + 1)
+    assert cut.rows.label_tokens(range(len(cut.rows))) == int((b["labels"][:, 1:] != -100).sum())
+    assert cut.fingerprint["data_hash"] != plain.fingerprint["data_hash"]
+    cfg = AutoConfig.for_model(
+        "llama",
+        vocab_size=320,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    torch.manual_seed(0)
+    for attn in ("sdpa", "eager"):
+        cfg._attn_implementation = attn
+        model = AutoModelForCausalLM.from_config(cfg).eval()
+        row, pos = b["input_ids"][1:2], b["position_ids"][1:2]
+        with torch.no_grad():
+            packed = model(input_ids=row, position_ids=pos, use_cache=False).logits[
+                0
+            ]  # as the engines call it
+            cuts = [0, *[c for c in range(1, 16) if pos[0, c] == 0], 16]
+            for a, z in itertools.pairwise(cuts):
+                alone = model(input_ids=row[:, a:z]).logits[0]
+                torch.testing.assert_close(packed[a:z], alone, rtol=1e-5, atol=1e-5)
+    from tessera.config.loader import load_recipe
+    from tessera.errors import RecipeError
+
+    with pytest.raises(RecipeError) as e:
+        load_recipe(
+            Path(__file__).parents[2] / "recipes" / "tiny-llama-cpu-mcore-tp2.yaml",
+            ["data.document_boundaries=true"],
+        )
+    assert e.value.field == "data.document_boundaries" and "deepspeed" in str(e.value)
