@@ -119,8 +119,11 @@ class StepSampler:
         """The epoch's permutation; an explicit generator keeps it independent of torch's global RNG."""
         if self._perm is None or self._perm[0] != epoch:
             if self.shuffle:
+                # int32 below 2**31 rows: the same permutation as int64 (the same draws), half the memory
+                # (the one term of a rank's memory that grows with the corpus: 4 bytes a row)
                 gen = torch.Generator().manual_seed(self.seed + epoch)
-                self._perm = (epoch, torch.randperm(self.num_samples, generator=gen))
+                dtype = torch.int32 if self.num_samples < 2**31 else torch.int64
+                self._perm = (epoch, torch.randperm(self.num_samples, generator=gen, dtype=dtype))
             else:
                 self._perm = (epoch, torch.arange(self.num_samples))
         return self._perm[1]

@@ -140,8 +140,8 @@ def recorded_tokenizer(specs: list[SourceSpec]) -> str | None:
 
 
 #: megatron-core's ``.idx`` header (``indexed_dataset._INDEX_HEADER``) and the fixed part after it
-_HEADER = b"MMIDIDX\x00\x00"
-_FIXED = 9 + 8 + 1 + 8 + 8
+INDEX_HEADER = b"MMIDIDX\x00\x00"
+INDEX_FIXED = 9 + 8 + 1 + 8 + 8
 REPREPARE = "prepare the source again (tessera data prepare), or restore the .bin/.idx pair it was written as"
 
 
@@ -156,11 +156,11 @@ def check_index(idx: Path) -> tuple[int, int]:
 
     size = idx.stat().st_size
     with open(idx, "rb") as f:
-        head = f.read(_FIXED)
-    if len(head) < _FIXED or head[:9] != _HEADER:
+        head = f.read(INDEX_FIXED)
+    if len(head) < INDEX_FIXED or head[:9] != INDEX_HEADER:
         raise bad_source(str(idx)[:-4], f"{idx}: not a megatron index (header {head[:9]!r})", REPREPARE)
     version, _code, seqs, docs = struct.unpack("<QBQQ", head[9:])
-    want = _FIXED + seqs * (4 + 8) + docs * 8
+    want = INDEX_FIXED + seqs * (4 + 8) + docs * 8
     if version != 1 or size not in (want, want + seqs):  # + seqs: the multimodal index's mode bytes
         raise bad_source(
             str(idx)[:-4],
@@ -209,10 +209,10 @@ def _check_bin(idx: Path, bin_: Path, seqs: int) -> None:
     if seqs == 0:
         return
     with open(idx, "rb") as f:
-        code = f.read(_FIXED)[17]
-        f.seek(_FIXED + 4 * (seqs - 1))
+        code = f.read(INDEX_FIXED)[17]
+        f.seek(INDEX_FIXED + 4 * (seqs - 1))
         (length,) = struct.unpack("<i", f.read(4))
-        f.seek(_FIXED + 4 * seqs + 8 * (seqs - 1))
+        f.seek(INDEX_FIXED + 4 * seqs + 8 * (seqs - 1))
         (pointer,) = struct.unpack("<q", f.read(8))
     itemsize = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 4, 8: 2}.get(code, 0)  # megatron-core's DType codes
     end, size = pointer + length * itemsize, bin_.stat().st_size
