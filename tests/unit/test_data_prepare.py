@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from tessera.atomic import sha256_file
-from tessera.data.prepare import DATASET_JSON, PREFIX, RowKind, Shard, _jsonl_docs, prepare_dataset
+from tessera.data.prepare import DATASET_JSON, PREFIX, prepare_dataset
+from tessera.data.readers import RowKind, Shard, jsonl_rows
 from tessera.errors import DataError
 
 
@@ -100,7 +101,7 @@ def test_jsonl_shards_own_every_line_once_wherever_they_are_cut(tmp_path):
         got = [
             values[0]
             for a, b in itertools.pairwise(cuts)
-            for values, _, _ in _jsonl_docs(Shard(0, str(path), "jsonl", a, b), RowKind())
+            for values, _, _ in jsonl_rows(Shard(0, str(path), "jsonl", a, b), RowKind())
         ]
         assert got == [json.loads(x)["text"] for x in lines], cuts
 

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tessera.data.sources import REPREPARE, bad_source, check_prefix
+from tessera.data.indexfile import REPREPARE, bad_source, check_prefix
 from tessera.errors import DataError
 
 IGNORE_INDEX = -100

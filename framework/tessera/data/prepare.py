@@ -3,15 +3,16 @@
 The corpus is never held in memory. The sources are cut into shards (byte ranges of jsonl / text files
 aligned to line starts, parquet row groups, Arrow files), N worker processes each tokenize their shards
 in batches (``tokenizers``' ``encode_batch_fast``, one thread per worker) and write each shard with
-megatron-core's own ``IndexedDatasetBuilder``; the parent concatenates the shards in source order with the
-same builder's ``add_index`` (the approach of Megatron-LM's ``tools/preprocess_data.py``, whose output
-this is byte-compatible with: what ``IndexedDataset`` maps, Megatron-LM, Megatron-Bridge and NeMo read).
-Each document is stored as its tokens followed by eos, so packing rows later joins documents with eos as
-:mod:`tessera.data.dataset` does today.
+megatron-core's own ``IndexedDatasetBuilder``; the parent concatenates the shards in source order
+(:func:`tessera.data.indexfile.concat_indexed`, the format of the builder's ``add_index``, streamed) -
+the approach of Megatron-LM's ``tools/preprocess_data.py``, whose output this is byte-compatible with:
+what ``IndexedDataset`` maps, Megatron-LM, Megatron-Bridge and NeMo read. Each text document is stored as
+its tokens followed by eos, so packed rows join documents with eos; chat and prompt-completion rows
+(:mod:`tessera.data.chat`) carry a loss mask beside them (``mask.bin`` / ``mask.idx``).
 
 Written by hand, because megatron-core has no reader for the sources: splitting the files into shards,
 reading jsonl / text / parquet / Arrow / ``save_to_disk`` directories row by row with the file and line of
-every bad row, the progress, the content-hash no-op and the atomic publish (a temporary directory renamed
+every bad row (:mod:`tessera.data.readers`), the progress, the content-hash no-op and the atomic publish (a temporary directory renamed
 over ``--out`` at the end: a failed prepare leaves nothing there).
 """
 
@@ -22,13 +23,27 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from tessera.atomic import sha256_file, sha256_json
 from tessera.data._cache import publish_dir, temp_dir_beside
+from tessera.data.indexfile import concat_indexed
+from tessera.data.readers import (
+    RowKind,
+    Shard,
+    Where,
+    check_text,
+    jsonl_rows,
+    row_kind,
+    table_rows,
+    text_rows,
+)
+from tessera.data.readers import (
+    fail as _fail,
+)
 from tessera.errors import DataError
 
 #: bumped when what is written changes, so an older directory is never taken for up to date
@@ -58,23 +73,6 @@ class Source:
     format: str
     sha256: str
     bytes: int
-
-
-@dataclass(frozen=True)
-class Shard:
-    """A piece of one source a worker tokenizes on its own: a byte range (jsonl: the lines whose first byte
-    is in it), a parquet row group, or a whole file (text, Arrow)."""
-
-    index: int
-    path: str
-    format: str
-    start: int = 0
-    end: int = -1
-    row_group: int = -1
-
-
-def _fail(why: str, value: Any, fix: str, field: str = "SRC") -> DataError:
-    return DataError(why, field=field, value=value, fix=fix)
 
 
 def resolve_sources(paths: list[str], fmt: str = "auto") -> list[tuple[Path, str]]:
@@ -144,181 +142,6 @@ def _shards(sources: list[tuple[Path, str]], workers: int) -> list[Shard]:
 # ---- the workers -------------------------------------------------------------------------------------
 
 
-def _line_of(path: str, offset: int) -> int:
-    """The 1-based line number of byte ``offset`` (counted only when a row is refused)."""
-    with open(path, "rb") as f:
-        return f.read(offset).count(b"\n") + 1
-
-
-@dataclass(frozen=True)
-class RowKind:
-    """What a source's rows hold: ``text`` (``field``), ``chat`` (``messages``) or ``prompt_completion``."""
-
-    kind: str = "text"
-    field: str = "text"
-    no_assistant: str = "error"
-    """a chat row without an assistant turn: ``error`` or ``skip`` (counted in dataset.json)"""
-
-    @property
-    def fields(self) -> tuple[str, ...]:
-        from tessera.data.chat import KINDS
-
-        return KINDS.get(self.kind, (self.field,))
-
-    @property
-    def setting(self) -> tuple[str, str]:
-        """The recipe field and the fix for a row that lacks a field."""
-        if self.kind == "text":
-            return "data.text_field", "set --text-field (data.text_field) to the field that holds the text"
-        return "data.format", f"{self.kind} rows need the fields {', '.join(self.fields)}"
-
-    @property
-    def masked(self) -> bool:
-        return self.kind != "text"
-
-
-def row_kind(fmt: str, field: str = "text", no_assistant: str = "error") -> tuple[str, RowKind]:
-    """``--format`` / ``data.format`` split into the file format and the rows' kind (``chat`` and
-    ``prompt_completion`` are kinds of rows in files whose format goes by their extension)."""
-    from tessera.data.chat import KINDS
-
-    if fmt in KINDS:
-        return "auto", RowKind(fmt, field, no_assistant)
-    return fmt, RowKind("text", field)
-
-
-Where = Callable[[], str]
-
-
-def _missing(row: Any, kind: RowKind, where: Where) -> DataError | None:
-    missing = [f for f in kind.fields if f not in row] if isinstance(row, dict) else list(kind.fields)
-    if not missing:
-        return None
-    setting, fix = kind.setting
-    has = f" (fields: {', '.join(row)})" if isinstance(row, dict) else ""
-    return _fail(f"{where()}: no {missing[0]!r} field{has}", missing[0], fix, field=setting)
-
-
-def _jsonl_docs(shard: Shard, kind: RowKind) -> Iterator[tuple[tuple[Any, ...] | None, int, Where]]:
-    """(values of the kind's fields, bytes, where) of each line whose first byte lies in the shard's
-    range; None for a blank line."""
-    with open(shard.path, "rb") as f:
-        if shard.start > 0:
-            f.seek(shard.start - 1)
-            if f.read(1) != b"\n":
-                f.readline()  # the line that started in the previous shard is that shard's
-        while (pos := f.tell()) < shard.end:
-            raw = f.readline()
-            if not raw:
-                break
-
-            def where(pos: int = pos) -> str:  # the line number is counted only for a refused row
-                return f"{shard.path}:{_line_of(shard.path, pos)}"
-
-            if not raw.strip():
-                yield None, len(raw), where
-                continue
-            try:
-                row = json.loads(raw.decode("utf-8"))
-            except UnicodeDecodeError as e:
-                raise _fail(
-                    f"{where()}: not UTF-8 ({e.reason} at byte {pos + e.start})",
-                    shard.path,
-                    "re-encode the file as UTF-8",
-                ) from None
-            except json.JSONDecodeError as e:
-                raise _fail(
-                    f"{where()}: not a JSON object ({e.msg})", shard.path, "fix or remove that line"
-                ) from None
-            missing = _missing(row, kind, where)
-            if missing is not None:
-                raise missing
-            yield tuple(row[f] for f in kind.fields), len(raw), where
-
-
-def _text(value: Any, where: str, field: str) -> str | None:
-    if value is None or isinstance(value, str):
-        return value
-    raise _fail(
-        f"{where}: {field!r} holds {type(value).__name__}, not text",
-        field,
-        "set --text-field (data.text_field) to a field of strings",
-        field="data.text_field",
-    )
-
-
-def _size(values: tuple[Any, ...]) -> int:
-    """A row's text bytes (what the progress bar counts for a table's rows)."""
-    n = 0
-    for v in values:
-        if isinstance(v, str):
-            n += len(v.encode("utf-8"))
-        elif isinstance(v, list):
-            n += sum(len(str(m.get("content", "")).encode("utf-8")) for m in v if isinstance(m, dict))
-    return n
-
-
-def _table_docs(shard: Shard, kind: RowKind) -> Iterator[tuple[tuple[Any, ...] | None, int, Where]]:
-    """Rows of a parquet row group or of an Arrow file (datasets' IPC stream, or the IPC file format)."""
-    import pyarrow as pa
-
-    fields = list(kind.fields)
-    if shard.format == "parquet":
-        import pyarrow.parquet as pq
-
-        pf = pq.ParquetFile(shard.path)
-        names = pf.schema_arrow.names
-        present = [f for f in fields if f in names]
-        batches = pf.iter_batches(row_groups=[shard.row_group], columns=present)
-    else:
-        source = pa.memory_map(shard.path)
-        try:
-            reader: Any = pa.ipc.open_stream(source)
-        except pa.ArrowInvalid:
-            file_reader = pa.ipc.open_file(source)
-            reader = (file_reader.get_batch(i) for i in range(file_reader.num_record_batches))
-            names = file_reader.schema.names
-        else:
-            names = reader.schema.names
-        batches = reader
-    absent = [f for f in fields if f not in names]
-    if absent:
-        setting, fix = kind.setting
-        raise _fail(
-            f"{shard.path}: no column {absent[0]!r} (columns: {', '.join(names)})",
-            absent[0],
-            fix.replace("field", "column"),
-            field=setting,
-        )
-    row = 0
-    for batch in batches:
-        for values in zip(*(batch.column(f).to_pylist() for f in fields)):
-            row += 1
-            yield values, _size(values), lambda row=row: f"{shard.path} row {row}"
-
-
-def _text_docs(shard: Shard, kind: RowKind) -> Iterator[tuple[tuple[Any, ...] | None, int, Where]]:
-    """A text file is one document (as ``datasets``' text builder with ``sample_by: document`` reads it)."""
-    if kind.masked:
-        raise _fail(
-            f"{shard.path}: a text file holds no {kind.kind} rows",
-            shard.path,
-            f"give {kind.kind} rows as jsonl / parquet / Arrow, with the fields {', '.join(kind.fields)}",
-            field="data.format",
-        )
-    raw = Path(shard.path).read_bytes()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
-        raise _fail(
-            f"{shard.path}:{line}: not UTF-8 ({e.reason} at byte {e.start})",
-            shard.path,
-            "re-encode the file as UTF-8",
-        ) from None
-    yield (text,), len(raw), lambda: f"{shard.path}:1"
-
-
 _STATE: dict[str, Any] = {}
 
 
@@ -373,7 +196,7 @@ def _payload(kind: RowKind, values: tuple[Any, ...], where: Where) -> Any:
     from tessera.data import chat
 
     if kind.kind == "text":
-        text = _text(values[0], where(), kind.field) if not isinstance(values[0], str) else values[0]
+        text = check_text(values[0], where(), kind.field) if not isinstance(values[0], str) else values[0]
         return text if text is not None and text.strip() else None  # a blank document is no document
     if kind.kind == "prompt_completion":
         return chat.check_pair(values, where)
@@ -413,9 +236,7 @@ def _tokenize_shard(
         nbytes = 0
 
     try:
-        read = (
-            _jsonl_docs if shard.format == "jsonl" else _text_docs if shard.format == "text" else _table_docs
-        )
+        read = jsonl_rows if shard.format == "jsonl" else text_rows if shard.format == "text" else table_rows
         for values, size, where in read(shard, kind):
             nbytes += size
             item = None if values is None else _payload(kind, values, where)
@@ -662,50 +483,3 @@ def _merge(tmp: Path, n: int, info: Any, masked: bool = False) -> None:
         for shard in shards:
             for ext in (".bin", ".idx"):
                 Path(f"{shard}{ext}").unlink()
-
-
-def concat_indexed(prefixes: list[Path], out: Path, code: int) -> None:
-    """Indexed datasets one after the other into ``out.{bin,idx}``, in the format megatron-core's
-    ``IndexedDatasetBuilder.add_index`` + ``finalize`` write (its reader maps the result; tested).
-
-    Written by hand because the builder keeps every document's length and pointer in Python lists until
-    it finalizes: O(documents) memory in the process that merges (~120 MiB at 2 GiB of text). Here the
-    ``.bin`` files are copied and each shard's index arrays are streamed with their offsets added, so the
-    merge holds one shard's index at a time, whatever the corpus."""
-    import struct
-
-    import numpy as np
-
-    from tessera.data.sources import INDEX_FIXED, INDEX_HEADER, check_index
-
-    counts = [check_index(Path(f"{p}.idx")) for p in prefixes]  # (sequences, documents + 1) each
-    total_seqs = sum(s for s, _ in counts)
-    total_docs = sum(d - 1 for _, d in counts) + 1
-    sizes = []
-    with open(f"{out}.bin", "wb") as fb:
-        for p in prefixes:
-            with open(f"{p}.bin", "rb") as src:
-                shutil.copyfileobj(src, fb, 16 << 20)
-            sizes.append(Path(f"{p}.bin").stat().st_size)
-    head = INDEX_FIXED
-
-    def arrays(p: Path, seqs: int, docs: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        raw = np.memmap(f"{p}.idx", mode="r", dtype=np.uint8)
-        lengths = np.frombuffer(raw, np.int32, seqs, head)
-        pointers = np.frombuffer(raw, np.int64, seqs, head + 4 * seqs)
-        doc_index = np.frombuffer(raw, np.int64, docs, head + 12 * seqs)
-        return lengths, pointers, doc_index
-
-    with open(f"{out}.idx", "wb") as f:
-        f.write(INDEX_HEADER + struct.pack("<QBQQ", 1, code, total_seqs, total_docs))
-        for p, (seqs, docs) in zip(prefixes, counts):
-            f.write(arrays(p, seqs, docs)[0].tobytes())
-        offset = 0
-        for p, (seqs, docs), size in zip(prefixes, counts, sizes):
-            f.write((arrays(p, seqs, docs)[1] + offset).astype(np.int64).tobytes())
-            offset += size
-        f.write(np.zeros(1, np.int64).tobytes())
-        first = 0
-        for p, (seqs, docs) in zip(prefixes, counts):
-            f.write((arrays(p, seqs, docs)[2][1:] + first).astype(np.int64).tobytes())
-            first += seqs

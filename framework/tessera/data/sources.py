@@ -24,6 +24,7 @@ from typing import Any
 
 from tessera.atomic import sha256_file, sha256_json
 from tessera.config.schema import DataSection
+from tessera.data.indexfile import check_prefix
 from tessera.errors import DataError
 
 
@@ -139,38 +140,6 @@ def recorded_tokenizer(specs: list[SourceSpec]) -> str | None:
     return None
 
 
-#: megatron-core's ``.idx`` header (``indexed_dataset._INDEX_HEADER``) and the fixed part after it
-INDEX_HEADER = b"MMIDIDX\x00\x00"
-INDEX_FIXED = 9 + 8 + 1 + 8 + 8
-REPREPARE = "prepare the source again (tessera data prepare), or restore the .bin/.idx pair it was written as"
-
-
-def bad_source(prefix: str, why: str, fix: str) -> DataError:
-    return DataError(why, field="data.sources", value=prefix, fix=fix)
-
-
-def check_index(idx: Path) -> tuple[int, int]:
-    """(sequences, documents + 1) from a megatron ``.idx`` header, after checking that the file's size is
-    what they imply (megatron-core itself would assert, or map past the end)."""
-    import struct
-
-    size = idx.stat().st_size
-    with open(idx, "rb") as f:
-        head = f.read(INDEX_FIXED)
-    if len(head) < INDEX_FIXED or head[:9] != INDEX_HEADER:
-        raise bad_source(str(idx)[:-4], f"{idx}: not a megatron index (header {head[:9]!r})", REPREPARE)
-    version, _code, seqs, docs = struct.unpack("<QBQQ", head[9:])
-    want = INDEX_FIXED + seqs * (4 + 8) + docs * 8
-    if version != 1 or size not in (want, want + seqs):  # + seqs: the multimodal index's mode bytes
-        raise bad_source(
-            str(idx)[:-4],
-            f"{idx}: {size:,} bytes, its header (version {version}, {seqs:,} sequences, {docs:,} document "
-            f"offsets) needs {want:,}",
-            REPREPARE,
-        )
-    return seqs, docs
-
-
 def describe_sources(section: DataSection, *, root: Path) -> list[str]:
     """A dry run's look at ``data.sources``, cheap at any size (no file is hashed or read whole): each
     source found, its kind, and for an indexed dataset its header checked against the file sizes."""
@@ -198,41 +167,3 @@ def describe_sources(section: DataSection, *, root: Path) -> list[str]:
         seqs, _ = check_prefix(prefix)
         lines.append(f"{name}: {what}, {seqs:,} sequences (weight {e.weight:g})")
     return lines
-
-
-def _check_bin(idx: Path, bin_: Path, seqs: int) -> None:
-    """The ``.bin`` is as long as the index's last sequence says (read from the index: two numbers)."""
-    import struct
-
-    if not bin_.is_file():
-        raise bad_source(str(bin_)[:-4], f"{bin_} not found", REPREPARE)
-    if seqs == 0:
-        return
-    with open(idx, "rb") as f:
-        code = f.read(INDEX_FIXED)[17]
-        f.seek(INDEX_FIXED + 4 * (seqs - 1))
-        (length,) = struct.unpack("<i", f.read(4))
-        f.seek(INDEX_FIXED + 4 * seqs + 8 * (seqs - 1))
-        (pointer,) = struct.unpack("<q", f.read(8))
-    itemsize = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 4, 8: 2}.get(code, 0)  # megatron-core's DType codes
-    end, size = pointer + length * itemsize, bin_.stat().st_size
-    if itemsize and size != end:
-        what = "truncated" if size < end else "longer than its index"
-        raise bad_source(
-            str(bin_)[:-4],
-            f"{bin_} is {what}: {size:,} bytes, the index {idx.name} describes {end:,}",
-            REPREPARE,
-        )
-
-
-def check_prefix(prefix: str) -> tuple[int, int]:
-    """An indexed dataset's ``.idx`` header against the file's size and the ``.bin``'s size against the
-    index; (sequences, documents + 1). Reads a few bytes, whatever the size of the dataset."""
-    idx = Path(prefix + ".idx")
-    if not idx.is_file():
-        raise bad_source(
-            prefix, f"{idx} not found", "name a prefix PATH with PATH.bin and PATH.idx beside it"
-        )
-    seqs, docs = check_index(idx)
-    _check_bin(idx, Path(prefix + ".bin"), seqs)
-    return seqs, docs
