@@ -13,8 +13,13 @@ The throughput ratio is ceiling seconds / prepare seconds (1 = prepare costs no 
 the memory check is prepare's peak at the largest corpus against the smallest. The tokenizer is a
 byte-level BPE (8192 tokens) trained once on the smallest corpus's first 2000 documents.
 
+Then each prepared dataset is trained on: ``tessera run`` of the default recipe (tiny Llama, 2 ranks,
+ZeRO-2) with ``data.sources`` naming it, 20 steps, twice (the first warms the page cache and the import
+caches; the second is measured): every rank's peak RSS and the time to the first step, compared between
+the smallest and the largest corpus (targets: within 5 % or 50 MiB, within 10 %).
+
     python tools/bench/data.py [--sizes 20M,2G] [--workers 2] [--dir /tmp/tessera-data-bench]
-                               [--out bench-results/data.json]
+                               [--out bench-results/data.json] [--steps 20]
 
 Prints a table and writes the JSON (every figure and the commands).
 """
@@ -61,6 +66,30 @@ def _tokenizer(corpus: Path, where: Path) -> Path:
     return where
 
 
+def train(prepared: Path, tokenizer: Path, work: Path, name: str, steps: int) -> dict[str, object]:
+    """A 2-rank ``tessera run`` on ``prepared`` (twice; the second measured): each rank's peak RSS and the
+    time from process start to the end of the first step."""
+    python = sys.executable
+    out: dict[str, object] = {}
+    for attempt in ("warm-up", "measured"):
+        run_dir = work / "runs" / f"{name}-{attempt}"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        cmd = [python, "-m", "tessera.cli", "run", "recipes/tiny-llama-cpu.yaml",
+               f"data.sources=[{{path: {prepared}}}]", f"data.tokenizer={tokenizer}",
+               "model.hf_config.vocab_size=8192", "data.eval.fraction=0", f"train.steps={steps}",
+               "tracking.wandb.mode=disabled", f"run.out_dir={run_dir}"]  # fmt: skip
+        timed = _timed(cmd, work / f"train-{name}-{attempt}.log")
+        summary = json.loads((run_dir / "summary.json").read_text())
+        first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+        out = {
+            "seconds": timed["seconds"],
+            "peak_rss_bytes_per_rank": summary["peak_memory_bytes_per_rank"],
+            "time_to_first_step_s": first["time_to_first_step_s"],
+            "rows": json.loads((run_dir / "data.json").read_text())["fingerprint"]["num_samples"],
+        }
+    return out
+
+
 def _ceiling_part(args: tuple[str, int, int, str]) -> int:
     """Process ``part`` of ``n``: the lines whose first byte is in its byte range, tokenized, not kept."""
     path, part, n, tokenizer = args
@@ -99,6 +128,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--dir", default="/tmp/tessera-data-bench")
     ap.add_argument("--out", default=str(REPO / "bench-results" / "data.json"))
+    ap.add_argument("--steps", type=int, default=20, help="steps of each training run (0: no training runs)")
     ap.add_argument("--ceiling", nargs=3, metavar=("CORPUS", "TOKENIZER", "WORKERS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.ceiling:
@@ -135,6 +165,12 @@ def main() -> None:
         print(f"{s:>6}: prepare {prep['seconds']:7.1f} s ({r['prepare_mb_per_s']:5.2f} MB/s, peak RSS "
               f"{prep['peak_rss_bytes'] / 2**20:6.0f} MiB)  ceiling {ceil['seconds']:7.1f} s "
               f"({r['ceiling_mb_per_s']:5.2f} MB/s)  ratio {r['throughput_ratio']:.2f}", flush=True)  # fmt: skip
+    for r in rows if args.steps else ():
+        r["train"] = train(work / f"prepared-{r['size']}", tok, work, r["size"], args.steps)
+        t = r["train"]
+        print(f"{r['size']:>6}: {t['rows']:,} rows; training: time to first step {t['time_to_first_step_s']:.1f} s, "
+              f"peak RSS per rank {', '.join(f'{b / 2**20:.0f}' for b in t['peak_rss_bytes_per_rank'])} MiB",
+              flush=True)  # fmt: skip
     peaks = [r["prepare"]["peak_rss_bytes"] for r in rows]
     result = {
         "benchmark": "data_prepare",
@@ -142,8 +178,27 @@ def main() -> None:
         "machine": {"cpus": os.cpu_count()},
         "rows": rows,
         "peak_rss_largest_over_smallest": peaks[-1] / peaks[0],
-        "targets": {"throughput_ratio_min": 0.8, "peak_rss_max_bytes": 1.5e9, "peak_rss_growth_max": 1.10},
-    }
+        "targets": {
+            "throughput_ratio_min": 0.8, "peak_rss_max_bytes": 1.5e9, "peak_rss_growth_max": 1.10,
+            "train_rank_rss_growth_max": "5 % or 50 MiB", "train_time_to_first_step_growth_max": 1.10,
+        },
+    }  # fmt: skip
+    if args.steps:
+        a, b = rows[0]["train"], rows[-1]["train"]
+        result["train_rank_rss_growth_bytes"] = [
+            y - x for x, y in zip(a["peak_rss_bytes_per_rank"], b["peak_rss_bytes_per_rank"])
+        ]
+        result["train_rank_rss_largest_over_smallest"] = [
+            y / x for x, y in zip(a["peak_rss_bytes_per_rank"], b["peak_rss_bytes_per_rank"])
+        ]
+        result["train_time_to_first_step_largest_over_smallest"] = (
+            b["time_to_first_step_s"] / a["time_to_first_step_s"]
+        )
+        print(
+            f"training {sizes[-1]} vs {sizes[0]}: rank RSS growth "
+            + ", ".join(f"{d / 2**20:+.1f} MiB" for d in result["train_rank_rss_growth_bytes"])
+            + f"; time to first step x{result['train_time_to_first_step_largest_over_smallest']:.3f}"
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(
