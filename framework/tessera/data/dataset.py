@@ -191,6 +191,14 @@ def prepare_data(
         spec["blend"] = {"size": 0, "cache": None}
         train, _ = build_rows({**spec, "blend": {"size": 1, "cache": None}})  # parts' sizes
         assert isinstance(train, BlendRows)
+        for part, e in zip(train.parts, entries):
+            if len(part) == 0:
+                raise DataError(
+                    f"source {e['name']} gives no training rows of seq_len={section.seq_len}",
+                    field="data.sources",
+                    value=e["name"],
+                    fix="remove it from the blend, give it more documents, or lower data.seq_len",
+                )
         size = sum(len(p) for p in train.parts)
         spec["blend"] = {"size": size, "cache": str(cache_dir / "blends" / f"{data_hash[:32]}-{size}")}
     rows, eval_rows = build_rows(spec)
