@@ -25,6 +25,18 @@ def tok(tmp_path_factory) -> Path:
     return chat_tokenizer(base, tmp_path_factory.mktemp("chat"))
 
 
+def _prepare_chat(tmp_path: Path, tok: Path, **kw) -> dict:
+    """``c.jsonl`` in ``tmp_path`` prepared as chat rows into ``out``."""
+    return prepare_dataset(
+        [str(tmp_path / "c.jsonl")],
+        tokenizer=str(tok),
+        out=tmp_path / "out",
+        fmt="chat",
+        show_progress=False,
+        **kw,
+    )
+
+
 def _jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -51,14 +63,7 @@ def test_chat_mask_is_exactly_the_assistant_turns(tok, tmp_path):
 
     rows = chat_rows(24)
     _jsonl(tmp_path / "c.jsonl", rows)
-    rec = prepare_dataset(
-        [str(tmp_path / "c.jsonl")],
-        tokenizer=str(tok),
-        out=tmp_path / "out",
-        fmt="chat",
-        workers=2,
-        show_progress=False,
-    )
+    rec = _prepare_chat(tmp_path, tok, workers=2)
     assert rec["rows"] == "chat" and rec["loss_mask"] == "mask" and rec["documents"] == 24
     tokens, masks = (
         IndexedDataset(str(tmp_path / "out" / "tokens")),
@@ -140,14 +145,7 @@ def test_bad_chat_rows_name_file_and_line_and_write_nothing(tok, tmp_path, row, 
     good = chat_rows(3)
     _jsonl(tmp_path / "c.jsonl", [*good, row])
     with pytest.raises(DataError) as e:
-        prepare_dataset(
-            [str(tmp_path / "c.jsonl")],
-            tokenizer=str(tok),
-            out=tmp_path / "out",
-            fmt="chat",
-            workers=1,
-            show_progress=False,
-        )
+        _prepare_chat(tmp_path, tok, workers=1)
     assert "c.jsonl:4: " in str(e.value) and why in str(e.value) and e.value.fix
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".tmp-*"))
 
@@ -155,15 +153,7 @@ def test_bad_chat_rows_name_file_and_line_and_write_nothing(tok, tmp_path, row, 
 def test_no_assistant_rows_are_skipped_with_a_count_when_asked(tok, tmp_path):
     rows = [*chat_rows(5), {"messages": [{"role": "user", "content": "alpha"}]}, *chat_rows(2, salt=1)]
     _jsonl(tmp_path / "c.jsonl", rows)
-    rec = prepare_dataset(
-        [str(tmp_path / "c.jsonl")],
-        tokenizer=str(tok),
-        out=tmp_path / "out",
-        fmt="chat",
-        workers=1,
-        show_progress=False,
-        no_assistant="skip",
-    )
+    rec = _prepare_chat(tmp_path, tok, workers=1, no_assistant="skip")
     assert rec["documents"] == 7 and rec["skipped"] == {"no_assistant": 1}
     assert json.loads((tmp_path / "out" / DATASET_JSON).read_text())["skipped"] == {"no_assistant": 1}
     # a BPE cannot render chat: a tokenizer directory is required

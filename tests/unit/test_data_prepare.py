@@ -23,14 +23,9 @@ def _text(i: int) -> str:
     return " ".join(f"tok{(i * 7 + k) % 31}" for k in range(5 + i % 11)) + f" doc {i} é"
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory) -> Path:
-    """A tiny byte-level BPE with an eos, saved as a tokenizer directory (what --tokenizer names)."""
-    from tessera.data.tokenizer import _train_bpe
-
-    out = tmp_path_factory.mktemp("tok")
-    _train_bpe([_text(i) for i in range(200)], 300).save_pretrained(out)
-    return out
+@pytest.fixture
+def tokenizer_dir(bpe_dir) -> Path:
+    return bpe_dir
 
 
 @pytest.fixture(scope="module")

@@ -28,14 +28,9 @@ def _text(i: int) -> str:
     return " ".join(f"w{(i * 13 + k) % 37}" for k in range(3 + i % 17)) + f" #{i}"
 
 
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory) -> Path:
-    """A tiny byte-level BPE with eos and pad, saved as a tokenizer directory."""
-    from tessera.data.tokenizer import _train_bpe
-
-    out = tmp_path_factory.mktemp("tok")
-    _train_bpe([_text(i) for i in range(300)], 300).save_pretrained(out)
-    return out
+@pytest.fixture
+def tok(bpe_dir) -> Path:
+    return bpe_dir
 
 
 def _megatron_prefix(path: Path, docs: list[list[int]], dtype=np.uint16) -> str:
