@@ -14,12 +14,12 @@ the memory check is prepare's peak at the largest corpus against the smallest. T
 byte-level BPE (8192 tokens) trained once on the smallest corpus's first 2000 documents.
 
 Then each prepared dataset is trained on: ``tessera run`` of the default recipe (tiny Llama, 2 ranks,
-ZeRO-2) with ``data.sources`` naming it, 20 steps, twice (the first warms the page cache and the import
-caches; the second is measured): every rank's peak RSS and the time to the first step, compared between
-the smallest and the largest corpus (targets: within 5 % or 50 MiB, within 10 %).
+ZeRO-2) with ``data.sources`` naming it, 20 steps, a warm-up (the page cache, the import caches) and then
+``--repeats`` measured runs: every rank's largest peak RSS and the median time to the first step, compared
+between the smallest and the largest corpus (targets: within 5 % or 50 MiB, within 10 %).
 
     python tools/bench/data.py [--sizes 20M,2G] [--workers 2] [--dir /tmp/tessera-data-bench]
-                               [--out bench-results/data.json] [--steps 20]
+                               [--out bench-results/data.json] [--steps 20] [--repeats 3]
 
 Prints a table and writes the JSON (every figure and the commands).
 """
@@ -66,12 +66,16 @@ def _tokenizer(corpus: Path, where: Path) -> Path:
     return where
 
 
-def train(prepared: Path, tokenizer: Path, work: Path, name: str, steps: int) -> dict[str, object]:
-    """A 2-rank ``tessera run`` on ``prepared`` (twice; the second measured): each rank's peak RSS and the
-    time from process start to the end of the first step."""
+def train(
+    prepared: Path, tokenizer: Path, work: Path, name: str, steps: int, repeats: int
+) -> dict[str, object]:
+    """2-rank ``tessera run`` s on ``prepared`` (a warm-up, then ``repeats`` measured): each rank's largest
+    peak RSS and the median time from process start to the end of the first step."""
+    import statistics
+
     python = sys.executable
-    out: dict[str, object] = {}
-    for attempt in ("warm-up", "measured"):
+    runs: list[dict[str, object]] = []
+    for attempt in ["warm-up", *(f"measured-{k}" for k in range(repeats))]:
         run_dir = work / "runs" / f"{name}-{attempt}"
         shutil.rmtree(run_dir, ignore_errors=True)
         cmd = [python, "-m", "tessera.cli", "run", "recipes/tiny-llama-cpu.yaml",
@@ -81,13 +85,21 @@ def train(prepared: Path, tokenizer: Path, work: Path, name: str, steps: int) ->
         timed = _timed(cmd, work / f"train-{name}-{attempt}.log")
         summary = json.loads((run_dir / "summary.json").read_text())
         first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
-        out = {
+        runs.append({
             "seconds": timed["seconds"],
             "peak_rss_bytes_per_rank": summary["peak_memory_bytes_per_rank"],
             "time_to_first_step_s": first["time_to_first_step_s"],
             "rows": json.loads((run_dir / "data.json").read_text())["fingerprint"]["num_samples"],
-        }
-    return out
+        })  # fmt: skip
+    measured = runs[1:]
+    return {
+        "runs": measured,
+        "rows": measured[0]["rows"],
+        "peak_rss_bytes_per_rank": [
+            max(col) for col in zip(*(r["peak_rss_bytes_per_rank"] for r in measured))
+        ],
+        "time_to_first_step_s": statistics.median(r["time_to_first_step_s"] for r in measured),
+    }
 
 
 def _ceiling_part(args: tuple[str, int, int, str]) -> int:
@@ -129,6 +141,9 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp/tessera-data-bench")
     ap.add_argument("--out", default=str(REPO / "bench-results" / "data.json"))
     ap.add_argument("--steps", type=int, default=20, help="steps of each training run (0: no training runs)")
+    ap.add_argument(
+        "--repeats", type=int, default=3, help="measured training runs per corpus (after a warm-up)"
+    )
     ap.add_argument("--ceiling", nargs=3, metavar=("CORPUS", "TOKENIZER", "WORKERS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.ceiling:
@@ -166,7 +181,7 @@ def main() -> None:
               f"{prep['peak_rss_bytes'] / 2**20:6.0f} MiB)  ceiling {ceil['seconds']:7.1f} s "
               f"({r['ceiling_mb_per_s']:5.2f} MB/s)  ratio {r['throughput_ratio']:.2f}", flush=True)  # fmt: skip
     for r in rows if args.steps else ():
-        r["train"] = train(work / f"prepared-{r['size']}", tok, work, r["size"], args.steps)
+        r["train"] = train(work / f"prepared-{r['size']}", tok, work, r["size"], args.steps, args.repeats)
         t = r["train"]
         print(f"{r['size']:>6}: {t['rows']:,} rows; training: time to first step {t['time_to_first_step_s']:.1f} s, "
               f"peak RSS per rank {', '.join(f'{b / 2**20:.0f}' for b in t['peak_rss_bytes_per_rank'])} MiB",
