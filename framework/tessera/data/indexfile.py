@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 from tessera.errors import DataError
 
@@ -31,6 +32,8 @@ def check_index(idx: Path) -> tuple[int, int]:
         raise bad_source(str(idx)[:-4], f"{idx}: not a megatron index (header {head[:9]!r})", REPREPARE)
     version, _code, seqs, docs = struct.unpack("<QBQQ", head[9:])
     want = INDEX_FIXED + seqs * (4 + 8) + docs * 8
+    if _code not in DTYPES:
+        raise bad_source(str(idx)[:-4], f"{idx}: unknown token dtype code {_code}", REPREPARE)
     if version != 1 or size not in (want, want + seqs):  # + seqs: the multimodal index's mode bytes
         raise bad_source(
             str(idx)[:-4],
@@ -54,6 +57,29 @@ def check_prefix(prefix: str) -> tuple[int, int]:
     return seqs, docs
 
 
+#: megatron-core's dtype codes (``indexed_dataset.DType``) -> numpy dtype names
+DTYPES = {1: "uint8", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 6: "float64", 7: "float32", 8: "uint16"}
+
+
+def index_arrays(idx: Path, seqs: int, docs: int) -> tuple[Any, Any, Any]:
+    """(sequence lengths int32, sequence byte pointers int64, document indices int64) of an ``.idx``,
+    mapped (a page is read when used), laid out as megatron-core's ``_IndexReader`` reads them."""
+    import numpy as np
+
+    raw = np.memmap(idx, mode="r", dtype=np.uint8)
+    lengths = np.frombuffer(raw, np.int32, seqs, INDEX_FIXED)
+    pointers = np.frombuffer(raw, np.int64, seqs, INDEX_FIXED + 4 * seqs)
+    doc_index = np.frombuffer(raw, np.int64, docs, INDEX_FIXED + 12 * seqs)
+    return lengths, pointers, doc_index
+
+
+def index_dtype(idx: Path) -> str:
+    """The token dtype an ``.idx`` header names."""
+    with open(idx, "rb") as f:
+        code = f.read(INDEX_FIXED)[17]
+    return DTYPES[code]
+
+
 def _check_bin(idx: Path, bin_: Path, seqs: int) -> None:
     """The ``.bin`` is as long as the index's last sequence says (read from the index: two numbers)."""
     import struct
@@ -62,13 +88,14 @@ def _check_bin(idx: Path, bin_: Path, seqs: int) -> None:
         raise bad_source(str(bin_)[:-4], f"{bin_} not found", REPREPARE)
     if seqs == 0:
         return
+    import numpy as np
+
+    itemsize = np.dtype(index_dtype(idx)).itemsize
     with open(idx, "rb") as f:
-        code = f.read(INDEX_FIXED)[17]
         f.seek(INDEX_FIXED + 4 * (seqs - 1))
         (length,) = struct.unpack("<i", f.read(4))
         f.seek(INDEX_FIXED + 4 * seqs + 8 * (seqs - 1))
         (pointer,) = struct.unpack("<q", f.read(8))
-    itemsize = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 4, 8: 2}.get(code, 0)  # megatron-core's DType codes
     end, size = pointer + length * itemsize, bin_.stat().st_size
     if itemsize and size != end:
         what = "truncated" if size < end else "longer than its index"
@@ -100,25 +127,16 @@ def concat_indexed(prefixes: list[Path], out: Path, code: int) -> None:
             with open(f"{p}.bin", "rb") as src:
                 shutil.copyfileobj(src, fb, 16 << 20)
             sizes.append(Path(f"{p}.bin").stat().st_size)
-    head = INDEX_FIXED
-
-    def arrays(p: Path, seqs: int, docs: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        raw = np.memmap(f"{p}.idx", mode="r", dtype=np.uint8)
-        lengths = np.frombuffer(raw, np.int32, seqs, head)
-        pointers = np.frombuffer(raw, np.int64, seqs, head + 4 * seqs)
-        doc_index = np.frombuffer(raw, np.int64, docs, head + 12 * seqs)
-        return lengths, pointers, doc_index
-
     with open(f"{out}.idx", "wb") as f:
         f.write(INDEX_HEADER + struct.pack("<QBQQ", 1, code, total_seqs, total_docs))
         for p, (seqs, docs) in zip(prefixes, counts):
-            f.write(arrays(p, seqs, docs)[0].tobytes())
+            f.write(index_arrays(Path(f"{p}.idx"), seqs, docs)[0].tobytes())
         offset = 0
         for p, (seqs, docs), size in zip(prefixes, counts, sizes):
-            f.write((arrays(p, seqs, docs)[1] + offset).astype(np.int64).tobytes())
+            f.write((index_arrays(Path(f"{p}.idx"), seqs, docs)[1] + offset).astype(np.int64).tobytes())
             offset += size
         f.write(np.zeros(1, np.int64).tobytes())
         first = 0
         for p, (seqs, docs) in zip(prefixes, counts):
-            f.write((arrays(p, seqs, docs)[2][1:] + first).astype(np.int64).tobytes())
+            f.write((index_arrays(Path(f"{p}.idx"), seqs, docs)[2][1:] + first).astype(np.int64).tobytes())
             first += seqs

@@ -1,12 +1,12 @@
 """Training rows read from memory-mapped indexed datasets (megatron-core's ``.bin`` / ``.idx``).
 
-A rank maps the files and reads only the rows of its micro-batches: its memory does not grow with the
+A rank maps the index and reads only the rows of its micro-batches: its memory does not grow with the
 corpus (the page cache holds what was read; nothing is copied into the process but the rows of a step).
 
-* :func:`open_tokens` opens a prefix with megatron-core's ``IndexedDataset`` (the reader Megatron-LM,
-  Megatron-Bridge and NeMo use) after checking that the ``.idx`` and the ``.bin`` belong together: a
-  header that is not megatron's, sizes that do not match the file, or a ``.bin`` shorter or longer than
-  the index says are refused with the file named (megatron-core would assert or read garbage).
+* :class:`TokenFile` opens a prefix after checking that the ``.idx`` and the ``.bin`` belong together
+  (a header that is not megatron's, sizes that do not match the file, a ``.bin`` shorter or longer than
+  the index says are refused with the file named: megatron-core would assert or read garbage), maps the
+  index as megatron-core's ``IndexedDataset`` does and reads rows from the ``.bin`` with ``pread``.
 * :class:`PackedRows`: documents (each stored with its eos) joined and cut into rows of ``seq_len`` —
   row ``i`` is tokens ``[i*L, (i+1)*L)`` of the selected documents' stream, the same rows as packing the
   tokenized documents in memory. Written by hand because megatron-core's ``GPTDataset`` has other rows
@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tessera.data.indexfile import REPREPARE, bad_source, check_prefix
+from tessera.data.indexfile import REPREPARE, bad_source, check_prefix, index_arrays, index_dtype
 from tessera.errors import DataError
 
 IGNORE_INDEX = -100
@@ -45,26 +45,15 @@ class TokenFile:
     def __init__(self, prefix: str):
         self.prefix = prefix
         counts = check_prefix(prefix)
-        import warnings
-
-        with warnings.catch_warnings():  # megatron-core's package import warns about TransformerEngine / Apex
-            warnings.simplefilter("ignore")
-            from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-        try:
-            self.dataset = IndexedDataset(prefix, mmap=False)  # the index is mapped; rows: see below
-        except (AssertionError, ValueError) as e:  # megatron-core validates with asserts
+        # The index is read here as megatron-core's ``IndexedDataset`` reads it (the same arrays at the
+        # same offsets; interop is tested both ways), without importing megatron-core: a rank of the
+        # deepspeed or ddp engine would pay ~1.5 s of start-up for it.
+        idx = Path(prefix + ".idx")
+        self.dtype = np.dtype(index_dtype(idx))
+        self.lengths, self.pointers, self.doc_index = index_arrays(idx, *counts)
+        if len(self.doc_index) and (self.doc_index[0] != 0 or self.doc_index[-1] != len(self.lengths)):
             raise bad_source(
-                prefix, f"{prefix}.idx: not a readable megatron index ({e})", REPREPARE
-            ) from None
-        index = self.dataset.index
-        self.dtype = np.dtype(index.dtype)
-        self.lengths: np.ndarray = index.sequence_lengths
-        self.pointers: np.ndarray = index.sequence_pointers
-        self.doc_index: np.ndarray = index.document_indices
-        if (len(self.lengths), len(self.doc_index)) != counts:
-            raise bad_source(
-                prefix, f"{prefix}.idx: the index does not read back as its header says", REPREPARE
+                prefix, f"{prefix}.idx: its document index does not cover its sequences", REPREPARE
             )
         if not self._contiguous():
             raise bad_source(

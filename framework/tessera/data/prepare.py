@@ -411,6 +411,27 @@ def _prepare(
     return record
 
 
+def _context() -> Any:
+    """How the workers start. ``fork`` from a single-threaded process (the command line, a test): a worker
+    starts with the parent's imports (transformers, megatron-core: ~3 s each otherwise) and runs no torch
+    op. Never ``fork`` from a process with other threads (a training rank: its heartbeat, its supervisor
+    watch, torch's pools): a lock one of them held at the fork stays held in the child, which hung or
+    lost a worker in 1 of 3 README fine-tunes. There a ``forkserver`` (a fresh interpreter that imports
+    the workers' libraries once, then forks them) starts them."""
+    import multiprocessing as mp
+    import threading
+
+    if not sys.platform.startswith("linux"):
+        return mp.get_context("spawn")
+    if threading.active_count() == 1:
+        return mp.get_context("fork")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(
+        ["transformers", "megatron.core.datasets.indexed_dataset", "tessera.data.prepare"]
+    )
+    return ctx
+
+
 def _run_shards(
     shards: list[Shard],
     kind: RowKind,
@@ -422,9 +443,10 @@ def _run_shards(
     on_progress: Callable[[], None] | None = None,
 ) -> tuple[int, int, int]:
     """The shards through ``workers`` processes, with a progress bar of MB/s, tokens/s and the ETA."""
-    import multiprocessing as mp
     import queue
     import warnings
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
 
     with warnings.catch_warnings():  # megatron-core's package import warns about TransformerEngine / Apex
         warnings.simplefilter("ignore")
@@ -432,9 +454,7 @@ def _run_shards(
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    # fork on Linux: a worker starts with the parent's imports (transformers, torch: ~3 s each otherwise)
-    # and runs no torch op (numpy and tokenizers only), so no inherited thread pool is ever touched
-    ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+    ctx = _context()
     progress: Any = ctx.Queue()
     total = sum(s.bytes for s in found)
     done_bytes = done_tokens = 0
@@ -447,9 +467,14 @@ def _run_shards(
         transient=True,
     )
     t0 = time.perf_counter()
-    with ctx.Pool(workers, initializer=_worker_init, initargs=(tokenizer_dir, progress)) as pool, bar:
+    # concurrent.futures rather than multiprocessing.Pool: a worker that dies (killed, out of memory)
+    # fails the pool with BrokenProcessPool instead of leaving its shard pending forever
+    pool = ProcessPoolExecutor(
+        workers, mp_context=ctx, initializer=_worker_init, initargs=(tokenizer_dir, progress)
+    )
+    with pool, bar:
         task = bar.add_task("prepare", total=total, mbs=0.0, tps=0.0)
-        pending = [pool.apply_async(_tokenize_shard, (s, kind, str(tmp))) for s in shards]
+        pending = [pool.submit(_tokenize_shard, s, kind, str(tmp)) for s in shards]
         while True:
             try:
                 b, t, _ = progress.get(timeout=0.1)
@@ -459,9 +484,14 @@ def _run_shards(
                 if on_progress is not None:
                     on_progress()
             except queue.Empty:
-                if all(r.ready() for r in pending):
+                if all(r.done() for r in pending):
                     break
-        results = [r.get() for r in pending]
+        try:
+            results = [r.result() for r in pending]
+        except BrokenProcessPool as e:
+            raise RuntimeError(
+                f"a data preparation worker died ({e}); see the log above for its reason"
+            ) from e
     for r in results:
         if r[0] == "error":
             _, message, value, fix, field_name = r
