@@ -244,6 +244,31 @@ def test_sampler_same_set_per_step_for_every_layout() -> None:
     assert len(set(epoch0)) == 32 and ref.peek_global(4) != ref.peek_global(0)  # new permutation per epoch
 
 
+def test_mapped_permutation_is_torchs_and_read_from_the_file(tmp_path: Path) -> None:
+    """The shuffle order saved in the data cache and mapped (so a rank's memory does not grow with the
+    rows) is torch's seeded randperm; a sampler reading it draws the batches one holding it does."""
+    import numpy as np
+
+    from tessera.data._cache import randperm
+
+    want = torch.randperm(1000, generator=torch.Generator().manual_seed(7)).tolist()
+    first = randperm(1000, 7, tmp_path / "orders")
+    assert isinstance(first, np.memmap) and first.tolist() == want and first.dtype == np.int32
+    assert (tmp_path / "orders" / "randperm-1000-7.npy").is_file()
+    assert randperm(1000, 7, tmp_path / "orders").tolist() == want == randperm(1000, 7).tolist()
+
+    def make(cache: Path | None) -> StepSampler:
+        s = StepSampler(40, global_batch=8, micro_batch=2, grad_accum=2, dp_rank=1, dp_size=2, seed=5)
+        s.perm_cache = cache
+        return s
+
+    mapped, held = make(tmp_path / "orders"), make(None)
+    assert [mapped.next_step() for _ in range(12)] == [held.next_step() for _ in range(12)]
+    assert sorted(p.name for p in (tmp_path / "orders").iterdir()) == [
+        "randperm-1000-7.npy", "randperm-40-5.npy", "randperm-40-6.npy", "randperm-40-7.npy"
+    ]  # fmt: skip
+
+
 @pytest.mark.parametrize("split", [2, 4, 6])  # mid-epoch, exactly at an epoch boundary, in epoch 1
 def test_sampler_resume_is_exact(split: int) -> None:
     def make() -> StepSampler:

@@ -94,3 +94,33 @@ def atomic_torch_save(obj: Any, target: Path) -> None:
 
     with atomic_file(target) as f:
         torch.save(obj, f)
+
+
+def randperm(n: int, seed: int, cache: Path | None = None) -> Any:
+    """``torch.randperm(n)`` drawn from a generator seeded with ``seed``, as a numpy array (int32 below
+    2**31 rows: the same draws as int64, half the bytes).
+
+    With ``cache`` (a directory) it is saved there once as ``randperm-N-SEED.npy`` and mapped, as
+    megatron-core's ``GPTDataset`` caches and maps its shuffle index: a rank then holds only the pages of
+    the rows it reads. Held in memory it would be the one term of a rank's memory that grows with the
+    corpus (4 bytes a row: 35 MB at 2 GB of text). Written by hand because megatron's shuffle index is a
+    numpy ``RandomState`` permutation of its own sample index, not the torch permutation our sampler
+    position and its resumes are defined by. Several ranks may write it at once: each writes a temporary
+    and renames it, the content is the same.
+    """
+    import numpy as np
+    import torch
+
+    from tessera.atomic import atomic_file
+
+    path = None if cache is None else Path(cache) / f"randperm-{n}-{seed}.npy"
+    if path is not None and path.is_file():
+        return np.load(path, mmap_mode="r")
+    gen = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(n, generator=gen, dtype=torch.int32 if n < 2**31 else torch.int64).numpy()
+    if path is None:
+        return perm
+    with atomic_file(path) as f:
+        np.save(f, perm)
+    del perm
+    return np.load(path, mmap_mode="r")

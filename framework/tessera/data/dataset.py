@@ -125,6 +125,7 @@ def build_rows(spec: dict[str, Any]) -> tuple[Rows, Rows | None]:
         cache = Path(blend["cache"]) if blend.get("cache") else None
         rows = BlendRows(train, [s["weight"] for s in spec["sources"]], names, blend["size"], cache)
     eval_rows = None if not held else held[0] if len(held) == 1 else ConcatRows(held, names)
+    rows.perm_cache = Path(spec["perm_cache"]) if spec.get("perm_cache") else None
     return rows, eval_rows
 
 
@@ -201,6 +202,7 @@ def prepare_data(
                 )
         size = sum(len(p) for p in train.parts)
         spec["blend"] = {"size": size, "cache": str(cache_dir / "blends" / f"{data_hash[:32]}-{size}")}
+    spec["perm_cache"] = str(cache_dir / "orders")  # shuffle permutations: saved once, mapped by every rank
     rows, eval_rows = build_rows(spec)
     _require_samples(len(rows), section)
     fingerprint = _fingerprint(section, specs, entries, rows, eval_rows, content_hash, data_hash, corpus)

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tessera.data._cache import randperm
 from tessera.data.indexfile import REPREPARE, bad_source, check_prefix, index_arrays, index_dtype
 from tessera.errors import DataError
 
@@ -134,6 +135,8 @@ class Rows:
     #: the rows come in an order of their own (a blend: the weights hold at every step), so the sampler
     #: takes them in sequence rather than shuffling them (see :class:`BlendRows`)
     own_order = False
+    #: where shuffle permutations of these rows are saved and mapped from (the data cache); None: memory
+    perm_cache: Path | None = None
 
     def set_seed(self, seed: int) -> None:
         """The run's seed, for rows that shuffle themselves (a blend shuffles inside each source)."""
@@ -463,8 +466,8 @@ class BlendRows(_Composite):
         if key not in self._perms:
             for old in [k for k in self._perms if k[0] == source and k[1] < p - 1]:
                 del self._perms[old]
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + source * 10_007 + p)
-            self._perms[key] = torch.randperm(int(self.sizes[source]), generator=gen).numpy()
+            seed = self.seed * 1_000_003 + source * 10_007 + p
+            self._perms[key] = randperm(int(self.sizes[source]), seed, self.perm_cache)
         return self._perms[key]
 
     def __len__(self) -> int:

@@ -15,10 +15,10 @@ exactly, mid-epoch or at an epoch boundary.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
+from tessera.data._cache import randperm
 from tessera.errors import CheckpointError, DataError, LayoutError
 
 if TYPE_CHECKING:
@@ -73,7 +73,9 @@ class StepSampler:
         self.epoch = 0
         self.step_in_epoch = 0
         self.consumed_samples = 0
-        self._perm: tuple[int, torch.Tensor] | None = None  # (epoch, permutation), the one in use
+        self._perm: tuple[int, Any] | None = None  # (epoch, permutation), the one in use
+        #: where the permutations are saved and mapped from (the data cache); None: held in memory
+        self.perm_cache: Path | None = None
         #: tokens trained on per source of a blend since the run began (kept in the position, so a resumed
         #: run counts on); None for one source
         self.source_tokens: list[int] | None = None
@@ -101,6 +103,7 @@ class StepSampler:
         rows = data.rows
         rows.set_seed(seed)
         sampler = cls.for_layout(len(rows), layout, rank=rank, seed=seed, shuffle=not rows.own_order)
+        sampler.perm_cache = rows.perm_cache
         if len(rows.names) > 1:
             sampler.source_tokens = [0] * len(rows.names)
         return sampler
@@ -115,20 +118,17 @@ class StepSampler:
         """Optimizer steps taken since the start of training (over all epochs)."""
         return self.epoch * self.steps_per_epoch + self.step_in_epoch
 
-    def _permutation(self, epoch: int) -> torch.Tensor:
-        """The epoch's permutation; an explicit generator keeps it independent of torch's global RNG."""
+    def _permutation(self, epoch: int) -> Any:
+        """The epoch's permutation (an explicit generator keeps it independent of torch's global RNG),
+        mapped from ``perm_cache`` when the data has one (see :func:`tessera.data._cache.randperm`)."""
         if self._perm is None or self._perm[0] != epoch:
             if self.shuffle:
-                # int32 below 2**31 rows: the same permutation as int64 (the same draws), half the memory
-                # (the one term of a rank's memory that grows with the corpus: 4 bytes a row)
-                gen = torch.Generator().manual_seed(self.seed + epoch)
-                dtype = torch.int32 if self.num_samples < 2**31 else torch.int64
-                self._perm = (epoch, torch.randperm(self.num_samples, generator=gen, dtype=dtype))
+                self._perm = (epoch, randperm(self.num_samples, self.seed + epoch, self.perm_cache))
             else:
-                self._perm = (epoch, torch.arange(self.num_samples))
+                self._perm = (epoch, range(self.num_samples))
         return self._perm[1]
 
-    def _global_batch(self, epoch: int, step_in_epoch: int) -> torch.Tensor:
+    def _global_batch(self, epoch: int, step_in_epoch: int) -> Any:
         start = step_in_epoch * self.global_batch
         return self._permutation(epoch)[start : start + self.global_batch]
 
@@ -139,11 +139,11 @@ class StepSampler:
     def peek_global(self, step: int) -> list[int]:
         """All ``G`` sample indices of global step ``step`` (counted from 0 over all epochs); no state change."""
         epoch, s = divmod(step, self.steps_per_epoch)
-        return self._global_batch(epoch, s).tolist()
+        return [int(i) for i in self._global_batch(epoch, s)]
 
     def next_step(self) -> list[list[int]]:
         """This rank's ``grad_accum`` micro-batches (``micro_batch`` indices each) for the next step."""
-        batch = self._global_batch(self.epoch, self.step_in_epoch).tolist()
+        batch = [int(i) for i in self._global_batch(self.epoch, self.step_in_epoch)]
         micro = self.split(batch)
         #: every rank's indices of the step just taken (each rank knows them: the order is seeded)
         self.last_global_batch = batch
