@@ -19,7 +19,7 @@ ZeRO-2) with ``data.sources`` naming it, 20 steps, a warm-up (the page cache, th
 between the smallest and the largest corpus (targets: within 5 % or 50 MiB, within 10 %).
 
     python tools/bench/data.py [--sizes 20M,2G] [--workers 2] [--dir /tmp/tessera-data-bench]
-                               [--out bench-results/data.json] [--steps 20] [--repeats 3]
+                               [--out bench-results/data.json] [--steps 20] [--repeats 3] [--train-only]
 
 Prints a table and writes the JSON (every figure and the commands).
 """
@@ -144,6 +144,11 @@ def main() -> None:
     ap.add_argument(
         "--repeats", type=int, default=3, help="measured training runs per corpus (after a warm-up)"
     )
+    ap.add_argument(
+        "--train-only",
+        action="store_true",
+        help="keep the prepare / ceiling figures of --out and the prepared datasets in --dir; re-measure training",
+    )
     ap.add_argument("--ceiling", nargs=3, metavar=("CORPUS", "TOKENIZER", "WORKERS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.ceiling:
@@ -156,6 +161,9 @@ def main() -> None:
     tok = _tokenizer(corpora[sizes[0]], work / "tokenizer")
     python = sys.executable
     rows = []
+    if args.train_only:  # the prepared datasets of the last full run, re-measured for training only
+        rows = [r for r in json.loads(Path(args.out).read_text())["rows"] if r["size"] in sizes]
+        corpora = {}
     for s, corpus in corpora.items():
         out = work / f"prepared-{s}"
         shutil.rmtree(out, ignore_errors=True)
