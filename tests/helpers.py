@@ -492,6 +492,28 @@ def hf_loss_on_step(model, run_dir: Path, step: int) -> float:
         return float(summed_token_loss(model(input_ids=ids).logits, labels)) / label_tokens(labels)
 
 
+def initial_hf_model(run_dir: Path):
+    """The single-process HF model the run started from: ``AutoModelForCausalLM.from_config`` of the run's
+    config, every parameter and persistent buffer loaded (strictly) from the seeded rule."""
+    import torch
+    import yaml
+    from transformers import AutoModelForCausalLM
+
+    from tessera.config.loader import validate_recipe
+    from tessera.data import load_prepared
+    from tessera.models.hf import load_hf_config
+    from tessera.models.init import SeededWeights
+
+    rd = RunDir(run_dir)
+    recipe = validate_recipe(yaml.safe_load(rd.recipe.read_text()))
+    data = load_prepared(rd.read_json(RunDir.DATA))
+    cfg = load_hf_config(recipe.model, vocab_size=data.vocab_size)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    weights = SeededWeights(cfg, recipe.train.seed)
+    model.load_state_dict({name: weights[name] for name in weights.shapes}, strict=True)
+    return model
+
+
 def assert_hf_export_replays_the_run(
     run_dir: Path, ckpt_step: int, out: Path, *, rel: float = 1e-6, tamper: bool = False
 ) -> dict:

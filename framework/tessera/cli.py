@@ -138,6 +138,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     con = _console()
     con.width = max(con.width, 160)
+    m = result.model
+    con.print(
+        f"[bold]model[/]   {m['family']}: {m['parameters']:,} parameters (counted on {m['counted_on']})",
+        highlight=False,
+    )
+    for what in m["generic_estimates"]:
+        con.print(f"  generic formula: {what}", highlight=False)
     table = Table(title=f"{args.recipe} on {ws} x {hw.name} ({len(result.candidates)} layouts fit)")
     for col in COLUMNS:  # headers and cells from the one list: they cannot drift apart
         table.add_column(col.header, justify=col.justify)

@@ -21,7 +21,14 @@ from tessera.errors import CheckpointError
 def save_tensors(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any] | None = None) -> None:
     from safetensors.torch import save_file
 
-    data = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    data, seen = {}, set()
+    for k, v in tensors.items():
+        t = v.detach().contiguous().cpu()
+        where = t.untyped_storage().data_ptr()
+        # tied weights (an HF state dict's embedding and head) share one storage, which safetensors
+        # refuses: each name gets its own copy, as every reader of these files expects every name
+        data[k] = t.clone() if where in seen else t
+        seen.add(where)
     save_file(data, str(path), metadata={"tessera": json.dumps(meta or {}, sort_keys=True)})
 
 

@@ -20,6 +20,8 @@ from helpers import (
     assert_hf_export_replays_the_run,
     assert_model_states_match_plan,
     assert_nan_stop,
+    hf_loss_on_step,
+    initial_hf_model,
     losses,
     set_steps,
     train_runs,
@@ -53,6 +55,20 @@ FAMILY_RUNS = {
     "gpt2_pp2_tied": (GPT2, ["parallel.engine=megatron", "parallel.pp=2", "parallel.zero=1"], "gpt2"),
     "qwen2_tp2": (QWEN2, ["parallel.engine=megatron", "parallel.tp=2", "parallel.zero=0"], "qwen2"),
 }
+# Qwen3 (q/k norms) and Qwen3-MoE on megatron, and Mixtral at tp 2 with sequence parallelism (MoE under TP
+# needs it): against the deepspeed engine's ZeRO-2 from the same seed, 2 ranks (name -> recipe, overrides,
+# reference). sequence_parallel: auto turns SP on wherever tp > 1.
+QWEN3, QWEN3_MOE = R / "tiny-qwen3-cpu.yaml", R / "tiny-qwen3-moe-cpu.yaml"
+MC = ["parallel.engine=megatron", "parallel.zero=0"]
+NEW_FAMILY_RUNS = {
+    "qwen3_tp2": (QWEN3, [*MC, "parallel.tp=2"], "qwen3_zero2"),
+    "qwen3_pp2": (QWEN3, [*MC, "parallel.pp=2"], "qwen3_zero2"),
+    "qwen3moe_tp2": (QWEN3_MOE, [*MC, "parallel.tp=2"], "qwen3moe_zero2"),
+    "qwen3moe_pp2": (QWEN3_MOE, [*MC, "parallel.pp=2"], "qwen3moe_zero2"),
+    "qwen3moe_ep2": (QWEN3_MOE, [*MC, "parallel.ep=2"], "qwen3moe_zero2"),
+    "mixtral_tp2_sp": (MIXTRAL, [*MC, "parallel.tp=2", "parallel.sequence_parallel=true"], "mixtral_zero2"),
+}
+ZERO2_REFS = {"qwen3_zero2": QWEN3, "qwen3moe_zero2": QWEN3_MOE, "mixtral_zero2": MIXTRAL}
 FOUR = {
     "tp2_pp2": R / "tiny-llama-cpu4-mcore-tp2-pp2.yaml",
     "tp2_dp2_distopt": R / "tiny-llama-cpu4-mcore-tp2-dp2-distopt.yaml",
@@ -92,6 +108,9 @@ def runs(tmp_path_factory):
     two["tp2_bf16"] = (TWO["tp2"][0], [*COMMON, "train.precision=bf16"], False)
     for name, (base_run, how) in RECOMPUTED.items():  # megatron-core's recompute granularities
         two[name] = (TWO[base_run][0], [*COMMON, f"parallel.recompute={how}"], False)
+    two.update({k: (rec, [*COMMON, *ov], False) for k, (rec, ov, _) in NEW_FAMILY_RUNS.items()})
+    two.update({k: (rec, [*COMMON, "parallel.zero=2"], False) for k, rec in ZERO2_REFS.items()})
+    two["tp2_nosp"] = (TWO["tp2"][0], [*COMMON, "parallel.sequence_parallel=false"], False)
     two["deepspeed_dp2_zero2"] = (LLAMA, COMMON, False)  # the foundation's engine, same seed
     two["ddp_dp2"] = (LLAMA, [*COMMON, "parallel.engine=ddp", "parallel.zero=0"], False)  # the baseline
     two["blend_ddp"] = (LLAMA, [*COMMON, *_blend_sources(base), "parallel.engine=ddp", "parallel.zero=0"], False)
@@ -258,6 +277,39 @@ def test_other_families_on_megatron_match_single_rank(runs, name):
     _check(runs[name], runs[FAMILY_RUNS[name][2]])
 
 
+@pytest.mark.parametrize("name", sorted(NEW_FAMILY_RUNS))
+def test_qwen3_families_and_moe_with_sp_on_megatron_match_deepspeed_zero2(runs, name):
+    """Qwen3 at TP2 / PP2, Qwen3-MoE at TP2 (with SP) / PP2 / EP2 and Mixtral at TP2 + SP + EP1 on megatron:
+    every one of 10 steps equals the deepspeed engine's ZeRO-2 run from the same seed within 1e-5, and
+    the step-1 gradient norm too."""
+    run, ref = runs[name], runs[NEW_FAMILY_RUNS[name][2]]
+    assert len(run) == STEPS and losses(ref)[-1] < losses(ref)[0]
+    assert_close_rel(losses(run), losses(ref), 1e-5)
+    assert abs(run[0]["grad_norm"] - ref[0]["grad_norm"]) <= 1e-5 * ref[0]["grad_norm"]
+    manifest = RunDir(runs["_base"] / name).read_manifest()
+    assert manifest["layout"]["sequence_parallel"] is ("tp2" in name)
+
+
+@pytest.mark.parametrize("name", ["qwen3_tp2", "qwen3moe_ep2"])
+def test_megatron_step1_is_the_hf_models_loss(runs, name):
+    """The first step's loss on megatron (the HF model's seeded weights through the weight map) is the
+    single-process HF model's loss on that batch within 1e-5."""
+    run_dir = runs["_base"] / name
+    want = hf_loss_on_step(initial_hf_model(run_dir), run_dir, 1)
+    assert_close_rel(losses(runs[name])[:1], [want], 1e-5)
+
+
+def test_sequence_parallelism_changes_no_loss_and_no_gradient_norm(runs):
+    """Llama at TP2: with sequence parallelism (RMSNorm run by SequenceParallelNorm, its gradients
+    all-reduced over TP by megatron's finalize_model_grads) and without it, the same losses and gradient
+    norms within 1e-6 at every one of 10 steps."""
+    sp, plain = runs["tp2"], runs["tp2_nosp"]
+    assert RunDir(runs["_base"] / "tp2").read_manifest()["layout"]["sequence_parallel"] is True
+    assert RunDir(runs["_base"] / "tp2_nosp").read_manifest()["layout"]["sequence_parallel"] is False
+    assert_close_rel(losses(sp), losses(plain), 1e-6)
+    assert_close_rel([r["grad_norm"] for r in sp], [r["grad_norm"] for r in plain], 1e-6)
+
+
 def test_bf16_tracks_fp32(runs):
     """bf16 weights and activations (megatron's Float16Module) with fp32 master weights and grads."""
     assert_close_rel(losses(runs["tp2_bf16"]), losses(runs["llama"]), 1e-3)
@@ -379,12 +431,19 @@ def test_nan_grad_norm_stops_megatron_and_keeps_a_finite_checkpoint(runs):
 
 
 @pytest.mark.parametrize(
-    "name,group,tol", [("tp2", "tp", 0.02), ("pp2_1f1b", "pp", 0.0), ("ep2_mixtral", "ep", 0.10)]
+    "name,group,tol",
+    [("tp2", "tp", 0.02), ("tp2_nosp", "tp", 0.02), ("pp2_1f1b", "pp", 0.0), ("ep2_mixtral", "ep", 0.10)],
 )
 def test_bytes_match_the_plan(runs, name, group, tol):
-    """comm.jsonl against plan.estimate: TP2 all-reduces within 2 %, PP2 sends / receives exactly, EP2
+    """comm.jsonl against plan.estimate: TP2 within 2 % (with SP: all-gathers and reduce-scatters in place
+    of the all-reduces, none left over; without: all-reduces), PP2 sends / receives exactly, EP2
     all-to-all within 10 % (the routing decides how many tokens each rank sends)."""
-    assert_comm_matches_plan(runs["_base"] / name, group, tol)
+    predicted = assert_comm_matches_plan(runs["_base"] / name, group, tol)
+    ops = {k.split(":")[0] for k in predicted}
+    if name == "tp2":
+        assert {"all_gather", "reduce_scatter"} <= ops, predicted
+    if name == "tp2_nosp":
+        assert "all_reduce" in ops and not ops & {"all_gather", "reduce_scatter"}, predicted
 
 
 @pytest.mark.parametrize("name", ["tp2", "pp2_1f1b"])

@@ -9,11 +9,24 @@ from __future__ import annotations
 import pytest
 from helpers import REPO, run_on_ranks
 
-from tessera.tables.families import FAMILY_NAMES
+from tessera.tables.families import MEGATRON_FAMILIES
 
 pytestmark = pytest.mark.slow
 
-FAMILIES = list(FAMILY_NAMES)
+FAMILIES = list(MEGATRON_FAMILIES)
+# Llama 3.1+ RoPE scaling (rope_type llama3, factor 8): theta 500000 and head_dim 16 put frequencies on
+# both sides of the rule's wavelength band at original_max_position_embeddings 8192
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+# (base family, config changes, sequence): the scaled frequencies are the slow ones, so the variant runs
+# the tiny model's whole 256 positions, where the scaling moves its logits well past the tolerance
+VARIANTS = {"llama-rope-llama3": ("llama", {"rope_parameters": LLAMA3_ROPE}, 256)}
 
 
 def _layout(tp: int, ep: int = 1):
@@ -23,13 +36,13 @@ def _layout(tp: int, ep: int = 1):
     return ParallelLayout(engine="megatron", world_size=2, dp=dp, tp=tp, ep=ep, global_batch=dp, zero_impl="megatron")
 
 
-def _hf(family: str):
+def _hf(family: str, changes: dict | None = None):
     import torch
     import yaml
     from transformers import AutoConfig, AutoModelForCausalLM
 
     d = yaml.safe_load((REPO / "configs" / "models" / f"tiny-{family}.yaml").read_text())["model"]["hf_config"]
-    cfg = AutoConfig.for_model(d.pop("model_type"), **d)
+    cfg = AutoConfig.for_model(d.pop("model_type"), **d, **(changes or {}))
     torch.manual_seed(7)
     return AutoModelForCausalLM.from_config(cfg).eval()
 
@@ -43,19 +56,25 @@ def logits_parity(families: list[str]) -> dict[str, dict[int, float]]:
 
     out: dict[str, dict[int, float]] = {}
     for fam in families:
-        hf = _hf(fam)
+        base, changes, seq = VARIANTS.get(fam, (fam, None, 64))
+        hf = _hf(base, changes)
         torch.manual_seed(11)
-        ids = torch.randint(0, hf.config.vocab_size, (2, 64))
+        ids = torch.randint(0, hf.config.vocab_size, (2, seq))
         with torch.no_grad():
             ref = hf(input_ids=ids).logits
         out[fam] = {}
+        if changes:  # the variant changes the HF model's logits (so matching them is not the base's match)
+            plain = _hf(base, {"rope_parameters": {"rope_type": "default", "rope_theta": LLAMA3_ROPE["rope_theta"]}})
+            plain.load_state_dict(hf.state_dict())
+            with torch.no_grad():
+                out[fam]["moved"] = float((plain(input_ids=ids).logits - ref).abs().max())
         for tp in (1, 2):
             lay = _layout(tp)
             ps = init_parallel_state(lay, seed=0, device="cpu")
-            cfg = transformer_config(hf.config, lay, seq_len=64, precision="fp32", device="cpu")
+            cfg = transformer_config(hf.config, lay, seq_len=seq, precision="fp32", device="cpu")
             [model] = build_model_chunks(hf.config, hf.state_dict(), cfg, lay, ps)
             model.eval()
-            pos = torch.arange(64).unsqueeze(0).expand(2, -1)
+            pos = torch.arange(seq).unsqueeze(0).expand(2, -1)
             with torch.no_grad():
                 shard = model(ids, pos, None)  # [b, s, vocab/tp]
             parts = [torch.empty_like(shard) for _ in range(tp)]
@@ -68,7 +87,7 @@ def logits_parity(families: list[str]) -> dict[str, dict[int, float]]:
 
 @pytest.fixture(scope="module")
 def parity():
-    return run_on_ranks(logits_parity, 2, FAMILIES)
+    return run_on_ranks(logits_parity, 2, [*FAMILIES, *VARIANTS])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -76,6 +95,16 @@ def parity():
 def test_logits_match_hf(parity, family, tp):
     for rank_result in parity:
         assert rank_result[family][tp] <= 1e-5, rank_result[family]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_llama3_rope_scaling_logits_match_hf(parity, tp):
+    """Llama with rope_type llama3 (factor 8): megatron-core's llama3 rule gives HF's logits within 1e-5 at
+    TP1 and TP2, where the scaling moves the logits of the same weights by more than ten times that (over
+    256 positions; 2.4e-4 here): a model that ignored the scaling would fail."""
+    for rank_result in parity:
+        got = rank_result["llama-rope-llama3"]
+        assert got[tp] <= 1e-5 and got["moved"] > 1e-4, got
 
 
 def traps() -> dict[str, str]:

@@ -230,3 +230,17 @@ def test_plan_block_prints_a_chosen_layout_for_16_h100s(quickstart):
     assert "finetune.yaml on 16 x h100-sxm-80g" in o.stdout
     chosen = next(ln for ln in o.stdout.splitlines() if ln.startswith("chosen "))
     assert "world=16" in chosen and "global_batch=256" in chosen
+
+
+def test_the_supported_table_is_what_the_registries_say():
+    """README's family x engine table is the one tessera.tables.support generates from the family table,
+    the engine registry and the tiny configs: a family, an adapter or a capability added without it (or a
+    hand edit of the table) fails here."""
+    from tessera.tables.families import FAMILIES
+    from tessera.tables.support import BEGIN, END, block
+
+    text = (REPO / "README.md").read_text()
+    written = text[text.index(BEGIN) : text.index(END) + len(END)]
+    assert written == block(REPO), "regenerate it: python -m tessera.tables.support README.md"
+    rows = {line.split(" | ")[0].lstrip("| ").split(" (")[0] for line in written.splitlines()[3:-1]}
+    assert rows == {*FAMILIES, "any other causal LM"}

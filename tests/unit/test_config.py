@@ -82,7 +82,7 @@ BAD = [
     (["data.source=files", "data.files=[/nonexistent/x.txt]"], ["data.files", "/nonexistent/x.txt"]),
     (["train.precision=fp16", "run.device=cpu"], ["train.precision", "fp16", "bf16 or fp32"]),
     (["parallel.offload_params=true"], ["offload_params", "zero: 3"]),
-    (["model.hf_config.model_type=bert"], ["model_type", "bert", "llama"]),
+    (["model.hf_config.model_type=vit"], ["model_type", "vit", "AutoModelForCausalLM"]),
     # strict types: a boolean is never a number, a number never a boolean, 8.0 never 8
     (
         ["parallel.zero=true"],

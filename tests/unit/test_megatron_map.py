@@ -14,7 +14,7 @@ from tessera.errors import LayoutError
 from tessera.models.megatron import Shard, adapter_for, layer_range, padded_vocab
 from tessera.models.weight_map import hf_keys_covered, hf_to_mcore, mcore_to_hf
 from tessera.plan.layout import layout_from_recipe
-from tessera.tables.families import FAMILIES, FAMILY_NAMES
+from tessera.tables.families import FAMILIES, MEGATRON_FAMILIES
 
 
 def _hf(family: str, **changes):
@@ -45,7 +45,7 @@ def _roundtrip(model, tp, pp, vpp, ep):
 LAYOUTS = [(1, 1, 1, 1), (2, 1, 1, 1), (1, 2, 1, 1), (2, 2, 1, 1), (1, 2, 2, 1)]
 
 
-CASES = [(f, *lay) for f in FAMILY_NAMES for lay in LAYOUTS] + [
+CASES = [(f, *lay) for f in MEGATRON_FAMILIES for lay in LAYOUTS] + [
     ("mixtral", 1, 1, 1, 2),
     ("mixtral", 2, 1, 1, 2),
 ]
@@ -179,7 +179,24 @@ BAD = [
         "parallel.zero_impl",
         "DeepSpeed without ZeRO adds nothing",
     ),
-    (BASE, ["parallel.sequence_parallel=true"], "parallel.sequence_parallel", "no sequence-parallel RMSNorm"),
+    (
+        BASE,
+        ["parallel.zero=2", "parallel.sequence_parallel=true"],
+        "parallel.sequence_parallel",
+        "DeepSpeed does not all-reduce the sequence-parallel norm gradients",
+    ),
+    (
+        REPO / "recipes" / "tiny-qwen3-cpu.yaml",
+        ["parallel.engine=megatron", "parallel.tp=2", "parallel.zero=2"],
+        "parallel.zero_impl",
+        "DeepSpeed does not all-reduce those norms' gradients across TP ranks",
+    ),
+    (
+        REPO / "recipes" / "tiny-gemma3-cpu.yaml",
+        ["parallel.engine=megatron", "parallel.zero=0"],
+        "parallel.engine",
+        "megatron-core has no adapter for gemma3_text: it would need zero-centred RMSNorm weights",
+    ),
     (
         BASE,
         ["parallel.tp=1", "parallel.sequence_parallel=true"],
@@ -217,7 +234,7 @@ def test_auto_choices():
     lay = layout_from_recipe(load_recipe(BASE, ["parallel.zero=2"]).recipe)
     assert (lay.zero_impl, lay.sequence_parallel) == ("deepspeed", False)
     lay = layout_from_recipe(load_recipe(BASE, ["parallel.zero=1"]).recipe)
-    assert (lay.zero_impl, lay.sequence_parallel) == ("megatron", False)  # RMSNorm: no SP in the local spec
+    assert (lay.zero_impl, lay.sequence_parallel) == ("megatron", True)  # tp 2: SP (SequenceParallelNorm)
     lay = layout_from_recipe(load_recipe(REPO / "recipes" / "tiny-llama-cpu4-mcore-tp2-pp2.yaml").recipe)
     assert [lay.coords(r) for r in (0, 1, 2, 3)] == [
         {"tp": 0, "dp": 0, "pp": 0},

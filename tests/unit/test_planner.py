@@ -34,7 +34,7 @@ from tessera.plan.estimate import (
     model_state_bytes,
     rank_params,
 )
-from tessera.plan.facts import ModelFacts, model_facts
+from tessera.plan.facts import ModelFacts, meta_tensors, model_facts
 from tessera.plan.hardware import HardwareProfile, load_hardware
 from tessera.plan.layout import ParallelLayout
 from tessera.plan.search import fit_reason, plan
@@ -46,7 +46,7 @@ from tessera.plan.time_estimate import (
     step_time,
 )
 from tessera.tables.engines import ENGINE_NAMES
-from tessera.tables.families import FAMILIES, FAMILY_NAMES
+from tessera.tables.families import FAMILIES, FAMILY_NAMES, GENERIC_ESTIMATES, MEGATRON_FAMILIES
 
 HW = REPO / "configs" / "hardware"
 H100 = load_hardware(HW / "h100-sxm-80g.yaml")
@@ -150,6 +150,65 @@ def test_param_count_of_published_models():
     assert count_params(model_facts(_cfg("mixtral-8x7b"))) == MIXTRAL
 
 
+@pytest.mark.parametrize(
+    "name,recipe,published,meta",
+    [
+        # Qwen/Qwen3-8B ("8.2B") and Qwen/Qwen3-30B-A3B ("30.5B"): the model cards' totals; meta: the
+        # parameters of the model transformers builds from the published config.json, on the meta device
+        ("qwen3-8b", "qwen3-8b-pretrain-h100x8-zero3", 8.2e9, 8_190_735_360),
+        ("qwen3-30b-a3b", "qwen3-30b-a3b-pretrain-h100x16-zero3", 30.5e9, 30_532_122_624),
+    ],
+)
+def test_qwen3_plans_count_the_published_totals(name, recipe, published, meta, capsys):
+    """`tessera plan` on the published Qwen3-8B and Qwen3-30B-A3B configs: the family's formula counts
+    exactly the parameters of the model transformers builds on the meta device, the published totals
+    within 0.5 %."""
+    from tessera.cli import main
+
+    f = model_facts(_cfg(name))
+    assert not f.generic and count_params(f) == meta
+    assert meta == sum(n for _, n in meta_tensors(_cfg(name).to_json_string()))
+    assert abs(meta - published) <= 0.005 * published
+    path = str(REPO / "recipes" / f"{recipe}.yaml")
+    assert main(["plan", path, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["model"] == {
+        "family": f.family,
+        "parameters": meta,
+        "counted_on": "the family's formula",
+        "generic_estimates": [],
+    }
+
+
+@pytest.mark.parametrize("name", ["tiny-deepseek-v3", "tiny-gemma3"])
+def test_families_without_a_formula_are_counted_on_the_meta_device(name, capsys):
+    """A family without a formula: `tessera plan` counts the model built on the meta device and names the
+    estimates that fall back to a generic formula."""
+    from transformers import AutoModelForCausalLM
+
+    from tessera.cli import main
+
+    f = model_facts(_cfg(name))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(_cfg(name))
+    meta = sum(p.numel() for p in model.parameters())
+    assert f.generic and count_params(f) == meta
+    assert sorted(hf_tensor_numels(f)) == sorted(n for _, n in f.tensors)
+    path = str(REPO / "recipes" / f"{name}-cpu.yaml")
+    assert main(["plan", path, "--world-size", "2", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["model"] == {
+        "family": f.family,
+        "parameters": meta,
+        "counted_on": "the model built on the meta device",
+        "generic_estimates": list(GENERIC_ESTIMATES),
+    }
+    assert main(["plan", path, "--world-size", "2", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert f"{meta:,} parameters (counted on the model built on the meta device)" in out
+    assert all(f"generic formula: {e}" in out for e in GENERIC_ESTIMATES)
+
+
 def _mcore_numel(model, *, tp: int, pp: int, ep: int, vpp: int, pp_rank: int) -> int:
     cfg = model.config
     adapter, hf = adapter_for(cfg.model_type), model.state_dict()
@@ -164,8 +223,8 @@ def _mcore_numel(model, *, tp: int, pp: int, ep: int, vpp: int, pp_rank: int) ->
 
 @pytest.mark.parametrize(
     "family,tp,pp,ep,vpp,changes",
-    [(f, 2, 1, 1, 1, {}) for f in FAMILY_NAMES]
-    + [(f, 1, 2, 1, 1, {}) for f in FAMILY_NAMES]
+    [(f, 2, 1, 1, 1, {}) for f in MEGATRON_FAMILIES]
+    + [(f, 1, 2, 1, 1, {}) for f in MEGATRON_FAMILIES]
     + [
         ("gpt2", 2, 2, 1, 1, {}),  # tied head: a second copy on the last stage
         ("qwen2", 2, 2, 1, 1, {}),
@@ -489,7 +548,7 @@ def test_llama3_8b_on_8_h100():
     assert rej.reason == fit_reason(m.total, H100.memory_bytes)
     need, have, short = _gib(rej.reason)
     assert need >= 119.6 and have == 74.5 and short == pytest.approx(need - have, abs=0.11)
-    assert set(r.to_json()) == {"chosen", "candidates", "rejected"}
+    assert set(r.to_json()) == {"model", "chosen", "candidates", "rejected"}
     j = json.loads(json.dumps(r.to_json()))["chosen"]
     assert {
         "layout",
@@ -690,8 +749,8 @@ def test_selective_recompute_is_refused_where_the_engine_cannot(engine):
 
 
 def test_moe_under_tensor_parallelism_without_sp_is_refused_before_launch():
-    """megatron-core raises in the first forward (MoE + TP needs sequence parallelism), and the local
-    spec has no sequence-parallel RMSNorm: the planner refuses it, naming the way out."""
+    """megatron-core raises in the first forward (MoE + TP needs sequence parallelism): a layout with
+    sequence_parallel false is refused, naming the way out; with SP (or the experts split by ep) it runs."""
     from tessera.engines.megatron_layout import check_rules as check_megatron_layout
 
     shape = model_facts(_cfg("tiny-mixtral")).shape
@@ -701,6 +760,7 @@ def test_moe_under_tensor_parallelism_without_sp_is_refused_before_launch():
     ):
         check_megatron_layout(lay, shape)
     check_megatron_layout(_layout(engine="megatron", world_size=2, ep=2), shape)  # experts split by ep: fine
+    check_megatron_layout(_layout(engine="megatron", world_size=2, tp=2, sequence_parallel=True), shape)
 
 
 def test_alpha_beta_fit_recovers_latency_and_bandwidth():
@@ -1022,7 +1082,7 @@ def test_every_gpu_recipe_fits_by_the_planner_with_the_plan_in_its_header():
     [
         ("llama3-8b-pretrain-h100x8-zero3.yaml", ["parallel.offload_optimizer=false"], 75.4,
          ["parallel.offload_optimizer=true"]),
-        ("llama3-8b-pretrain-h100x8-tp2-pp2.yaml", ["parallel.recompute=none"], 123.9,
+        ("llama3-8b-pretrain-h100x8-tp2-pp2.yaml", ["parallel.recompute=none"], 119.4,  # SP on at tp 2 (auto)
          ["parallel.recompute=selective"]),
     ],
 )  # fmt: skip

@@ -18,7 +18,7 @@ from tessera.plan.estimate import count_params
 from tessera.plan.facts import model_facts
 from tessera.plan.layout import ParallelLayout, layout_from_recipe
 from tessera.tables.engines import ENGINE_NAMES, capabilities
-from tessera.tables.families import FAMILIES, FAMILY_NAMES, MODEL_TYPES, family_of
+from tessera.tables.families import FAMILIES, FAMILY_NAMES, MEGATRON_FAMILIES, MODEL_TYPES, family_of
 
 MCORE = REPO / "recipes" / "tiny-llama-cpu-mcore-tp2.yaml"
 
@@ -178,23 +178,33 @@ def test_every_entry_hook_resolves_and_the_registry_checks_a_new_entry(tmp_path)
 
 
 @pytest.mark.parametrize("name", FAMILY_NAMES)
-def test_every_family_has_its_adapter_tiny_config_and_recipe(name):
+def test_every_family_has_its_tiny_config_recipe_and_adapter_if_megatron_builds_it(name):
     fam = FAMILIES[name]
-    assert fam.adapter in ADAPTERS
     section = ModelSection(**yaml.safe_load((REPO / fam.tiny_config).read_text())["model"])
     cfg = load_hf_config(section)
     assert cfg.model_type in fam.model_types and family_of(cfg.model_type) is fam
-    assert adapter_for(cfg.model_type) is ADAPTERS[fam.adapter]
     assert model_facts(cfg).family == name
     recipe = load_recipe(REPO / fam.tiny_recipe).recipe
     assert load_hf_config(recipe.model).model_type in fam.model_types
+    if name in MEGATRON_FAMILIES:
+        assert fam.adapter in ADAPTERS and adapter_for(cfg.model_type) is ADAPTERS[fam.adapter]
+        return
+    assert fam.adapter is None and fam.generic
+    with pytest.raises(RecipeError) as e:  # refused before launch, naming the engines that run it
+        adapter_for(cfg.model_type)
+    assert e.value.field == "parallel.engine" and e.value.value == "megatron"
+    assert "deepspeed" in e.value.fix and "ddp" in e.value.fix
 
 
-def test_unknown_model_type_names_the_supported_ones():
+def test_any_causal_lm_transformers_builds_is_a_generic_family_and_others_are_refused():
+    """A model_type without an entry that AutoModelForCausalLM builds (here Falcon) gets a generic family
+    (no adapter, counted on the meta device); one it does not build (ViT) is refused naming the field."""
+    fam = family_of("falcon")
+    assert fam.generic and fam.adapter is None and fam.model_types == ("falcon",)
     with pytest.raises(RecipeError) as e:
-        family_of("bert")
-    assert e.value.field == "model.hf_config.model_type" and e.value.value == "bert"
-    assert all(t in e.value.fix for t in MODEL_TYPES)
+        family_of("vit")
+    assert e.value.field == "model.hf_config.model_type" and e.value.value == "vit"
+    assert "AutoModelForCausalLM" in e.value.fix and all(t in e.value.fix for t in MODEL_TYPES)
     with pytest.raises(ValueError, match="needs a model_type"):
         ModelSection(hf_config={"hidden_size": 8})
 

@@ -13,10 +13,10 @@ import yaml
 from helpers import REPO
 from tessera.models.megatron import Shard, adapter_for
 from tessera.models.weight_map import hf_keys_covered, hf_to_mcore, mcore_to_hf_slices
-from tessera.tables.families import FAMILIES, FAMILY_NAMES
+from tessera.tables.families import FAMILIES, MEGATRON_FAMILIES
 
 LAYOUTS = [(1, 1, 1, 1), (2, 1, 1, 1), (1, 2, 1, 1), (2, 2, 1, 1)]
-CASES = [(f, *lay) for f in FAMILY_NAMES for lay in LAYOUTS] + [
+CASES = [(f, *lay) for f in MEGATRON_FAMILIES for lay in LAYOUTS] + [
     ("mixtral", 1, 1, 1, 2),
     ("mixtral", 2, 1, 1, 2),
 ]

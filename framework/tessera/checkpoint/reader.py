@@ -52,6 +52,10 @@ def read_hf_state(ckpt: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
             fix="resume it once with this release (its next checkpoint is v2), then convert that",
         )
     state = reader_of(ckpt, meta).weights(ckpt, meta)
+    if getattr(hf_config_of(meta), "tie_word_embeddings", False):
+        # as save_pretrained writes it: a tied head is the embedding, not a second tensor (DeepSpeed's merge
+        # adds it back as a shared parameter)
+        state = {k: v for k, v in state.items() if not k.endswith("lm_head.weight")}
     return {k: v.float() for k, v in state.items()}, meta
 
 

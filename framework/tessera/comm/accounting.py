@@ -265,15 +265,18 @@ def install(namer: Callable[[Any], str] | None = None) -> CommCounter:
         from torch.distributed import distributed_c10d as c10d
 
         _COUNTER = CommCounter()
+        originals: dict[int, Callable[..., Any]] = {}
         for name in _OPS:
             fn = getattr(dist, name, None)
             if fn is None:
                 continue
             wrapped = _wrap(name, fn, _COUNTER)
+            originals[id(fn)] = wrapped
             # both spellings: most callers use torch.distributed.X, some torch.distributed.distributed_c10d.X
             for ns in (dist, c10d):
                 if getattr(ns, name, None) is fn:
                     setattr(ns, name, wrapped)
+        _rebind_imported(originals)
         if hasattr(dist, "batch_isend_irecv"):
             batched = _wrap_batch(dist.batch_isend_irecv, _COUNTER)
             for ns in (dist, c10d):
@@ -283,6 +286,21 @@ def install(namer: Callable[[Any], str] | None = None) -> CommCounter:
         _COUNTER.namer = namer
     _COUNTER.pop_step()  # a new run starts from an empty tally
     return _COUNTER
+
+
+def _rebind_imported(wrapped: dict[int, Callable[..., Any]]) -> None:
+    """Module-level names that megatron-core or DeepSpeed bound to a ``torch.distributed`` function before
+    :func:`install` ran (megatron's ``dist_all_gather_func`` / ``dist_reduce_scatter_func``, which its
+    sequence-parallel regions call) now name the wrapper too: a process that imported them first (a
+    forkserver that preloads them) still counts every op."""
+    import sys
+
+    for mod_name, mod in list(sys.modules.items()):
+        if mod is None or not mod_name.startswith(("megatron.", "deepspeed.")):
+            continue
+        for attr, value in list(vars(mod).items()):
+            if callable(value) and id(value) in wrapped:
+                setattr(mod, attr, wrapped[id(value)])
 
 
 def add_async_seconds(op: str, group: Any, payload: Any, seconds: float) -> None:

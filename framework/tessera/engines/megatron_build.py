@@ -128,6 +128,60 @@ def init_parallel_state(layout: ParallelLayout, *, seed: int, device: str) -> An
     return ps
 
 
+class SequenceParallelNorm:
+    """torch's RMSNorm / LayerNorm for megatron-core's local layer spec under sequence parallelism.
+
+    Written here because megatron-core has none: its local spec's torch norm (``WrappedTorchNorm``)
+    asserts against ``sequence_parallel``, and the norms that take it are TransformerEngine's and Apex's
+    fused CUDA builds (Apex: LayerNorm only). Under SP each TP rank normalises its own slice of the
+    sequence, so the norm's weight gradient is a partial sum; its parameters carry megatron's
+    ``sequence_parallel`` attribute, which ``finalize_model_grads`` reads to all-reduce them over the TP
+    group, exactly as it does for the fused norms. The per-head q/k norms (``qk_layernorm``) take it too:
+    each TP rank normalises its own heads, and finalize_model_grads sums those gradients once either way.
+    Same arguments as ``WrappedTorchNorm``; the same module and numerics as it without SP."""
+
+    def __new__(
+        cls,
+        config: Any,
+        hidden_size: int,
+        eps: float = 1e-5,
+        persist_layer_norm: bool = False,
+        zero_centered_gamma: bool = False,
+        normalization: str = "LayerNorm",
+    ) -> torch.nn.Module:
+        if config.layernorm_zero_centered_gamma:  # internal: no adapter asks for it
+            raise RuntimeError("zero-centred norm weights are not built by SequenceParallelNorm")
+        make = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
+        norm = make(hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def layer_spec(config: Any, shape: Any, num_layers: int) -> Any:
+    """megatron-core's local GPT layer spec for the model (experts, q/k norms); under sequence parallelism
+    with torch's norms (no TransformerEngine / Apex), the block of ``num_layers`` layers with
+    :class:`SequenceParallelNorm` in place of each of them and of the final norm."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    spec = get_gpt_layer_local_spec(
+        num_experts=shape.num_experts or None,
+        normalization=config.normalization,
+        qk_layernorm=config.qk_layernorm,
+    )
+    sub = spec.submodules
+    if not config.sequence_parallel or sub.input_layernorm is not WrappedTorchNorm:
+        return spec
+    sub.input_layernorm = sub.pre_mlp_layernorm = SequenceParallelNorm
+    attn = sub.self_attention.submodules
+    for name in ("q_layernorm", "k_layernorm"):
+        if getattr(attn, name) is WrappedTorchNorm:
+            setattr(attn, name, SequenceParallelNorm)
+    return TransformerBlockSubmodules(layer_specs=[spec] * num_layers, layer_norm=SequenceParallelNorm)
+
+
 def transformer_config(
     hf_cfg: Any,
     layout: ParallelLayout,
@@ -171,18 +225,16 @@ def build_model_chunks(
 ) -> list[torch.nn.Module]:
     """One ``GPTModel`` per virtual stage of this rank, each loaded with its shard of ``hf_state`` (read
     part by part: megatron makes only the local slices, uninitialised, and they are filled here)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     adapter = adapter_for(hf_cfg.model_type)
     shape = adapter.shape(hf_cfg)
-    spec = get_gpt_layer_local_spec(num_experts=shape.num_experts or None, normalization=config.normalization)
     chunks = []
     for vp in range(layout.vpp):
         shard = shard_of(ps, layout, vp)
         model = GPTModel(
             config,
-            spec,
+            layer_spec(config, shape, len(layer_range(shape, shard))),
             vocab_size=padded_vocab(shape.vocab_size, layout.tp),
             max_sequence_length=hf_cfg.max_position_embeddings,
             pre_process=shard.first_stage,

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from tessera.errors import LayoutError
+from tessera.tables.engines import engines_with
 
 if TYPE_CHECKING:
     from tessera.config.schema import Recipe
@@ -26,11 +27,17 @@ if TYPE_CHECKING:
 def read_shape(recipe: Recipe) -> ModelShape:
     """The model's shape, read from its HF config by the family's adapter; what megatron-core cannot
     express (the adapter's TransformerConfig and GPTModel arguments) fails here, before launch, not on the
-    ranks."""
+    ranks. A family without an adapter gets its generic shape, which :func:`check_rules` refuses."""
     from tessera.models.hf import load_hf_config
     from tessera.models.megatron import adapter_for
+    from tessera.tables.families import family_of
 
     hf_cfg = load_hf_config(recipe.model, vocab_size=recipe.data.vocab_size)
+    fam = family_of(hf_cfg.model_type)
+    if fam.adapter is None:
+        from tessera.plan.facts import generic_shape
+
+        return generic_shape(hf_cfg, fam)
     adapter = adapter_for(hf_cfg.model_type)
     shape = adapter.shape(hf_cfg)
     adapter.transformer(hf_cfg, recipe.data.seq_len)
@@ -70,6 +77,14 @@ def check_rules(layout: ParallelLayout, shape: ModelShape) -> None:
     """Every combination the megatron engine cannot run with this model, with its reason."""
     L, tp, pp, vpp, ep = layout, layout.tp, layout.pp, layout.vpp, layout.ep
     rules: list[tuple[bool, str, Any, str, str]] = [
+        (
+            not shape.megatron_adapter,
+            "parallel.engine",
+            "megatron",
+            f"megatron-core has no adapter for {shape.missing_adapter}",
+            f"use parallel.engine: {engines_with(lambda c: c.hf_module)} (they train the HF module of any "
+            "causal LM)",
+        ),
         (
             shape.num_heads % tp != 0,
             "parallel.tp",
@@ -149,15 +164,8 @@ def check_rules(layout: ParallelLayout, shape: ModelShape) -> None:
             shape.num_experts > 0 and tp > 1 and not L.sequence_parallel,
             "parallel.tp",
             tp,
-            "megatron-core trains MoE layers under tensor parallelism only with sequence parallelism"
-            + (
-                ""
-                if shape.sequence_parallel_ok
-                else f", which its local spec has not for {shape.normalization}"
-            ),
-            "split the experts with parallel.ep instead (tp: 1), or train on the deepspeed engine"
-            if not shape.sequence_parallel_ok
-            else "set parallel.sequence_parallel: true",
+            "megatron-core trains MoE layers under tensor parallelism only with sequence parallelism",
+            "set parallel.sequence_parallel: true (or auto), or split the experts with parallel.ep (tp: 1)",
         ),
         (
             L.sequence_parallel and tp == 1,
@@ -167,19 +175,20 @@ def check_rules(layout: ParallelLayout, shape: ModelShape) -> None:
             "set it to auto or false",
         ),
         (
-            L.sequence_parallel and not shape.sequence_parallel_ok,
-            "parallel.sequence_parallel",
-            True,
-            f"megatron-core's local layer spec has no sequence-parallel {shape.normalization} (it needs "
-            "Apex's FusedLayerNorm, and RMSNorm needs TransformerEngine)",
-            "set it to auto or false",
-        ),
-        (
             L.sequence_parallel and L.zero_impl == "deepspeed",
             "parallel.sequence_parallel",
             True,
             "DeepSpeed does not all-reduce the sequence-parallel norm gradients across TP ranks",
             "set parallel.sequence_parallel: false (or auto) with DeepSpeed ZeRO",
+        ),
+        (
+            shape.qk_norm and tp > 1 and L.zero_impl == "deepspeed",
+            "parallel.zero_impl",
+            "deepspeed",
+            "each TP rank normalises its own query / key heads, and DeepSpeed does not all-reduce those "
+            "norms' gradients across TP ranks (megatron's finalize_model_grads does)",
+            "set parallel.zero: 0 or 1 (megatron's data parallelism), or parallel.tp: 1, or use "
+            "parallel.engine: deepspeed",
         ),
         (
             vpp > 1 and L.grad_accum % pp != 0,

@@ -61,8 +61,15 @@ class SeededWeights(Mapping[str, torch.Tensor]):
         for name, p in model.named_parameters(remove_duplicate=False):
             self.shapes[name] = tuple(p.shape)
             self.alias[name] = owner.setdefault(id(p), name)
+        #: 1-D tensors and persistent buffers of a family without an entry: the constant its own init sets
+        self.consts: dict[str, float] = {}
         persistent = [n for n in model.state_dict() if n not in self.shapes]
-        if persistent:  # no supported family has one; a family that adds one must give it a rule here
+        if self.family.generic:
+            self.consts = own_init_constants(model, persistent)
+            for name in persistent:
+                self.shapes[name] = tuple(model.get_buffer(name).shape)
+                self.alias[name] = name
+        elif persistent:  # no family with an entry has one; one that adds one must give it a rule here
             from tessera.errors import RecipeError
 
             raise RecipeError(
@@ -76,6 +83,8 @@ class SeededWeights(Mapping[str, torch.Tensor]):
     def rule(self, name: str) -> tuple[str, float]:
         """("zeros" | "ones" | "normal", std) for the tensor ``name``."""
         shape = self.shapes[self.alias[name]]
+        if self.alias[name] in self.consts:
+            return "const", self.consts[self.alias[name]]
         if name.endswith(".bias"):
             return "zeros", 0.0
         if len(shape) == 1:
@@ -102,7 +111,8 @@ class SeededWeights(Mapping[str, torch.Tensor]):
         shape = self.shapes[name]
         kind, std = self.rule(name)
         if kind != "normal":
-            return (torch.ones if kind == "ones" else torch.zeros)(shape)[index].contiguous()
+            value = {"ones": 1.0, "zeros": 0.0}.get(kind, std)
+            return torch.full(shape, value)[index].contiguous()
         try:
             rows, cols, out_shape = _plan(shape, index)
         except ValueError:  # another form: drawn whole (one tensor), then indexed
@@ -118,6 +128,43 @@ class SeededWeights(Mapping[str, torch.Tensor]):
             a, z = max(rows.start, lo), min(rows.stop, hi)
             out[a - rows.start : z - rows.start] = block[a - lo : z - lo, cols]
         return out.reshape(out_shape)
+
+
+def own_init_constants(model: torch.nn.Module, buffers: list[str]) -> dict[str, float]:
+    """The value the model's own ``_init_weights`` gives each 1-D parameter and each persistent buffer in
+    ``buffers``: for a family without an entry, whose norms may start at zero (Gemma's ``1 + weight``) and
+    whose routers may carry a correction bias (DeepSeek-V3). The owning modules of a model built on the meta
+    device are made on the CPU one at a time (their own tensors only) and initialised; a 1-D tensor the
+    init does not set to one constant has no rule here (an error naming it). Tensors of 2+ dims keep the
+    rule of every HF family's init, normal(0, initializer_range)."""
+    from tessera.errors import RecipeError
+
+    wanted = {n for n, p in model.named_parameters() if p.dim() == 1} | set(buffers)
+    out: dict[str, float] = {}
+    for prefix, module in model.named_modules():
+        local = [
+            n for n, _ in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        ]
+        mine = {n: f"{prefix}.{n}" if prefix else n for n in local}
+        if not any(full in wanted for full in mine.values()):
+            continue
+        module.to_empty(device="cpu", recurse=False)
+        with torch.no_grad():
+            model._init_weights(module)
+        for n, name in mine.items():
+            if name not in wanted:
+                continue
+            t = getattr(module, n)
+            lo, hi = float(t.detach().min()), float(t.detach().max())
+            if lo != hi:
+                raise RecipeError(
+                    f"the model's own init draws {name} at random; the seeded rule ({INIT_RULE}) has no rule for it",
+                    field="model.hf_config.model_type",
+                    value=type(model).__name__,
+                    fix="start from weights instead (model.path with model.pretrained: true)",
+                )
+            out[name] = lo
+    return out
 
 
 def _plan(shape: tuple[int, ...], index: Index) -> tuple[range, slice, tuple[int, ...]]:

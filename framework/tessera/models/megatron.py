@@ -97,14 +97,17 @@ class ModelShape:
     num_experts: int = 0
     tied: bool = False
     normalization: str = "RMSNorm"
+    megatron_adapter: bool = True  # False: a family without one (the megatron engine refuses it)
+    #: without an adapter: "MODEL_TYPE: it would need ..." (what the refusal names)
+    missing_adapter: str = ""
+    qk_norm: bool = False  # per-head q/k norms: replicated over TP, their gradients summed over it
 
     @property
     def sequence_parallel_ok(self) -> bool:
-        """Whether the local layer spec has a sequence-parallel norm: only Apex's FusedLayerNorm (LayerNorm
-        with Apex installed); RMSNorm always falls back to torch's norm, which refuses SP."""
-        import importlib.util
-
-        return self.normalization == "LayerNorm" and importlib.util.find_spec("apex") is not None
+        """Whether megatron-core can run the model with sequence parallelism: every family with an adapter
+        (its norms: Apex's FusedLayerNorm where installed, else engines.megatron_build's
+        SequenceParallelNorm, whose gradients finalize_model_grads all-reduces over TP)."""
+        return self.megatron_adapter
 
 
 def padded_vocab(vocab_size: int, tp: int) -> int:
@@ -150,9 +153,25 @@ def register_adapter(family: str) -> Callable[[Callable[[], Adapter]], Callable[
     return deco
 
 
+def missing_adapter(model_type: str) -> str:
+    """What the megatron engine's refusal of a family without an adapter says after "no adapter for"."""
+    return f"{model_type}: it would need {family_of(model_type).megatron_missing} (adapters: {', '.join(ADAPTERS)})"
+
+
 def adapter_for(model_type: str) -> Adapter:
-    """The adapter of the family covering HF ``model_type`` (a RecipeError for an unsupported type)."""
-    return ADAPTERS[family_of(model_type).adapter]
+    """The adapter of the family covering HF ``model_type``; a RecipeError for a type without one."""
+    fam = family_of(model_type)
+    if fam.adapter is None:
+        from tessera.tables.engines import engines_with
+
+        raise RecipeError(
+            f"megatron-core has no adapter for {missing_adapter(model_type)}",
+            field="parallel.engine",
+            value="megatron",
+            fix=f"use parallel.engine: {engines_with(lambda c: c.hf_module)} (they train the HF module of any "
+            "causal LM)",
+        )
+    return ADAPTERS[fam.adapter]
 
 
 def _refuse(key: str, value: Any, why: str, fix: str) -> None:
@@ -191,8 +210,10 @@ def _rope(cfg: Any) -> dict[str, Any]:
     return out
 
 
-def _llama_like(family: str, *, qkv_bias: bool = False, moe: bool = False) -> Adapter:
-    """Llama, Qwen2, Mistral, Mixtral: RMSNorm, SwiGLU, RoPE, GQA; optional qkv bias / MoE."""
+def _llama_like(family: str, *, qkv_bias: bool = False, moe: bool = False, qk_norm: bool = False) -> Adapter:
+    """Llama, Qwen2, Mistral, Mixtral, Qwen3, Qwen3-MoE: RMSNorm, SwiGLU, RoPE, GQA; optional qkv bias, MoE
+    (softmax top-k renormalised, or not: ``norm_topk_prob``), an RMSNorm per query / key head."""
+    fam = FAMILIES[family]
 
     def shape(c: Any) -> ModelShape:
         heads = c.num_attention_heads
@@ -202,8 +223,9 @@ def _llama_like(family: str, *, qkv_bias: bool = False, moe: bool = False) -> Ad
             num_query_groups=getattr(c, "num_key_value_heads", None) or heads,
             head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
             vocab_size=c.vocab_size,
-            num_experts=getattr(c, "num_local_experts", 0) if moe else 0,
+            num_experts=fam.experts(c) if moe else 0,
             tied=bool(c.tie_word_embeddings),
+            qk_norm=qk_norm,
         )
 
     def transformer(c: Any, seq_len: int) -> dict[str, Any]:
@@ -239,6 +261,7 @@ def _llama_like(family: str, *, qkv_bias: bool = False, moe: bool = False) -> Ad
             add_qkv_bias=qkv_bias,
             hidden_dropout=0.0,
             attention_dropout=float(getattr(c, "attention_dropout", 0.0)),
+            qk_layernorm=qk_norm,
         )
         window = getattr(c, "sliding_window", None)
         use_window = getattr(c, "use_sliding_window", True)
@@ -253,12 +276,24 @@ def _llama_like(family: str, *, qkv_bias: bool = False, moe: bool = False) -> Ad
             # HF: a query attends the `window` most recent keys, itself included; megatron: (left, right)
             kw["window_size"] = (int(window) - 1, 0)
         if moe:
+            every = getattr(c, "decoder_sparse_step", 1)
+            if every != 1 or getattr(c, "mlp_only_layers", None):
+                _refuse(
+                    "model.hf_config.decoder_sparse_step"
+                    if every != 1
+                    else "model.hf_config.mlp_only_layers",
+                    every if every != 1 else c.mlp_only_layers,
+                    "dense layers between the MoE layers are not mapped",
+                    "set decoder_sparse_step: 1 and mlp_only_layers: [], or use parallel.engine: deepspeed",
+                )
             kw.update(
                 num_moe_experts=s.num_experts,
-                moe_ffn_hidden_size=c.intermediate_size,
+                moe_ffn_hidden_size=getattr(c, fam.ffn_key),
                 moe_router_topk=c.num_experts_per_tok,
                 moe_router_score_function="softmax",
-                moe_router_pre_softmax=False,  # top-k on logits then softmax == HF's softmax, top-k, renorm
+                # renormalised (Mixtral; Qwen3-MoE's norm_topk_prob): top-k on logits then softmax == HF's
+                # softmax, top-k, renorm; not renormalised: softmax over all experts, then top-k
+                moe_router_pre_softmax=not getattr(c, "norm_topk_prob", True),
                 # the load-balancing loss only with model.moe_aux_loss_coeff (engines.megatron_build)
                 moe_router_load_balancing_type="none",
                 moe_aux_loss_coeff=0.0,
@@ -292,6 +327,11 @@ def _llama_like(family: str, *, qkv_bias: bool = False, moe: bool = False) -> Ad
             Rule(L + "self_attention.linear_proj.weight", A + "self_attn.o_proj.weight", ROW),
             Rule(L + "pre_mlp_layernorm.weight", A + "post_attention_layernorm.weight"),
         ]
+        if qk_norm:  # head_dim weights, the same on every TP rank (their gradients summed over TP)
+            out += [
+                Rule(L + f"self_attention.{x}_layernorm.weight", A + f"self_attn.{x}_norm.weight")
+                for x in "qk"
+            ]
         if qkv_bias:
             out.append(
                 Rule(
@@ -347,6 +387,16 @@ def _qwen2() -> Adapter:
 @register_adapter("mixtral")
 def _mixtral() -> Adapter:
     return _llama_like("mixtral", moe=True)
+
+
+@register_adapter("qwen3")
+def _qwen3() -> Adapter:
+    return _llama_like("qwen3", qk_norm=True)
+
+
+@register_adapter("qwen3-moe")
+def _qwen3_moe() -> Adapter:
+    return _llama_like("qwen3-moe", moe=True, qk_norm=True)
 
 
 @register_adapter("gpt2")
@@ -442,7 +492,9 @@ def _gpt2() -> Adapter:
 
 
 _missing = sorted(
-    f"{fam.name} (adapter {fam.adapter!r})" for fam in FAMILIES.values() if fam.adapter not in ADAPTERS
+    f"{fam.name} (adapter {fam.adapter!r})"
+    for fam in FAMILIES.values()
+    if fam.adapter is not None and fam.adapter not in ADAPTERS
 )
 if _missing:  # the family registry and the adapters must list the same families
     raise RuntimeError("families without a megatron-core adapter: " + ", ".join(_missing))

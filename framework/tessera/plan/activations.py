@@ -108,6 +108,7 @@ def activation_bytes_per_layer(f: ModelFacts, recompute: str = "none", **shape: 
     attention scores: softmax e·as²b (+ dropout mask as²b and output e·as²b with attention dropout), or
     only the fp32 softmax statistics 4·asb with a fused (flash / SDPA) kernel. With GPT-2's shape (f=4h,
     g=a, dropout on, bf16) this is exactly sbh(34 + 5as/h) plus the 16sb of LayerNorm statistics.
+    Per-head q / k norms (Qwen3) keep their inputs e·sb(ad + gd) and an fp32 rstd per head and token.
     Selective recompute drops the attention-score term; full recompute keeps the layer input e·sbh only.
     ``kernels``: where the engine's kernels keep more than the paper's (see :class:`Kernels`).
     """
@@ -123,6 +124,9 @@ def activation_bytes_per_layer(f: ModelFacts, recompute: str = "none", **shape: 
     outside = norms + e * sbh + e * sbh + (2 * sbh if f.hidden_dropout else 0)
     qo, kvo = f.num_heads * f.head_dim, f.num_kv_heads * f.head_dim
     inside = e * sb * qo + 2 * e * sb * (qo if k.repeated_kv else kvo) + e * sb * qo
+    if f.qk_norm:  # the per-head q / k norms keep their inputs (as a norm does) and an fp32 rstd per head
+        norm_e = (4 + e) if k.composite_rmsnorm else e
+        inside += norm_e * sb * (qo + kvo) + 4 * sb * (f.num_heads + f.num_kv_heads)
     dense = k.mlp if k.mlp is not None else (4 if f.gated_mlp else 2)
     mlp = dense * e * sb * f.ffn
     if f.moe:

@@ -39,7 +39,7 @@ from tessera.plan.activations import (
     head_activation_bytes,
     in_flight_microbatches,
 )
-from tessera.plan.facts import ModelFacts
+from tessera.plan.facts import ModelFacts, layer_numels
 from tessera.plan.layout import ParallelLayout
 
 GiB = 2**30
@@ -64,6 +64,7 @@ def layer_params(f: ModelFacts) -> dict[str, int]:
     h, qo, kvo = f.hidden, f.num_heads * f.head_dim, f.num_kv_heads * f.head_dim
     qkv = qo + 2 * kvo
     norm = 2 * h * (2 if f.norm == "LayerNorm" else 1)  # two norms per layer
+    norm += 2 * f.head_dim if f.qk_norm else 0  # one RMSNorm for the query heads, one for the key heads
     tp = h * qkv + (qkv if f.qkv_bias else 0) + qo * h
     repl = norm + (h if f.proj_bias else 0)
     fc1 = (2 if f.gated_mlp else 1) * f.ffn  # fc1 outputs (column-parallel, its bias split too)
@@ -77,7 +78,9 @@ def layer_params(f: ModelFacts) -> dict[str, int]:
 
 def count_params(f: ModelFacts) -> int:
     """Unique parameters of the whole model, as ``sum(p.numel() for p in model.parameters())`` counts them
-    in HF (a tied head is the embedding, counted once)."""
+    in HF (a tied head is the embedding, counted once); a meta-counted model's own count."""
+    if f.generic:
+        return sum(n for _, n in f.tensors)
     layer = layer_params(f)
     emb = f.vocab_size * f.hidden
     final_norm = f.hidden * (2 if f.norm == "LayerNorm" else 1)
@@ -113,7 +116,15 @@ def rank_params(
     norms and row-parallel biases replicated, layers split over pp, the vocabulary padded to a multiple
     of tp (megatron-core's ``VocabParallelEmbedding``), the embedding on the first stage, the LM head on
     the last (a tied head is a second copy when pp > 1) and experts split over ep x etp (etp defaults to
-    tp, megatron-core's default)."""
+    tp, megatron-core's default). A meta-counted model (no family entry, so no megatron layout) is whole
+    on its rank: its own tensors."""
+    if f.generic:
+        return RankParams(
+            dense=count_params(f),
+            expert=0,
+            per_layer=max(layer_numels(f).values(), default=0),
+            embedding=f.vocab_size * f.hidden,
+        )
     layer = layer_params(f)
     dense_layer = layer["tp"] // tp + layer["repl"]
     expert_layer = layer["expert"] // (ep * (tp if etp is None else etp))
@@ -420,12 +431,14 @@ def hf_tensor_numels(f: ModelFacts) -> list[int]:
     """Element counts of the HF module's parameter tensors (what DeepSpeed partitions tensor by tensor),
     roughly in parameter order (embeddings, then per layer norms, attention, MLP; final norm, head):
     ``fused_qkv`` families (GPT-2's Conv1D) keep q/k/v in one tensor; transformers v5 MoE families keep
-    all experts' gate/up and down in one tensor each."""
+    all experts' gate/up and down in one tensor each. A meta-counted model: its own tensors."""
+    if f.generic:
+        return [n for _, n in f.tensors]
     h, qo, kvo, ffn = f.hidden, f.num_heads * f.head_dim, f.num_kv_heads * f.head_dim, f.ffn
     qkv = qo + 2 * kvo
     norm = [h, h] if f.norm == "LayerNorm" else [h]
     out = [f.vocab_size * h] + ([f.positions * h] if f.positions else [])
-    layer: list[int] = norm + norm
+    layer: list[int] = norm + norm + ([f.head_dim, f.head_dim] if f.qk_norm else [])
     if f.fused_qkv:
         layer += [h * qkv] + ([qkv] if f.qkv_bias else [])
     else:
@@ -516,8 +529,23 @@ def comm_per_step(
     act = seq_len * b * f.hidden * e
     if t > 1:
         if L.sequence_parallel:
-            ops.append(CommOp("all_gather", "tp", act, 4 * layers * m, t, t))
-            ops.append(CommOp("reduce_scatter", "tp", act, 4 * layers * m, t, t))
+            # per layer: the all-gathers into attention and MLP and the reduce-scatters out of them (2 + 2
+            # forward, their transposes backward), and the backward's second all-gather of each
+            # column-parallel linear's input (qkv, fc1: megatron keeps only the sequence shard for the
+            # weight gradient); the embedding's reduce-scatter (first stage) and the LM head's gather
+            # (last stage) with their transposes and the head's re-gather: measured exactly so on TP2
+            # (a MoE layer has the attention half only: its experts' collectives run over the expert-TP
+            # group, with payloads the routing decides, and are not predicted here); full recompute runs
+            # each layer's forward collectives once more
+            ag_edge, rs_edge = (3, 2) if pp == 1 else (2, 1)  # both edges, or the last stage's
+            halves = 1 if f.moe else 2
+            again = 1 if L.recompute == "full" else 0
+            ops.append(CommOp("all_gather", "tp", act, ((3 + again) * halves * layers + ag_edge) * m, t, t))
+            ops.append(
+                CommOp("reduce_scatter", "tp", act, ((2 + again) * halves * layers + rs_edge) * m, t, t)
+            )
+            if pp == 1:
+                ops.append(CommOp("all_reduce", "tp", seq_len * b * 4, 3 * m, t, t))  # the cross-entropy's
         else:
             # 2 per layer forward and 2 backward; the vocab-parallel embedding's forward (first stage),
             # and on the last stage the LM head's input-gradient plus the cross-entropy's 3 fp32 (b, s)
@@ -526,6 +554,16 @@ def comm_per_step(
             ops.append(CommOp("all_reduce", "tp", act, (4 * layers + edge) * m, t, t))
             if pp == 1:
                 ops.append(CommOp("all_reduce", "tp", seq_len * b * 4, 3 * m, t, t))
+        # once a step, finalize_model_grads sums over TP the gradients of the weights every TP rank holds
+        # whole but computes from its own part: the norms under SP (2 per layer, the final one on the
+        # last stage; LayerNorm's biases too) and MoE routers, the per-head q/k norms (qk_norm) with or
+        # without SP
+        per_norm = f.hidden * (2 if f.norm == "LayerNorm" else 1)
+        norms = (2 * layers + 1) * per_norm if L.sequence_parallel else 0
+        norms += layers * f.num_experts * f.hidden if L.sequence_parallel and f.moe else 0  # the routers
+        norms += 2 * layers * f.head_dim if f.qk_norm else 0
+        if norms:  # megatron's gradient buffers are fp32 (grad_reduce_in_fp32)
+            ops.append(CommOp("all_reduce", "tp", norms * 4, 1, t, t))
     if L.ep > 1 and f.moe:
         tokens = seq_len * b // (t if L.sequence_parallel else 1)
         ops.append(CommOp("all_to_all", "ep", tokens * f.topk * f.hidden * e, 4 * layers * m, L.ep, t * L.ep))

@@ -6,11 +6,13 @@ Its own module, below the estimates and the activation accounting that both read
 
 from __future__ import annotations
 
+import functools
+import re
 from dataclasses import dataclass
 from typing import Any
 
-from tessera.models.megatron import ModelShape, adapter_for
-from tessera.tables.families import family_of
+from tessera.models.megatron import ModelShape, adapter_for, missing_adapter
+from tessera.tables.families import Family, family_of
 
 
 @dataclass(frozen=True)
@@ -39,17 +41,31 @@ class ModelFacts:
     attn_dropout: bool = False
     hidden_dropout: bool = False
     activation: str = "silu"  # the HF activation function (hidden_act; GPT-2's activation_function)
+    qk_norm: bool = False  # an RMSNorm per query / key head (head_dim weights each)
     shape: ModelShape | None = None  # what an engine's layout checks read (megatron-core's)
+    #: a family without an entry: its parameter tensors (name, elements), unique, in the module's order,
+    #: from the model built on the meta device; the parameter counts are these, not the formula's
+    tensors: tuple[tuple[str, int], ...] = ()
 
     @property
     def moe(self) -> bool:
         return self.num_experts > 0
 
+    @property
+    def generic(self) -> bool:
+        """Counted on the meta-device model (the family has no formula): see GENERIC_ESTIMATES."""
+        return bool(self.tensors)
+
 
 def model_facts(hf_cfg: Any) -> ModelFacts:
-    """The :class:`ModelFacts` of an HF config: the family adapter's shape plus the family entry's facts."""
+    """The :class:`ModelFacts` of an HF config: the family adapter's shape plus the family entry's facts;
+    for a family without an entry, the shape read from the config's common keys and the parameter tensors
+    of the model built on the meta device."""
     fam = family_of(hf_cfg.model_type)
-    shape = adapter_for(hf_cfg.model_type).shape(hf_cfg)
+    tensors: tuple[tuple[str, int], ...] = ()
+    shape = adapter_for(hf_cfg.model_type).shape(hf_cfg) if fam.adapter else generic_shape(hf_cfg, fam)
+    if fam.generic:
+        tensors = meta_tensors(hf_cfg.to_json_string())
     facts = fam.facts(hf_cfg)
     if not shape.num_experts:
         facts["topk"] = 0
@@ -63,5 +79,53 @@ def model_facts(hf_cfg: Any) -> ModelFacts:
         tied=shape.tied,
         num_experts=shape.num_experts,
         shape=shape,
+        tensors=tensors,
         **facts,
     )
+
+
+def generic_shape(c: Any, fam: Family) -> ModelShape:
+    """The shape of a causal LM without a family entry, from the keys transformers' configs share (their
+    ``attribute_map`` gives GPT-2-style names these too). No megatron-core adapter builds it."""
+    heads = int(c.num_attention_heads)
+    return ModelShape(
+        num_layers=int(c.num_hidden_layers),
+        num_heads=heads,
+        num_query_groups=int(getattr(c, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(c, "head_dim", None) or c.hidden_size // heads),
+        vocab_size=int(c.vocab_size),
+        num_experts=fam.experts(c),
+        tied=bool(getattr(c, "tie_word_embeddings", False)),
+        normalization="LayerNorm" if "layer_norm_eps" in c.to_dict() else "RMSNorm",
+        megatron_adapter=False,
+        missing_adapter=missing_adapter(c.model_type),
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def meta_tensors(config_json: str) -> tuple[tuple[str, int], ...]:
+    """(name, elements) of every parameter tensor of the model of an HF config (its JSON), built on the
+    meta device: exact counts for any family, no memory. A tied head is one tensor, counted once."""
+    import json
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    d = json.loads(config_json)
+    cfg = AutoConfig.for_model(d.pop("model_type"), **d)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    return tuple((n, p.numel()) for n, p in model.named_parameters())
+
+
+_LAYER = re.compile(r"\.(\d+)\.")
+
+
+def layer_numels(f: ModelFacts) -> dict[int, int]:
+    """Elements per transformer layer of a meta-counted model (the first numbered module in a name)."""
+    out: dict[int, int] = {}
+    for name, n in f.tensors:
+        m = _LAYER.search(name)
+        if m is not None:
+            out[int(m.group(1))] = out.get(int(m.group(1)), 0) + n
+    return out

@@ -27,6 +27,7 @@ from tessera.plan.estimate import (
     comm_bytes_by_op,
     comm_formulas,
     comm_per_step,
+    count_params,
     memory_per_rank,
 )
 from tessera.plan.facts import ModelFacts, model_facts
@@ -117,9 +118,12 @@ class PlanResult:
     rejected: list[Rejection] = field(default_factory=list)
     #: the recipe's own layout against the device (`tessera plan` sets it; None for ``parallel: auto``)
     recipe_layout: LayoutFit | None = None
+    #: what the estimates know of the model: family, parameters, how they were counted, and the
+    #: estimates taken from a generic formula (a family without an entry)
+    model: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
+        out: dict[str, Any] = {"model": self.model} if self.model else {}
         if self.recipe_layout is not None:
             out["recipe_layout"] = self.recipe_layout.to_json(best=self.chosen)
         return out | {
@@ -243,7 +247,7 @@ def plan(
         efficiency=efficiency,
         sp_ok=f.shape is not None and f.shape.sequence_parallel_ok,
     )
-    result = PlanResult(chosen=None)
+    result = PlanResult(chosen=None, model=model_summary(f))
     for engine in engines:
         caps = capabilities(engine)
         # the HF module runs the kernel the recipe names; megatron-core's local spec always materialises
@@ -259,6 +263,19 @@ def plan(
     result.candidates.sort(key=rank_key)
     result.chosen = result.candidates[0] if result.candidates else None
     return result
+
+
+def model_summary(f: ModelFacts) -> dict[str, Any]:
+    """The model as the planner counts it (PlanResult.model): a family without an entry is counted on
+    its meta-device model, and the estimates that fall back to a generic formula are named."""
+    from tessera.tables.families import GENERIC_ESTIMATES
+
+    return {
+        "family": f.family,
+        "parameters": count_params(f),
+        "counted_on": "the model built on the meta device" if f.generic else "the family's formula",
+        "generic_estimates": list(GENERIC_ESTIMATES) if f.generic else [],
+    }
 
 
 def rank_key(c: Candidate) -> tuple[float, int, int, int]:

@@ -8,10 +8,16 @@ tiny CPU config and recipe live. What differs between families is data on the en
 
 Pure data with no heavy imports: the recipe schema, the model loader, the planner and the tests all read
 it. Adding a family is one entry here, one adapter in ``models/megatron.py`` and its tiny config + recipe.
+
+Any other causal LM that transformers can build (``AutoModelForCausalLM``) runs on the engines that train
+the HF module itself (deepspeed, ddp) without an entry: :func:`family_of` gives it a *generic* family (no
+megatron adapter); the planner then counts its parameters on the model built on the meta device and says
+which estimates fall back to a generic formula (:data:`GENERIC_ESTIMATES`).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +33,11 @@ class Family:
 
     name: str
     model_types: tuple[str, ...]
-    adapter: str  # key of its adapter in tessera.models.megatron.ADAPTERS
+    adapter: str | None  # key of its adapter in tessera.models.megatron.ADAPTERS; None: HF engines only
+    #: the planner's formulas describe it exactly (parameters by tensor, activations measured per kernel);
+    #: False: its parameters are counted on the model built on the meta device, its initial 1-D tensors
+    #: and persistent buffers come from its own ``_init_weights``, and GENERIC_ESTIMATES say the rest
+    formula: bool = True
     # where the HF config keeps the sizes (GPT-2 has its own names)
     hidden_key: str = "hidden_size"
     ffn_key: str = "intermediate_size"
@@ -37,6 +47,11 @@ class Family:
     hidden_dropout_key: str | None = None  # residual dropout, when the family has one
     topk_key: str | None = None  # mixture of experts: experts per token
     act_key: str = "hidden_act"  # the activation function
+    # mixture of experts: the expert count, under the first of these keys the config has
+    experts_keys: tuple[str, ...] = ("num_local_experts", "num_experts", "n_routed_experts")
+    qk_norm: bool = False  # an RMSNorm on each query and key head (Qwen3: megatron's qk_layernorm)
+    #: no adapter: what a megatron-core adapter of the family would need (the refusal names it)
+    megatron_missing: str = "an adapter (declarative weight rules) in tessera.models.megatron"
     # architecture
     norm: str = "RMSNorm"  # "RMSNorm" (weight) or "LayerNorm" (weight + bias)
     gated_mlp: bool = True  # SwiGLU: gate and up projections
@@ -48,6 +63,10 @@ class Family:
     scaled_init: tuple[str, ...] = ()
 
     @property
+    def generic(self) -> bool:
+        return not self.formula
+
+    @property
     def tiny_config(self) -> str:
         """The tiny CPU model config, relative to the repository root."""
         return f"configs/models/tiny-{self.name}.yaml"
@@ -56,6 +75,13 @@ class Family:
     def tiny_recipe(self) -> str:
         """The tiny CPU recipe (deepspeed engine, 2 ranks), relative to the repository root."""
         return f"recipes/tiny-{self.name}-cpu.yaml"
+
+    def experts(self, hf_cfg: Any) -> int:
+        """The config's expert count (0: a dense model)."""
+        for key in self.experts_keys:
+            if getattr(hf_cfg, key, None):
+                return int(getattr(hf_cfg, key))
+        return 0
 
     def flag(self, hf_cfg: Any, value: Flag) -> bool:
         return value if isinstance(value, bool) else bool(getattr(hf_cfg, value, False))
@@ -84,8 +110,21 @@ class Family:
             hidden_dropout=dropout(self.hidden_dropout_key),
             topk=int(getattr(c, self.topk_key, 0) or 0) if self.topk_key else 0,
             activation=str(getattr(c, self.act_key, "silu")),
+            qk_norm=self.qk_norm,
         )
 
+
+# What a megatron-core adapter of these families would need (the refusal names it: adapter_for)
+GEMMA3_MISSING = (
+    "zero-centred RMSNorm weights (1 + w), sandwich norms after attention and MLP, scaled embeddings, "
+    "alternating local / global attention with two RoPE bases and tanh-GeLU"
+)
+PHI3_MISSING = "fused qkv_proj / gate_up_proj weight rules and longrope / su RoPE scaling"
+OLMO2_MISSING = "norms after attention and MLP (no pre-norm) and q/k RMSNorm over all heads at once"
+DEEPSEEK_V3_MISSING = (
+    "multi-latent attention weight rules (interleaved RoPE), per-layer dense / MoE layer specs, the "
+    "sigmoid router with grouped top-k and its correction bias, and the shared expert"
+)
 
 FAMILIES: dict[str, Family] = {
     fam.name: fam
@@ -114,20 +153,80 @@ FAMILIES: dict[str, Family] = {
             scaled_init=("c_proj.weight",),  # the residual projections, as GPT-2 scales them
         ),
         Family(name="mixtral", model_types=("mixtral",), adapter="mixtral", topk_key="num_experts_per_tok"),
+        # Qwen3: an RMSNorm on every query and key head (megatron's qk_layernorm), head_dim given apart
+        Family(name="qwen3", model_types=("qwen3",), adapter="qwen3", qk_norm=True),
+        # Qwen3-MoE: every layer a mixture of experts of moe_intermediate_size, softmax top-k, no shared one
+        Family(
+            name="qwen3-moe",
+            model_types=("qwen3_moe",),
+            adapter="qwen3-moe",
+            qk_norm=True,
+            ffn_key="moe_intermediate_size",
+            topk_key="num_experts_per_tok",
+        ),
+        # 2025-26 families the deepspeed and ddp engines train as HF modules, counted on the meta device;
+        # each entry is its tiny config + recipe, tested against the single-process HF model
+        # (tests/dist/test_families.py); megatron_missing: what an adapter would need
+        *(
+            Family(
+                name=name,
+                model_types=(mt,),
+                adapter=None,
+                formula=False,
+                topk_key="num_experts_per_tok",
+                megatron_missing=missing,
+            )
+            for name, mt, missing in (
+                ("gemma3", "gemma3_text", GEMMA3_MISSING),
+                ("phi3", "phi3", PHI3_MISSING),
+                ("olmo2", "olmo2", OLMO2_MISSING),
+                ("deepseek-v3", "deepseek_v3", DEEPSEEK_V3_MISSING),
+            )
+        ),
     )
 }
 FAMILY_NAMES: tuple[str, ...] = tuple(FAMILIES)
+#: the families megatron-core builds (an adapter in tessera.models.megatron)
+MEGATRON_FAMILIES: tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.adapter is not None)
+#: the families the planner's formulas describe exactly (the others are counted on the meta device)
+FORMULA_FAMILIES: tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.formula)
 MODEL_TYPES: tuple[str, ...] = tuple(t for fam in FAMILIES.values() for t in fam.model_types)
 
 
+#: the planner estimates that a family without an entry takes from a generic formula (the parameter and
+#: tensor counts come from its model built on the meta device, exact)
+GENERIC_ESTIMATES: tuple[str, ...] = (
+    "activation memory (Korthikanti et al.'s dense-transformer formula from the config's sizes)",
+    "compute time (6 x parameters x tokens; attention from the config's sizes)",
+)
+
+
 def family_of(model_type: str) -> Family:
-    """The family covering HF ``model_type``; a RecipeError naming the supported types otherwise."""
+    """The family covering HF ``model_type``: its entry, or a generic family (no megatron adapter) for any
+    other causal LM transformers can build; a RecipeError naming the supported types otherwise."""
     for fam in FAMILIES.values():
         if model_type in fam.model_types:
             return fam
+    if model_type in causal_lm_types():
+        return _generic(model_type)
     raise RecipeError(
-        "model family not supported",
+        "transformers has no causal LM of this model_type",
         field="model.hf_config.model_type",
         value=model_type,
-        fix="use one of " + ", ".join(sorted(MODEL_TYPES)),
+        fix="use a model_type AutoModelForCausalLM builds (e.g. " + ", ".join(sorted(MODEL_TYPES)) + ")",
     )
+
+
+@functools.cache
+def causal_lm_types() -> frozenset[str]:
+    """The ``model_type`` values transformers' ``AutoModelForCausalLM`` builds (read from its table)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+@functools.cache
+def _generic(model_type: str) -> Family:
+    # every MoE config in transformers names its experts per token so; the expert count has three names
+    return Family(name=model_type, model_types=(model_type,), adapter=None, formula=False,
+                  topk_key="num_experts_per_tok")  # fmt: skip

@@ -55,12 +55,24 @@ def check_model(resolved: Any, device: str) -> Any:
     if recipe.model.moe_aux_loss_coeff:
         from tessera.tables.families import family_of
 
-        if not family_of(cfg.model_type).facts(cfg)["topk"]:
+        fam = family_of(cfg.model_type)
+        if not fam.facts(cfg)["topk"]:
             raise RecipeError(
                 f"a load-balancing loss needs a router, and this {cfg.model_type} model has no experts",
                 field="model.moe_aux_loss_coeff",
                 value=recipe.model.moe_aux_loss_coeff,
                 fix="remove model.moe_aux_loss_coeff (or set it to 0) for a dense model",
+            )
+        if fam.generic and getattr(cfg, "router_aux_loss_coef", None) is None:
+            # transformers gives router_aux_loss_coef to the families trained with the softmax router's
+            # load-balancing loss on their router logits (Mixtral, Qwen3-MoE); DeepSeek-V3's sigmoid
+            # router balances with its correction bias instead
+            raise RecipeError(
+                f"{cfg.model_type}'s router is not a softmax top-k one: the load-balancing loss Tessera "
+                "computes from router logits does not apply",
+                field="model.moe_aux_loss_coeff",
+                value=recipe.model.moe_aux_loss_coeff,
+                fix="remove model.moe_aux_loss_coeff for this family",
             )
     return layout
 
