@@ -1,4 +1,4 @@
-"""The 2025-26 families without a megatron adapter (issue 33) on real gloo ranks, fp32: Qwen3, Qwen3-MoE,
+"""The 2025-26 families (issue 33) as HF modules on real gloo ranks, fp32: Qwen3, Qwen3-MoE,
 Gemma 3 (text), Phi-3, OLMo 2 and DeepSeek-V3 (multi-latent attention, shared expert, a dense first layer)
 train as HF modules under deepspeed ZeRO-3 and ddp, start from the single-process HF model's loss, export
 to transformers and reshard from ZeRO-2 to ZeRO-3."""

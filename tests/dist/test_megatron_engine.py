@@ -59,6 +59,7 @@ FAMILY_RUNS = {
 # needs it): against the deepspeed engine's ZeRO-2 from the same seed, 2 ranks (name -> recipe, overrides,
 # reference). sequence_parallel: auto turns SP on wherever tp > 1.
 QWEN3, QWEN3_MOE = R / "tiny-qwen3-cpu.yaml", R / "tiny-qwen3-moe-cpu.yaml"
+DSV3 = R / "tiny-deepseek-v3-cpu.yaml"
 MC = ["parallel.engine=megatron", "parallel.zero=0"]
 NEW_FAMILY_RUNS = {
     "qwen3_tp2": (QWEN3, [*MC, "parallel.tp=2"], "qwen3_zero2"),
@@ -67,8 +68,12 @@ NEW_FAMILY_RUNS = {
     "qwen3moe_pp2": (QWEN3_MOE, [*MC, "parallel.pp=2"], "qwen3moe_zero2"),
     "qwen3moe_ep2": (QWEN3_MOE, [*MC, "parallel.ep=2"], "qwen3moe_zero2"),
     "mixtral_tp2_sp": (MIXTRAL, [*MC, "parallel.tp=2", "parallel.sequence_parallel=true"], "mixtral_zero2"),
+    # DeepSeek-V3: multi-latent attention, a dense first layer, sigmoid grouped router, shared expert
+    "dsv3_tp2": (DSV3, [*MC, "parallel.tp=2"], "dsv3_zero2"),
+    "dsv3_pp2": (DSV3, [*MC, "parallel.pp=2"], "dsv3_zero2"),
+    "dsv3_ep2": (DSV3, [*MC, "parallel.ep=2", "checkpoint.every=5"], "dsv3_zero2"),
 }
-ZERO2_REFS = {"qwen3_zero2": QWEN3, "qwen3moe_zero2": QWEN3_MOE, "mixtral_zero2": MIXTRAL}
+ZERO2_REFS = {"qwen3_zero2": QWEN3, "qwen3moe_zero2": QWEN3_MOE, "mixtral_zero2": MIXTRAL, "dsv3_zero2": DSV3}
 FOUR = {
     "tp2_pp2": R / "tiny-llama-cpu4-mcore-tp2-pp2.yaml",
     "tp2_dp2_distopt": R / "tiny-llama-cpu4-mcore-tp2-dp2-distopt.yaml",
@@ -278,8 +283,9 @@ def test_other_families_on_megatron_match_single_rank(runs, name):
 
 
 @pytest.mark.parametrize("name", sorted(NEW_FAMILY_RUNS))
-def test_qwen3_families_and_moe_with_sp_on_megatron_match_deepspeed_zero2(runs, name):
-    """Qwen3 at TP2 / PP2, Qwen3-MoE at TP2 (with SP) / PP2 / EP2 and Mixtral at TP2 + SP + EP1 on megatron:
+def test_new_families_and_moe_with_sp_on_megatron_match_deepspeed_zero2(runs, name):
+    """Qwen3 at TP2 / PP2, Qwen3-MoE and DeepSeek-V3 at TP2 (with SP) / PP2 / EP2 and Mixtral at TP2 + SP +
+    EP1 on megatron:
     every one of 10 steps equals the deepspeed engine's ZeRO-2 run from the same seed within 1e-5, and
     the step-1 gradient norm too."""
     run, ref = runs[name], runs[NEW_FAMILY_RUNS[name][2]]
@@ -290,7 +296,7 @@ def test_qwen3_families_and_moe_with_sp_on_megatron_match_deepspeed_zero2(runs, 
     assert manifest["layout"]["sequence_parallel"] is ("tp2" in name)
 
 
-@pytest.mark.parametrize("name", ["qwen3_tp2", "qwen3moe_ep2"])
+@pytest.mark.parametrize("name", ["qwen3_tp2", "qwen3moe_ep2", "dsv3_tp2", "dsv3_ep2"])
 def test_megatron_step1_is_the_hf_models_loss(runs, name):
     """The first step's loss on megatron (the HF model's seeded weights through the weight map) is the
     single-process HF model's loss on that batch within 1e-5."""
@@ -424,6 +430,13 @@ def test_export_to_hf_reproduces_the_run(runs, tmp_path):
     run logged for step 6."""
     report = assert_hf_export_replays_the_run(runs["_base"] / "resume_tp2", 5, tmp_path / "hf")
     assert report["sharding"] == "megatron-ddp"
+
+
+def test_deepseek_v3_export_reproduces_the_run(runs, tmp_path):
+    """DeepSeek-V3 on EP2: its layers saved one by one (dense and MoE differ), the experts per layer, the
+    router's expert_bias buffer; `tessera convert --to hf` of step 5 loads in transformers and gives
+    step 6's logged loss."""
+    assert_hf_export_replays_the_run(runs["_base"] / "dsv3_ep2", 5, tmp_path / "hf")
 
 
 def test_nan_grad_norm_stops_megatron_and_keeps_a_finite_checkpoint(runs):

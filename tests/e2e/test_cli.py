@@ -330,7 +330,13 @@ def test_plan_json_contract_and_known_8b_answer():
     p = tessera("plan", "recipes/llama3-8b-pretrain-h100x8-zero3.yaml", "--world-size", "8", "--json")
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
-    assert set(out) == {"recipe_layout", "chosen", "candidates", "rejected"}
+    assert set(out) == {"model", "recipe_layout", "chosen", "candidates", "rejected"}
+    assert out["model"] == {
+        "family": "llama",
+        "parameters": 8_030_261_248,
+        "counted_on": "the family's formula",
+        "generic_estimates": [],
+    }
     assert (
         out["recipe_layout"]["fits"] is True
     )  # the shipped recipe's own layout (ZeRO-3 + optimizer offload)

@@ -303,6 +303,36 @@ def test_what_megatron_cannot_express_is_refused(changes, field):
     assert e.value.field == field and "megatron-core cannot express this" in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "changes,field",
+    [
+        ({"rms_norm_eps": 1e-5}, "model.hf_config.rms_norm_eps"),  # HF's latent norms keep 1e-6
+        ({"rope_interleave": False}, "model.hf_config.rope_interleave"),
+        ({"norm_topk_prob": False}, "model.hf_config.norm_topk_prob"),
+        ({"num_experts_per_tok": 4, "n_group": 2, "topk_group": 1}, "model.hf_config.topk_group"),
+        ({"num_key_value_heads": 2}, "model.hf_config.num_key_value_heads"),
+    ],
+)
+def test_what_deepseek_v3_on_megatron_cannot_express_is_refused(changes, field):
+    """Each of these gives other numbers on megatron-core's MLA / router than in HF's module: refused, naming
+    the field, before launch; the tiny config itself maps (and plain RoPE: MLATransformerConfig's own
+    default would be YaRN x40)."""
+    from transformers import AutoConfig
+
+    from tessera.errors import RecipeError
+
+    tiny = REPO / "configs" / "models" / "tiny-deepseek-v3.yaml"
+    d = yaml.safe_load(tiny.read_text())["model"]["hf_config"]
+    adapter = adapter_for("deepseek_v3")
+    ok = adapter.transformer(AutoConfig.for_model(**{**d}), 64)
+    assert ok["rope_type"] == "rope" and ok["moe_layer_freq"] == [0, 1, 1, 1]
+    assert ok["moe_router_bias_update_rate"] == 0.0 and ok["moe_router_enable_expert_bias"]
+    d.update(changes)
+    with pytest.raises(RecipeError) as e:
+        adapter.transformer(AutoConfig.for_model(**d), 64)
+    assert e.value.field == field and "megatron-core cannot express this" in str(e.value)
+
+
 def test_a_pipeline_stage_reads_only_its_own_tensors(tmp_path):
     """``model.pretrained`` under PP and TP: the weights come from a lazy reader, and a chunk asks it only
     for the parts it holds: a stage never reads another stage's tensors, a TP rank reads only its rows or

@@ -158,28 +158,72 @@ class SequenceParallelNorm:
         return norm
 
 
-def layer_spec(config: Any, shape: Any, num_layers: int) -> Any:
-    """megatron-core's local GPT layer spec for the model (experts, q/k norms); under sequence parallelism
-    with torch's norms (no TransformerEngine / Apex), the block of ``num_layers`` layers with
-    :class:`SequenceParallelNorm` in place of each of them and of the final norm."""
+def _mla_core_attention() -> Any:
+    """megatron-core's local ``DotProductAttention`` for multi-latent attention, which passes it
+    TransformerEngine's ``k_channels`` / ``v_channels``: accepted, and the output is v's width (its math
+    already takes q / k heads wider than v's). Written here because the local spec has no MLA attention
+    of its own; needed on any machine without TransformerEngine."""
+    from megatron.core.transformer import multi_latent_attention as mla
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    # without TransformerEngine megatron's TE extension is a mock module, so TELinear is no type while MLA's
+    # HAVE_TE is True, and MLA's isinstance(linear_proj, TELinear) fails; nothing else reads the flag
+    if not isinstance(getattr(mla, "TELinear", None), type):
+        mla.HAVE_TE = False
+
+    class MLADotProductAttention(DotProductAttention):
+        def __init__(self, *args: Any, k_channels: Any = None, v_channels: Any = None, **kwargs: Any):
+            super().__init__(*args, **kwargs)
+            if v_channels is not None:
+                self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+    return MLADotProductAttention
+
+
+def layer_spec(config: Any, shape: Any, layers: range) -> Any:
+    """megatron-core's local GPT layer spec for the global ``layers`` of a model chunk (experts, q/k norms,
+    multi-latent attention, dense layers before the MoE ones); under sequence parallelism with torch's
+    norms (no TransformerEngine / Apex), :class:`SequenceParallelNorm` in place of each norm and of the
+    final one. One spec for every layer where they are alike, else the block of per-layer specs."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    spec = get_gpt_layer_local_spec(
-        num_experts=shape.num_experts or None,
-        normalization=config.normalization,
-        qk_layernorm=config.qk_layernorm,
-    )
-    sub = spec.submodules
-    if not config.sequence_parallel or sub.input_layernorm is not WrappedTorchNorm:
+    def one(moe: bool) -> Any:
+        spec = get_gpt_layer_local_spec(
+            num_experts=shape.num_experts if moe else None,
+            normalization=config.normalization,
+            qk_layernorm=config.qk_layernorm,
+            multi_latent_attention=shape.mla,
+        )
+        sub = spec.submodules
+        if shape.mla:
+            attn = sub.self_attention.submodules
+            attn.core_attention = _mla_core_attention()
+            # the down projections replicated on every TP rank (megatron's plain Linear, the local twin of
+            # TransformerEngine's "duplicated" TELinear), not column-parallel: with a column-parallel
+            # kv_down_proj, MLA gathers its output over TP and the RoPE key part of it, which every rank's
+            # heads use, gets back only the gradient of the heads of the rank holding those columns
+            # (measured: 3e-5 relative in the step-1 gradient norm at TP2); replicated, the key's gradient
+            # is summed by the sequence-parallel gather, and the weights' by finalize_model_grads
+            from megatron.core.post_training.modelopt.layers import Linear
+
+            attn.linear_q_down_proj = attn.linear_kv_down_proj = Linear
+        if config.sequence_parallel and sub.input_layernorm is WrappedTorchNorm:
+            sub.input_layernorm = sub.pre_mlp_layernorm = SequenceParallelNorm
+            attn = sub.self_attention.submodules
+            for name in ("q_layernorm", "k_layernorm", "kv_layernorm"):
+                if getattr(attn, name, None) is WrappedTorchNorm:
+                    setattr(attn, name, SequenceParallelNorm)
         return spec
-    sub.input_layernorm = sub.pre_mlp_layernorm = SequenceParallelNorm
-    attn = sub.self_attention.submodules
-    for name in ("q_layernorm", "k_layernorm"):
-        if getattr(attn, name) is WrappedTorchNorm:
-            setattr(attn, name, SequenceParallelNorm)
-    return TransformerBlockSubmodules(layer_specs=[spec] * num_layers, layer_norm=SequenceParallelNorm)
+
+    moe, dense = one(bool(shape.num_experts)), one(False) if shape.dense_layers else None
+    specs = [dense if g < shape.dense_layers else moe for g in layers]
+    sp_norms = config.sequence_parallel and moe.submodules.input_layernorm is SequenceParallelNorm
+    if not sp_norms and dense is None:
+        return moe
+    final = SequenceParallelNorm if sp_norms else WrappedTorchNorm
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=final)
 
 
 def transformer_config(
@@ -193,7 +237,7 @@ def transformer_config(
 ):
     """The ``TransformerConfig``: the family adapter's model shape plus the layout and the device, and
     the router's load-balancing loss (``model.moe_aux_loss_coeff``) for a mixture of experts."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     adapter = adapter_for(hf_cfg.model_type)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
@@ -217,7 +261,7 @@ def transformer_config(
     )
     if device == "cpu":
         kw.update(CPU_CONFIG)
-    return TransformerConfig(**kw)
+    return (MLATransformerConfig if kw.get("multi_latent_attention") else TransformerConfig)(**kw)
 
 
 def build_model_chunks(
@@ -234,7 +278,7 @@ def build_model_chunks(
         shard = shard_of(ps, layout, vp)
         model = GPTModel(
             config,
-            layer_spec(config, shape, len(layer_range(shape, shard))),
+            layer_spec(config, shape, layer_range(shape, shard)),
             vocab_size=padded_vocab(shape.vocab_size, layout.tp),
             max_sequence_length=hf_cfg.max_position_embeddings,
             pre_process=shard.first_stage,

@@ -121,7 +121,11 @@ def _megatron(ckpt: Path, hf_cfg: Any, moment: str | None = None) -> dict[str, t
     # spec says how (sharded_state_dict_keys_map), and the reverse gives the module keys back
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(num_experts=shape.num_experts or None, normalization=shape.normalization)
+    spec = get_gpt_layer_local_spec(
+        num_experts=shape.num_experts or None,
+        normalization=shape.normalization,
+        multi_latent_attention=shape.mla,
+    )
     renamed = {v: k for k, v in spec.submodules.sharded_state_dict_keys_map.items()}
     chunk: dict[str, torch.Tensor] = {}
     for key, t in glob.items():
@@ -130,6 +134,16 @@ def _megatron(ckpt: Path, hf_cfg: Any, moment: str | None = None) -> dict[str, t
             chunk[key] = t
             continue
         rest = key[len("decoder.layers.") :]
+        layer, dot, after = rest.partition(".")
+        if layer.isdigit() and dot:  # not stacked: a model with dense and MoE layers saves each layer apart
+            if after.startswith(_EXPERTS):  # its SequentialMLP's tensors: dim 0 is the global expert
+                for e in range(shape.num_experts):
+                    chunk[
+                        f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{after[len(_EXPERTS) :]}"
+                    ] = t[e]
+            else:
+                chunk[key] = t
+            continue
         for saved, module in renamed.items():
             if rest.startswith(saved):
                 rest = module + rest[len(saved) :]

@@ -49,7 +49,8 @@ class Rule:
     ``[gate; up]``). ``hf_expert_dim``: HF keeps all experts in one tensor, indexed on dim 0.
     ``transpose``: HF stores the weight as ``(in, out)`` (GPT-2's Conv1D). ``stage``: where the tensor
     lives in a pipeline: ``"first"``, ``"last"``, ``"layer"`` or ``"output"`` (the LM head: last stage,
-    and with tied embeddings only when the last stage is not also the first).
+    and with tied embeddings only when the last stage is not also the first). ``layers``: a model whose
+    first layers are dense and the rest mixtures of experts (DeepSeek-V3) gives each kind its rules.
     """
 
     mcore: str
@@ -59,6 +60,10 @@ class Rule:
     transpose: bool = False
     hf_expert_dim: bool = False
     stage: str = "layer"
+    #: which layers have it: "all", "dense" (the first ``ModelShape.dense_layers``) or "moe" (the others)
+    layers: str = "all"
+    #: a persistent buffer, not a parameter (no optimizer moments: skipped where the HF side has none)
+    buffer: bool = False
 
 
 @dataclass(frozen=True)
@@ -101,6 +106,8 @@ class ModelShape:
     #: without an adapter: "MODEL_TYPE: it would need ..." (what the refusal names)
     missing_adapter: str = ""
     qk_norm: bool = False  # per-head q/k norms: replicated over TP, their gradients summed over it
+    dense_layers: int = 0  # a MoE model's first layers that are dense (DeepSeek-V3's first_k_dense_replace)
+    mla: bool = False  # multi-latent attention (DeepSeek-V3)
 
     @property
     def sequence_parallel_ok(self) -> bool:
@@ -397,6 +404,207 @@ def _qwen3() -> Adapter:
 @register_adapter("qwen3-moe")
 def _qwen3_moe() -> Adapter:
     return _llama_like("qwen3-moe", moe=True, qk_norm=True)
+
+
+def _deepseek_rope(c: Any) -> dict[str, Any]:
+    """DeepSeek-V3's RoPE on megatron's MLA: plain (``rope_type="rope"``; MLATransformerConfig's own default
+    is YaRN x40) or its YaRN, field by field (the same frequencies, cos / sin and softmax scales as HF's)."""
+    params = dict(getattr(c, "rope_parameters", None) or {})
+    kind = params.get("rope_type", "default")
+    theta = float(params.get("rope_theta", getattr(c, "rope_theta", 10000.0)))
+    out: dict[str, Any] = {"rotary_base": theta}
+    if kind == "default":
+        return {
+            **out,
+            "rope_type": "rope",
+            "rotary_scaling_factor": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.0,
+        }
+    if kind == "yarn":
+        return {
+            **out,
+            "rope_type": "yarn",
+            "rotary_scaling_factor": float(params["factor"]),
+            "original_max_position_embeddings": int(params["original_max_position_embeddings"]),
+            "beta_fast": float(params.get("beta_fast", 32.0)),
+            "beta_slow": float(params.get("beta_slow", 1.0)),
+            "mscale": float(params.get("mscale", 1.0)),
+            "mscale_all_dim": float(params.get("mscale_all_dim", 0.0)),
+        }
+    _refuse(
+        "model.hf_config.rope_scaling.rope_type",
+        kind,
+        "only default and yarn RoPE are mapped for multi-latent attention",
+        "use parallel.engine: deepspeed for this RoPE variant",
+    )
+    raise AssertionError  # unreachable: _refuse raises
+
+
+@register_adapter("deepseek-v3")
+def _deepseek_v3() -> Adapter:
+    """DeepSeek-V3: multi-latent attention (megatron-core's MLASelfAttention, local spec), the first
+    ``first_k_dense_replace`` layers dense, then MoE layers with a sigmoid router (grouped top-k, its
+    ``e_score_correction_bias`` as megatron's ``expert_bias``, routed scaling) and a shared expert. Every
+    weight copies as it is (megatron's MLA de-interleaves the RoPE dims as HF's ``rope_interleave`` does)."""
+
+    def shape(c: Any) -> ModelShape:
+        heads = c.num_attention_heads
+        return ModelShape(
+            num_layers=c.num_hidden_layers,
+            num_heads=heads,
+            num_query_groups=heads,
+            head_dim=c.qk_nope_head_dim + c.qk_rope_head_dim,
+            vocab_size=c.vocab_size,
+            num_experts=c.n_routed_experts,
+            tied=bool(c.tie_word_embeddings),
+            dense_layers=min(int(c.first_k_dense_replace), c.num_hidden_layers),
+            mla=True,
+        )
+
+    def transformer(c: Any, seq_len: int) -> dict[str, Any]:
+        def no(key: str, value: Any, why: str, fix: str) -> None:
+            _refuse(f"model.hf_config.{key}", value, why, fix + ", or use parallel.engine: deepspeed")
+
+        if getattr(c, "hidden_act", "silu") != "silu":
+            no("hidden_act", c.hidden_act, "the gated MLP is mapped with SiLU only", "use silu")
+        if getattr(c, "attention_bias", False):
+            no("attention_bias", True, "megatron's MLA projections have no bias", "set attention_bias: false")
+        if (c.num_key_value_heads or c.num_attention_heads) != c.num_attention_heads:
+            no("num_key_value_heads", c.num_key_value_heads, "MLA has one latent, no query groups",
+               "set it to num_attention_heads")  # fmt: skip
+        if not getattr(c, "rope_interleave", True):
+            no("rope_interleave", False, "megatron's MLA always de-interleaves the RoPE dims",
+               "set rope_interleave: true (DeepSeek-V3's)")  # fmt: skip
+        if float(c.rms_norm_eps) != 1e-6:
+            # HF builds q_a_layernorm / kv_a_layernorm with eps 1e-6 whatever rms_norm_eps says; megatron
+            # gives them layernorm_epsilon: only 1e-6 gives the same numbers
+            no("rms_norm_eps", c.rms_norm_eps, "HF fixes the latent norms' eps at 1e-6", "set 1e-6")
+        topk, groups, group_topk = c.num_experts_per_tok, c.n_group or 1, c.topk_group or 1
+        if topk > 1 and not c.norm_topk_prob:
+            no("norm_topk_prob", False, "megatron renormalises the top-k weights for top-k > 1", "set true")
+        if topk == 1 and c.norm_topk_prob:
+            no("norm_topk_prob", True, "megatron does not renormalise a single expert's weight", "set false")
+        if groups > 1 and topk // group_topk != 2:
+            # a group's score: megatron sums its best topk // group_topk experts, HF its best 2
+            no("topk_group", c.topk_group, "megatron scores a group by its best num_experts_per_tok / "
+               "topk_group experts, HF by its best 2", "keep num_experts_per_tok = 2 x topk_group")  # fmt: skip
+        s = shape(c)
+        shared = (c.n_shared_experts or 0) * c.moe_intermediate_size
+        return dict(
+            num_layers=s.num_layers,
+            hidden_size=c.hidden_size,
+            ffn_hidden_size=c.intermediate_size,  # the dense layers
+            num_attention_heads=s.num_heads,
+            num_query_groups=s.num_heads,
+            multi_latent_attention=True,
+            q_lora_rank=c.q_lora_rank,
+            kv_lora_rank=c.kv_lora_rank,
+            qk_head_dim=c.qk_nope_head_dim,
+            qk_pos_emb_head_dim=c.qk_rope_head_dim,
+            v_head_dim=c.v_head_dim,
+            qk_layernorm=True,  # MLA's q / kv latent norms (IdentityOp without it)
+            **_deepseek_rope(c),
+            normalization="RMSNorm",
+            layernorm_epsilon=c.rms_norm_eps,
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            add_bias_linear=False,
+            hidden_dropout=0.0,
+            attention_dropout=float(getattr(c, "attention_dropout", 0.0)),
+            num_moe_experts=s.num_experts,
+            moe_layer_freq=[0 if i < s.dense_layers else 1 for i in range(s.num_layers)],
+            moe_ffn_hidden_size=c.moe_intermediate_size,
+            moe_shared_expert_intermediate_size=shared or None,
+            moe_shared_expert_gate=False,
+            moe_router_topk=topk,
+            moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True,
+            moe_router_bias_update_rate=0.0,  # HF never moves e_score_correction_bias
+            moe_router_num_groups=groups if groups > 1 else None,
+            moe_router_group_topk=group_topk if groups > 1 else None,
+            moe_router_topk_scaling_factor=float(c.routed_scaling_factor),
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_token_dispatcher_type="alltoall",
+            moe_router_dtype="fp32",
+            moe_grouped_gemm=False,
+        )
+
+    def gpt(c: Any) -> dict[str, Any]:
+        # MLA builds its own rotary embedding from the config; GPTModel's is unused
+        theta = float(_deepseek_rope(c)["rotary_base"])
+        return {
+            "share_embeddings_and_output_weights": bool(c.tie_word_embeddings),
+            "position_embedding_type": "rope",
+            "rotary_base": int(theta),
+        }
+
+    def rules(c: Any) -> list[Rule]:
+        L, A = "decoder.layers.*.", "model.layers.*."
+        S, H = L + "self_attention.", A + "self_attn."
+        out = [
+            Rule("embedding.word_embeddings.weight", "model.embed_tokens.weight", VOCAB, stage="first"),
+            Rule("decoder.final_layernorm.weight", "model.norm.weight", stage="last"),
+            Rule(
+                "output_layer.weight",
+                "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight",
+                VOCAB,
+                stage="output",
+            ),
+            Rule(L + "input_layernorm.weight", A + "input_layernorm.weight"),
+            Rule(L + "pre_mlp_layernorm.weight", A + "post_attention_layernorm.weight"),
+            # the down projections replicated over TP (engines.megatron_build.layer_spec says why)
+            Rule(S + "linear_kv_down_proj.weight", H + "kv_a_proj_with_mqa.weight"),
+            Rule(S + "kv_layernorm.weight", H + "kv_a_layernorm.weight"),
+            Rule(S + "linear_kv_up_proj.weight", H + "kv_b_proj.weight", COL),
+            Rule(S + "linear_proj.weight", H + "o_proj.weight", ROW),
+        ]
+        if c.q_lora_rank:
+            out += [
+                Rule(S + "linear_q_down_proj.weight", H + "q_a_proj.weight"),
+                Rule(S + "q_layernorm.weight", H + "q_a_layernorm.weight"),
+                Rule(S + "linear_q_up_proj.weight", H + "q_b_proj.weight", COL),
+            ]
+        else:
+            out.append(Rule(S + "linear_q_proj.weight", H + "q_proj.weight", COL))
+        M, E = A + "mlp.", L + "mlp.experts.local_experts.#."
+        out += [
+            Rule(
+                L + "mlp.linear_fc1.weight",
+                (M + "gate_proj.weight", M + "up_proj.weight"),
+                COL,
+                fuse="gate_up",
+                layers="dense",
+            ),
+            Rule(L + "mlp.linear_fc2.weight", M + "down_proj.weight", ROW, layers="dense"),
+            Rule(L + "mlp.router.weight", M + "gate.weight", layers="moe"),
+            Rule(L + "mlp.router.expert_bias", M + "gate.e_score_correction_bias", layers="moe", buffer=True),
+            Rule(
+                E + "linear_fc1.weight",
+                M + "experts.gate_up_proj",
+                COL,
+                fuse="gate_up_fused",
+                hf_expert_dim=True,
+                layers="moe",
+            ),
+            Rule(E + "linear_fc2.weight", M + "experts.down_proj", ROW, hf_expert_dim=True, layers="moe"),
+        ]
+        if c.n_shared_experts:
+            X = M + "shared_experts."
+            out += [
+                Rule(
+                    L + "mlp.shared_experts.linear_fc1.weight",
+                    (X + "gate_proj.weight", X + "up_proj.weight"),
+                    COL,
+                    fuse="gate_up",
+                    layers="moe",
+                ),
+                Rule(L + "mlp.shared_experts.linear_fc2.weight", X + "down_proj.weight", ROW, layers="moe"),
+            ]
+        return out
+
+    return Adapter(family="deepseek-v3", transformer=transformer, gpt=gpt, rules=rules, shape=shape)
 
 
 @register_adapter("gpt2")

@@ -68,6 +68,8 @@ def _instances(
     layers = layer_range(shape, shard) if "*" in rule.mcore else [None]
     experts = expert_range(shape, shard) if "#" in rule.mcore else [None]
     for local_l, gl in enumerate(layers):
+        if gl is not None and rule.layers != "all" and (gl < shape.dense_layers) != (rule.layers == "dense"):
+            continue
         for local_e, ge in enumerate(experts):
             key = rule.mcore
             if gl is not None:
@@ -164,6 +166,8 @@ def iter_hf_to_mcore(
             continue
         tp, r = _tp_of(rule, shard)
         for key, hf_key, expert in _instances(rule, shape, shard):
+            if rule.buffer and hf_key(str(rule.hf)) not in hf:  # Adam moments: none for a buffer
+                continue
             t = _local_mcore(rule, hf, hf_key, expert, shape, tp, r)
             yield key, t.contiguous() if fresh else t.clone(memory_format=torch.contiguous_format)
 
@@ -188,6 +192,8 @@ def mcore_to_hf(
                 continue
             _, r = _tp_of(rule, shard)
             for key, hf_key, expert in _instances(rule, shape, shard):
+                if rule.buffer and key not in sd:  # Adam moments: none for a buffer
+                    continue
                 ident = (rule.mcore, hf_key(rule.mcore), expert)
                 gathered.setdefault(ident, {})[r] = sd[key]
                 by_key[ident] = (rule, hf_key)

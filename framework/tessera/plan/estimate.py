@@ -39,7 +39,7 @@ from tessera.plan.activations import (
     head_activation_bytes,
     in_flight_microbatches,
 )
-from tessera.plan.facts import ModelFacts, layer_numels
+from tessera.plan.facts import ModelFacts, layer_numels, meta_shard_numels
 from tessera.plan.layout import ParallelLayout
 
 GiB = 2**30
@@ -118,6 +118,12 @@ def rank_params(
     the last (a tied head is a second copy when pp > 1) and experts split over ep x etp (etp defaults to
     tp, megatron-core's default). A meta-counted model (no family entry, so no megatron layout) is whole
     on its rank: its own tensors."""
+    if f.generic and f.config_json:
+        stage = 0 if first else pp - 1 if last else min(1, pp - 1)
+        dense, expert, per_layer, emb = meta_shard_numels(
+            f.config_json, tp, pp, stage, ep, tp if etp is None else etp
+        )
+        return RankParams(dense=dense, expert=expert, per_layer=per_layer, embedding=emb)
     if f.generic:
         return RankParams(
             dense=count_params(f),

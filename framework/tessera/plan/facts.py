@@ -46,6 +46,9 @@ class ModelFacts:
     #: a family without an entry: its parameter tensors (name, elements), unique, in the module's order,
     #: from the model built on the meta device; the parameter counts are these, not the formula's
     tensors: tuple[tuple[str, int], ...] = ()
+    #: a meta-counted family with a megatron adapter: its HF config (JSON), whose megatron shards the weight
+    #: map gives exactly (:func:`meta_shard_numels`)
+    config_json: str = ""
 
     @property
     def moe(self) -> bool:
@@ -64,8 +67,10 @@ def model_facts(hf_cfg: Any) -> ModelFacts:
     fam = family_of(hf_cfg.model_type)
     tensors: tuple[tuple[str, int], ...] = ()
     shape = adapter_for(hf_cfg.model_type).shape(hf_cfg) if fam.adapter else generic_shape(hf_cfg, fam)
+    config_json = ""
     if fam.generic:
         tensors = meta_tensors(hf_cfg.to_json_string())
+        config_json = hf_cfg.to_json_string() if fam.adapter else ""
     facts = fam.facts(hf_cfg)
     if not shape.num_experts:
         facts["topk"] = 0
@@ -80,6 +85,7 @@ def model_facts(hf_cfg: Any) -> ModelFacts:
         num_experts=shape.num_experts,
         shape=shape,
         tensors=tensors,
+        config_json=config_json,
         **facts,
     )
 
@@ -116,6 +122,41 @@ def meta_tensors(config_json: str) -> tuple[tuple[str, int], ...]:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
     return tuple((n, p.numel()) for n, p in model.named_parameters())
+
+
+@functools.lru_cache(maxsize=64)
+def meta_shard_numels(
+    config_json: str, tp: int, pp: int, pp_rank: int, ep: int, etp: int
+) -> tuple[int, int, int, int]:
+    """(dense, expert, largest layer, embedding) elements of one megatron rank of a meta-counted family
+    with an adapter: the weight map run on the HF model built on the meta device (no memory), so every
+    split it makes (TP, PP, EP, vocabulary padding, replicated tensors) is counted as the engine holds it."""
+    import json
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tessera.models.megatron import Shard, adapter_for
+    from tessera.models.weight_map import hf_to_mcore
+
+    d = json.loads(config_json)
+    cfg = AutoConfig.for_model(d.pop("model_type"), **d)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    hf = model.state_dict()
+    sd = hf_to_mcore(
+        hf, adapter_for(cfg.model_type), cfg, Shard(tp=tp, pp=pp, pp_rank=pp_rank, ep=ep, etp=etp)
+    )
+    expert = sum(t.numel() for k, t in sd.items() if ".local_experts." in k)
+    layers: dict[str, int] = {}
+    for k, t in sd.items():
+        m = _LAYER.search(k) if k.startswith("decoder.layers.") else None
+        if m is not None:
+            layers[m.group(1)] = layers.get(m.group(1), 0) + t.numel()
+    emb = sum(
+        t.numel() for k, t in sd.items() if k in ("embedding.word_embeddings.weight", "output_layer.weight")
+    )
+    return sum(t.numel() for t in sd.values()) - expert, expert, max(layers.values(), default=0), emb
 
 
 _LAYER = re.compile(r"\.(\d+)\.")

@@ -121,10 +121,6 @@ GEMMA3_MISSING = (
 )
 PHI3_MISSING = "fused qkv_proj / gate_up_proj weight rules and longrope / su RoPE scaling"
 OLMO2_MISSING = "norms after attention and MLP (no pre-norm) and q/k RMSNorm over all heads at once"
-DEEPSEEK_V3_MISSING = (
-    "multi-latent attention weight rules (interleaved RoPE), per-layer dense / MoE layer specs, the "
-    "sigmoid router with grouped top-k and its correction bias, and the shared expert"
-)
 
 FAMILIES: dict[str, Family] = {
     fam.name: fam
@@ -180,8 +176,17 @@ FAMILIES: dict[str, Family] = {
                 ("gemma3", "gemma3_text", GEMMA3_MISSING),
                 ("phi3", "phi3", PHI3_MISSING),
                 ("olmo2", "olmo2", OLMO2_MISSING),
-                ("deepseek-v3", "deepseek_v3", DEEPSEEK_V3_MISSING),
             )
+        ),
+        # DeepSeek-V3: a megatron adapter (multi-latent attention, dense then MoE layers, sigmoid grouped
+        # router with its correction bias, shared expert); no formula: counted on the meta device
+        Family(
+            name="deepseek-v3",
+            model_types=("deepseek_v3",),
+            adapter="deepseek-v3",
+            formula=False,
+            ffn_key="moe_intermediate_size",
+            topk_key="num_experts_per_tok",
         ),
     )
 }
