@@ -222,26 +222,34 @@ MOE_AUX = {
     "aux_mcore_ep2": (R / "tiny-mixtral-cpu-mcore-ep2.yaml", []),
     "aux_deepspeed_zero2": (MIXTRAL, []),
     "aux_ddp": (MIXTRAL, ["parallel.engine=ddp", "parallel.zero=0"]),
+    # Qwen3-MoE: the same loss (HF's load_balancing_loss_func), its normalised top-k router
+    "aux_qwen3moe_mcore_ep2": (QWEN3_MOE, [*MC, "parallel.ep=2"]),
+    "aux_qwen3moe_deepspeed_zero2": (QWEN3_MOE, []),
+    "aux_qwen3moe_ddp": (QWEN3_MOE, ["parallel.engine=ddp", "parallel.zero=0"]),
 }
+#: per family: its aux runs' prefix and the same megatron layout without the aux loss
+AUX_FAMILIES = {"mixtral": ("aux_", "ep2_mixtral"), "qwen3-moe": ("aux_qwen3moe_", "qwen3moe_ep2")}
 
 
-def test_moe_load_balancing_loss_is_the_same_in_every_engine(runs):
+@pytest.mark.parametrize("family", sorted(AUX_FAMILIES))
+def test_moe_load_balancing_loss_is_the_same_in_every_engine(runs, family):
     """megatron-core's aux loss (EP2, its router and MoEAuxLossAutoScaler) and the same loss computed from
     the HF model's router logits (DeepSpeed ZeRO-2, DDP): losses and the logged aux loss agree within
     1e-5 relative at every one of 10 steps, and the aux loss really trains (the losses leave the run
     without it by far more than that)."""
-    ref = runs["aux_mcore_ep2"]
+    prefix, without = AUX_FAMILIES[family]
+    ref = runs[f"{prefix}mcore_ep2"]
     aux = [r["moe_aux_loss"] for r in ref]
     assert len(ref) == STEPS and all(a > 0 for a in aux)
     # top-2 of 4 experts, 2 layers: a perfectly balanced router scores coeff * 2 layers * 1
     assert all(0.9 * 2 * AUX_COEFF < a < 2 * 2 * AUX_COEFF for a in aux)
-    for name in ("aux_deepspeed_zero2", "aux_ddp"):
+    for name in (f"{prefix}deepspeed_zero2", f"{prefix}ddp"):
         run = runs[name]
         assert_close_rel(losses(run), losses(ref), 1e-5)
         assert_close_rel([r["moe_aux_loss"] for r in run], aux, 1e-5)
-    plain = losses(runs["ep2_mixtral"])  # the same layout without the aux loss
+    plain = losses(runs[without])  # the same layout without the aux loss
     assert max(abs(a - b) / b for a, b in zip(losses(ref), plain)) > 1e-4
-    assert all("moe_aux_loss" not in r for r in runs["ep2_mixtral"])
+    assert all("moe_aux_loss" not in r for r in runs[without])
 
 
 RECOMPUTED = {
