@@ -217,6 +217,57 @@ def _rope(cfg: Any) -> dict[str, Any]:
     return out
 
 
+def _outer_rules(c: Any) -> list[Rule]:
+    """The rules every RMSNorm decoder shares: embedding, final norm, LM head (tied or not), the two
+    per-layer norms."""
+    L, A = "decoder.layers.*.", "model.layers.*."
+    return [
+        Rule("embedding.word_embeddings.weight", "model.embed_tokens.weight", VOCAB, stage="first"),
+        Rule("decoder.final_layernorm.weight", "model.norm.weight", stage="last"),
+        Rule(
+            "output_layer.weight",
+            "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight",
+            VOCAB,
+            stage="output",
+        ),
+        Rule(L + "input_layernorm.weight", A + "input_layernorm.weight"),
+        Rule(L + "pre_mlp_layernorm.weight", A + "post_attention_layernorm.weight"),
+    ]
+
+
+def _mlp_rules(mcore: str, hf: str, layers: str = "all") -> list[Rule]:
+    """A SwiGLU MLP: HF's gate / up / down projections under ``hf``, megatron's fc1 ([gate; up]) and fc2
+    under ``mcore``."""
+    return [
+        Rule(
+            mcore + "linear_fc1.weight",
+            (hf + "gate_proj.weight", hf + "up_proj.weight"),
+            COL,
+            fuse="gate_up",
+            layers=layers,
+        ),
+        Rule(mcore + "linear_fc2.weight", hf + "down_proj.weight", ROW, layers=layers),
+    ]
+
+
+def _expert_rules(layers: str = "all") -> list[Rule]:
+    """The router and the routed experts (HF keeps every expert in one ``[gate; up]`` and one down tensor)."""
+    L, M = "decoder.layers.*.", "model.layers.*.mlp."
+    E = L + "mlp.experts.local_experts.#."
+    return [
+        Rule(L + "mlp.router.weight", M + "gate.weight", layers=layers),
+        Rule(
+            E + "linear_fc1.weight",
+            M + "experts.gate_up_proj",
+            COL,
+            fuse="gate_up_fused",
+            hf_expert_dim=True,
+            layers=layers,
+        ),
+        Rule(E + "linear_fc2.weight", M + "experts.down_proj", ROW, hf_expert_dim=True, layers=layers),
+    ]
+
+
 def _llama_like(family: str, *, qkv_bias: bool = False, moe: bool = False, qk_norm: bool = False) -> Adapter:
     """Llama, Qwen2, Mistral, Mixtral, Qwen3, Qwen3-MoE: RMSNorm, SwiGLU, RoPE, GQA; optional qkv bias, MoE
     (softmax top-k renormalised, or not: ``norm_topk_prob``), an RMSNorm per query / key head."""
@@ -316,15 +367,7 @@ def _llama_like(family: str, *, qkv_bias: bool = False, moe: bool = False, qk_no
     def rules(c: Any) -> list[Rule]:
         L, A = "decoder.layers.*.", "model.layers.*."
         out = [
-            Rule("embedding.word_embeddings.weight", "model.embed_tokens.weight", VOCAB, stage="first"),
-            Rule("decoder.final_layernorm.weight", "model.norm.weight", stage="last"),
-            Rule(
-                "output_layer.weight",
-                "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight",
-                VOCAB,
-                stage="output",
-            ),
-            Rule(L + "input_layernorm.weight", A + "input_layernorm.weight"),
+            *_outer_rules(c),
             Rule(
                 L + "self_attention.linear_qkv.weight",
                 tuple(A + f"self_attn.{x}_proj.weight" for x in "qkv"),
@@ -332,7 +375,6 @@ def _llama_like(family: str, *, qkv_bias: bool = False, moe: bool = False, qk_no
                 fuse="qkv",
             ),
             Rule(L + "self_attention.linear_proj.weight", A + "self_attn.o_proj.weight", ROW),
-            Rule(L + "pre_mlp_layernorm.weight", A + "post_attention_layernorm.weight"),
         ]
         if qk_norm:  # head_dim weights, the same on every TP rank (their gradients summed over TP)
             out += [
@@ -348,29 +390,7 @@ def _llama_like(family: str, *, qkv_bias: bool = False, moe: bool = False, qk_no
                     fuse="qkv",
                 )
             )
-        if moe:
-            E = L + "mlp.experts.local_experts.#."
-            out += [
-                Rule(L + "mlp.router.weight", A + "mlp.gate.weight"),
-                Rule(
-                    E + "linear_fc1.weight",
-                    A + "mlp.experts.gate_up_proj",
-                    COL,
-                    fuse="gate_up_fused",
-                    hf_expert_dim=True,
-                ),
-                Rule(E + "linear_fc2.weight", A + "mlp.experts.down_proj", ROW, hf_expert_dim=True),
-            ]
-        else:
-            out += [
-                Rule(
-                    L + "mlp.linear_fc1.weight",
-                    (A + "mlp.gate_proj.weight", A + "mlp.up_proj.weight"),
-                    COL,
-                    fuse="gate_up",
-                ),
-                Rule(L + "mlp.linear_fc2.weight", A + "mlp.down_proj.weight", ROW),
-            ]
+        out += _expert_rules() if moe else _mlp_rules(L + "mlp.", A + "mlp.")
         return out
 
     return Adapter(family=family, transformer=transformer, gpt=gpt, rules=rules, shape=shape)
@@ -544,16 +564,7 @@ def _deepseek_v3() -> Adapter:
         L, A = "decoder.layers.*.", "model.layers.*."
         S, H = L + "self_attention.", A + "self_attn."
         out = [
-            Rule("embedding.word_embeddings.weight", "model.embed_tokens.weight", VOCAB, stage="first"),
-            Rule("decoder.final_layernorm.weight", "model.norm.weight", stage="last"),
-            Rule(
-                "output_layer.weight",
-                "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight",
-                VOCAB,
-                stage="output",
-            ),
-            Rule(L + "input_layernorm.weight", A + "input_layernorm.weight"),
-            Rule(L + "pre_mlp_layernorm.weight", A + "post_attention_layernorm.weight"),
+            *_outer_rules(c),
             # the down projections replicated over TP (engines.megatron_build.layer_spec says why)
             Rule(S + "linear_kv_down_proj.weight", H + "kv_a_proj_with_mqa.weight"),
             Rule(S + "kv_layernorm.weight", H + "kv_a_layernorm.weight"),
@@ -568,40 +579,14 @@ def _deepseek_v3() -> Adapter:
             ]
         else:
             out.append(Rule(S + "linear_q_proj.weight", H + "q_proj.weight", COL))
-        M, E = A + "mlp.", L + "mlp.experts.local_experts.#."
+        M = A + "mlp."
         out += [
-            Rule(
-                L + "mlp.linear_fc1.weight",
-                (M + "gate_proj.weight", M + "up_proj.weight"),
-                COL,
-                fuse="gate_up",
-                layers="dense",
-            ),
-            Rule(L + "mlp.linear_fc2.weight", M + "down_proj.weight", ROW, layers="dense"),
-            Rule(L + "mlp.router.weight", M + "gate.weight", layers="moe"),
+            *_mlp_rules(L + "mlp.", M, layers="dense"),
+            *_expert_rules(layers="moe"),
             Rule(L + "mlp.router.expert_bias", M + "gate.e_score_correction_bias", layers="moe", buffer=True),
-            Rule(
-                E + "linear_fc1.weight",
-                M + "experts.gate_up_proj",
-                COL,
-                fuse="gate_up_fused",
-                hf_expert_dim=True,
-                layers="moe",
-            ),
-            Rule(E + "linear_fc2.weight", M + "experts.down_proj", ROW, hf_expert_dim=True, layers="moe"),
         ]
         if c.n_shared_experts:
-            X = M + "shared_experts."
-            out += [
-                Rule(
-                    L + "mlp.shared_experts.linear_fc1.weight",
-                    (X + "gate_proj.weight", X + "up_proj.weight"),
-                    COL,
-                    fuse="gate_up",
-                    layers="moe",
-                ),
-                Rule(L + "mlp.shared_experts.linear_fc2.weight", X + "down_proj.weight", ROW, layers="moe"),
-            ]
+            out += _mlp_rules(L + "mlp.shared_experts.", M + "shared_experts.", layers="moe")
         return out
 
     return Adapter(family="deepseek-v3", transformer=transformer, gpt=gpt, rules=rules, shape=shape)
