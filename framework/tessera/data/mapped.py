@@ -24,6 +24,7 @@ corpus (the page cache holds what was read; nothing is copied into the process b
 from __future__ import annotations
 
 import os
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -127,7 +128,7 @@ def strided(n: int, k: int | None) -> np.ndarray | range:
 # ---- rows ------------------------------------------------------------------------------------------
 
 
-class Rows:
+class Rows(ABC):
     """The rows of one split: ``len``, ``batch`` of row indices, label tokens and tokens per source."""
 
     seq_len: int
@@ -140,16 +141,17 @@ class Rows:
 
     def set_seed(self, seed: int) -> None:
         """The run's seed, for rows that shuffle themselves (a blend shuffles inside each source)."""
+        del seed  # rows taken in the sampler's order have no use for it
 
-    def __len__(self) -> int:
-        raise NotImplementedError
+    @abstractmethod
+    def __len__(self) -> int: ...
 
     #: whether the rows carry a loss mask (chat / prompt-completion sources)
     masked = False
 
+    @abstractmethod
     def rows(self, indices: Sequence[int], epoch: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """(ids, lengths): ``[n, seq_len]`` token ids and each row's real (unpadded) length."""
-        raise NotImplementedError
 
     def masks(self, indices: Sequence[int], epoch: int = 0) -> np.ndarray | None:
         """``[n, seq_len]`` uint8, 1 where the loss is taken (before padding); None: everywhere."""
@@ -191,9 +193,9 @@ class Rows:
             out["position_ids"] = torch.from_numpy(pos - last)
         return out
 
+    @abstractmethod
     def lengths(self, indices: Sequence[int], epoch: int = 0) -> np.ndarray:
         """Each row's real tokens (``seq_len`` for a packed row)."""
-        raise NotImplementedError
 
     def label_tokens(self, indices: Sequence[int], epoch: int = 0) -> int:
         """Label tokens of rows ``indices`` after the causal shift (what the loss is normalised by). With a
@@ -374,8 +376,9 @@ class _Composite(Rows):
 
     parts: list[Rows]
 
+    @abstractmethod
     def _locate(self, indices: Sequence[int], epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        raise NotImplementedError
+        """(source, row within the source) of each index."""
 
     @property
     def masked(self) -> bool:  # type: ignore[override]

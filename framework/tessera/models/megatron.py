@@ -217,6 +217,12 @@ def _rope(cfg: Any) -> dict[str, Any]:
     return out
 
 
+def _head_rule(c: Any, embedding: str) -> Rule:
+    """The LM head: HF's ``lm_head``, or the input ``embedding`` when the config ties them."""
+    return Rule("output_layer.weight", embedding if c.tie_word_embeddings else "lm_head.weight", VOCAB,
+                stage="output")  # fmt: skip
+
+
 def _outer_rules(c: Any) -> list[Rule]:
     """The rules every RMSNorm decoder shares: embedding, final norm, LM head (tied or not), the two
     per-layer norms."""
@@ -224,12 +230,7 @@ def _outer_rules(c: Any) -> list[Rule]:
     return [
         Rule("embedding.word_embeddings.weight", "model.embed_tokens.weight", VOCAB, stage="first"),
         Rule("decoder.final_layernorm.weight", "model.norm.weight", stage="last"),
-        Rule(
-            "output_layer.weight",
-            "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight",
-            VOCAB,
-            stage="output",
-        ),
+        _head_rule(c, "model.embed_tokens.weight"),
         Rule(L + "input_layernorm.weight", A + "input_layernorm.weight"),
         Rule(L + "pre_mlp_layernorm.weight", A + "post_attention_layernorm.weight"),
     ]
@@ -654,12 +655,7 @@ def _gpt2() -> Adapter:
             Rule("embedding.position_embeddings.weight", "transformer.wpe.weight", stage="first"),
             Rule("decoder.final_layernorm.weight", "transformer.ln_f.weight", stage="last"),
             Rule("decoder.final_layernorm.bias", "transformer.ln_f.bias", stage="last"),
-            Rule(
-                "output_layer.weight",
-                "transformer.wte.weight" if c.tie_word_embeddings else "lm_head.weight",
-                VOCAB,
-                stage="output",
-            ),
+            _head_rule(c, "transformer.wte.weight"),
         ]
         for ln_m, ln_h in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
             out += [Rule(L + f"{ln_m}.{p}", H + f"{ln_h}.{p}") for p in ("weight", "bias")]

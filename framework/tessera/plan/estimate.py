@@ -116,8 +116,8 @@ def rank_params(
     norms and row-parallel biases replicated, layers split over pp, the vocabulary padded to a multiple
     of tp (megatron-core's ``VocabParallelEmbedding``), the embedding on the first stage, the LM head on
     the last (a tied head is a second copy when pp > 1) and experts split over ep x etp (etp defaults to
-    tp, megatron-core's default). A meta-counted model (no family entry, so no megatron layout) is whole
-    on its rank: its own tensors."""
+    tp, megatron-core's default). A meta-counted family with a megatron adapter is counted through the
+    weight map on its meta-device model; one without (no megatron layout) is whole on its rank."""
     if f.generic and f.config_json:
         stage = 0 if first else pp - 1 if last else min(1, pp - 1)
         dense, expert, per_layer, emb = meta_shard_numels(

@@ -69,8 +69,9 @@ def model_facts(hf_cfg: Any) -> ModelFacts:
     shape = adapter_for(hf_cfg.model_type).shape(hf_cfg) if fam.adapter else generic_shape(hf_cfg, fam)
     config_json = ""
     if fam.generic:
-        tensors = meta_tensors(hf_cfg.to_json_string())
-        config_json = hf_cfg.to_json_string() if fam.adapter else ""
+        as_json = hf_cfg.to_json_string()
+        tensors = meta_tensors(as_json)
+        config_json = as_json if fam.adapter else ""
     facts = fam.facts(hf_cfg)
     if not shape.num_experts:
         facts["topk"] = 0
@@ -108,10 +109,10 @@ def generic_shape(c: Any, fam: Family) -> ModelShape:
     )
 
 
-@functools.lru_cache(maxsize=16)
-def meta_tensors(config_json: str) -> tuple[tuple[str, int], ...]:
-    """(name, elements) of every parameter tensor of the model of an HF config (its JSON), built on the
-    meta device: exact counts for any family, no memory. A tied head is one tensor, counted once."""
+@functools.lru_cache(maxsize=4)
+def _meta_model(config_json: str) -> tuple[Any, Any]:
+    """(HF config, model) of an HF config's JSON, the model built on the meta device: shapes, no memory.
+    Built once per config for the counts and the megatron shards below."""
     import json
 
     import torch
@@ -120,8 +121,14 @@ def meta_tensors(config_json: str) -> tuple[tuple[str, int], ...]:
     d = json.loads(config_json)
     cfg = AutoConfig.for_model(d.pop("model_type"), **d)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
-    return tuple((n, p.numel()) for n, p in model.named_parameters())
+        return cfg, AutoModelForCausalLM.from_config(cfg)
+
+
+@functools.lru_cache(maxsize=16)
+def meta_tensors(config_json: str) -> tuple[tuple[str, int], ...]:
+    """(name, elements) of every parameter tensor of the model of an HF config (its JSON), built on the
+    meta device: exact counts for any family, no memory. A tied head is one tensor, counted once."""
+    return tuple((n, p.numel()) for n, p in _meta_model(config_json)[1].named_parameters())
 
 
 @functools.lru_cache(maxsize=64)
@@ -131,22 +138,12 @@ def meta_shard_numels(
     """(dense, expert, largest layer, embedding) elements of one megatron rank of a meta-counted family
     with an adapter: the weight map run on the HF model built on the meta device (no memory), so every
     split it makes (TP, PP, EP, vocabulary padding, replicated tensors) is counted as the engine holds it."""
-    import json
-
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from tessera.models.megatron import Shard, adapter_for
+    from tessera.models.megatron import Shard
     from tessera.models.weight_map import hf_to_mcore
 
-    d = json.loads(config_json)
-    cfg = AutoConfig.for_model(d.pop("model_type"), **d)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
-    hf = model.state_dict()
-    sd = hf_to_mcore(
-        hf, adapter_for(cfg.model_type), cfg, Shard(tp=tp, pp=pp, pp_rank=pp_rank, ep=ep, etp=etp)
-    )
+    cfg, model = _meta_model(config_json)
+    shard = Shard(tp=tp, pp=pp, pp_rank=pp_rank, ep=ep, etp=etp)
+    sd = hf_to_mcore(model.state_dict(), adapter_for(cfg.model_type), cfg, shard)
     expert = sum(t.numel() for k, t in sd.items() if ".local_experts." in k)
     layers: dict[str, int] = {}
     for k, t in sd.items():
