@@ -4,7 +4,7 @@
     tessera compare R.yaml [key=value ...] [--baseline ddp|B.yaml] [--seeds K] [--scaling] [--out DIR]
     tessera compare --runs CANDIDATE BASELINE [...] [--acceptance FILE] [--out DIR]
     tessera plan R.yaml [key=value ...] --world-size N [--hardware X] [--json]
-    tessera convert SRC --to hf|deepspeed|megatron|ddp [--layout k=v,...] [--recipe R.yaml] --out DIR
+    tessera convert SRC --to hf|peft|deepspeed|megatron|ddp [--merge] [--layout k=v,...] [--recipe R.yaml] --out DIR
                     [--dtype fp32|bf16] [--no-verify] [--prompts N]
     tessera verify A B [--prompts N] [--json]
     tessera manifest show RUN | tessera manifest diff RUN_A RUN_B [--json]
@@ -260,21 +260,31 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from tessera.checkpoint.convert import convert_to_hf
     from tessera.tables.engines import ENGINE_NAMES
 
-    if args.to != "hf":
+    if args.merge and args.to != "hf":
+        raise RecipeError(
+            "--merge writes an HF directory (the adapters merged into the base)",
+            field="--merge",
+            value=True,
+            fix="use --to hf --merge, or drop --merge",
+        )
+    if args.to not in ("hf", "peft"):
         return _convert_to_layout(args)
     if args.layout or args.recipe:
         raise RecipeError(
-            "--layout and --recipe describe an engine checkpoint; an HF directory has neither",
+            f"--layout and --recipe describe an engine checkpoint; an {args.to} directory has neither",
             field="--layout" if args.layout else "--recipe",
             value=args.layout or args.recipe,
             fix="drop it, or convert --to " + " | ".join(ENGINE_NAMES),
         )
+    if args.to == "peft":
+        return _convert_to_peft(args)
     rec = convert_to_hf(
         Path(args.src),
         Path(args.out),
         dtype=args.dtype or "fp32",
         verify=not args.no_verify,
         prompts=args.prompts,
+        merge=args.merge,
     )
     print(
         f"converted {rec['source']} (step {rec['step']}, {rec['sharding']}) -> {args.out}: {rec['tensors']} tensors"
@@ -282,6 +292,27 @@ def cmd_convert(args: argparse.Namespace) -> int:
     print(f"tokenizer: {rec['tokenizer'] or 'none found beside the checkpoint'}")
     if rec.get("token_ids"):  # what generate stops on, as written to config.json and generation_config.json
         print("special tokens: " + ", ".join(f"{k} {v}" for k, v in rec["token_ids"].items()))
+    if isinstance(rec["verify"], dict):
+        from tessera.checkpoint.verify import render
+
+        render(rec["verify"])
+    else:
+        print(f"verify: {rec['verify']}")
+    return 0
+
+
+def _convert_to_peft(args: argparse.Namespace) -> int:
+    """``--to peft``: the adapters of a LoRA / DoRA checkpoint as a PEFT adapter directory, verified."""
+    from tessera.checkpoint.convert import convert_to_peft
+
+    if args.dtype not in (None, "fp32"):
+        raise RecipeError(
+            "adapters are exported in fp32", field="--dtype", value=args.dtype, fix="drop --dtype"
+        )
+    rec = convert_to_peft(Path(args.src), Path(args.out), verify=not args.no_verify, prompts=args.prompts)
+    base = rec["base"].get("path") or f"the seeded base (seed {rec['base'].get('seed')}; no directory)"
+    print(f"converted {rec['source']} (step {rec['step']}, {rec['sharding']}) -> {args.out}: "
+          f"{rec['tensors']} adapter tensors ({rec['peft']['method']}, r={rec['peft']['r']}) on {base}")  # fmt: skip
     if isinstance(rec["verify"], dict):
         from tessera.checkpoint.verify import render
 
@@ -548,7 +579,15 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument(
         "src", help="a checkpoints/step_NNNNNN directory, a run directory (its latest), or an HF directory"
     )
-    cv.add_argument("--to", required=True, choices=["hf", *ENGINE_NAMES], help="target format")
+    cv.add_argument(
+        "--to",
+        required=True,
+        choices=["hf", "peft", *ENGINE_NAMES],
+        help="target format (peft: a LoRA / DoRA checkpoint's adapters as a PEFT adapter directory)",
+    )
+    cv.add_argument(
+        "--merge", action="store_true", help="with --to hf: merge a checkpoint's adapters into its base"
+    )
     cv.add_argument(
         "--layout",
         default=None,

@@ -25,6 +25,7 @@ from tessera.checkpoint.reader import hf_config_of, read_hf_state
 from tessera.checkpoint.sources import is_hf_dir, resolve_source, tokenizer_dir_of
 from tessera.checkpoint.verify import Side, compare, open_side, quiet_libraries
 from tessera.errors import CheckpointError, RecipeError
+from tessera.models.adapters import section_dict
 from tessera.plan.layout import LAYOUT_AXES
 from tessera.rundir import RunDir
 
@@ -57,15 +58,18 @@ def _pretrained_run(ckpt: Path) -> bool:
 
 
 def convert_to_hf(
-    src: Path, out: Path, *, dtype: str = "fp32", verify: bool = True, prompts: int = 4
+    src: Path, out: Path, *, dtype: str = "fp32", verify: bool = True, prompts: int = 4, merge: bool = False
 ) -> dict[str, Any]:
     """Write the HF directory ``out`` from Tessera checkpoint ``src``; returns the conversion record
-    (with ``tessera verify``'s report of the checkpoint against the output, unless ``verify`` is off)."""
+    (with ``tessera verify``'s report of the checkpoint against the output, unless ``verify`` is off).
+    ``merge``: a checkpoint of adapters, merged into its base by peft (``merge_and_unload``)."""
     with quiet_libraries():  # no progress bars of save_pretrained / from_pretrained on the console
-        return _convert_to_hf(Path(src), Path(out), dtype=dtype, verify=verify, prompts=prompts)
+        return _convert_to_hf(Path(src), Path(out), dtype=dtype, verify=verify, prompts=prompts, merge=merge)
 
 
-def _convert_to_hf(src: Path, out: Path, *, dtype: str, verify: bool, prompts: int) -> dict[str, Any]:
+def _convert_to_hf(
+    src: Path, out: Path, *, dtype: str, verify: bool, prompts: int, merge: bool
+) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tessera.data.tokenizer import token_ids
@@ -74,6 +78,26 @@ def _convert_to_hf(src: Path, out: Path, *, dtype: str, verify: bool, prompts: i
     check_out(out)
     ckpt = resolve_source(src)
     state, meta = read_hf_state(ckpt)
+    adapters = meta.get("peft")
+    if adapters is not None and not merge:
+        raise RecipeError(
+            "the checkpoint holds adapters on a frozen base; an HF directory holds plain weights",
+            field="--to",
+            value="hf",
+            fix="add --merge (the adapters merged into the base), or --to peft (the adapters alone)",
+        )
+    if merge and adapters is None:
+        raise RecipeError(
+            "--merge merges adapters, and this checkpoint has none (its run trained every weight)",
+            field="--merge",
+            value=True,
+            fix="drop --merge",
+        )
+    unmerged = None
+    if adapters is not None:
+        unmerged = Side(str(ckpt), "checkpoint", hf_config_of(meta), state, None, tokenizer_dir_of(ckpt),
+                        peft=adapters)  # fmt: skip
+        state = merged_state(hf_config_of(meta), adapters, state)
     # detached: ZeRO's merged fp32 state comes as parameters that require grad
     want = {k: v.detach().to(DTYPES[dtype]) for k, v in state.items()}
     cfg = hf_config_of(meta)
@@ -110,6 +134,7 @@ def _convert_to_hf(src: Path, out: Path, *, dtype: str, verify: bool, prompts: i
             "tokenizer": str(tok) if tok else None,
             "token_ids": {k: getattr(cfg, k, None) for k in ids} if ids is not None else None,
             "tensors": len(want),
+            "merged": section_dict(adapters),
             "verify": "skipped (--no-verify)",
         }
         if verify:
@@ -117,6 +142,9 @@ def _convert_to_hf(src: Path, out: Path, *, dtype: str, verify: bool, prompts: i
             written = open_side(tmp)
             written.label = f"{out} (as written, before the rename)"
             report = compare(source, written, prompts=prompts)
+            if unmerged is not None:  # the merged model against the checkpoint's own (base + adapters)
+                report["logits_vs_adapters"] = logits_only(unmerged, written, prompts=max(prompts, 1))
+                report["ok"] = report["ok"] and report["logits_vs_adapters"]["ok"]
             record["verify"] = report
             if not report["ok"]:
                 raise CheckpointError(
@@ -137,6 +165,126 @@ def _convert_to_hf(src: Path, out: Path, *, dtype: str, verify: bool, prompts: i
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return record
+
+
+def merged_state(hf_cfg: Any, adapters: dict[str, Any], state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The HF state of the base with the adapters merged in, by peft itself: the model with its adapters
+    (canonical names loaded), ``merge_and_unload`` (fp32)."""
+    from peft import get_peft_model, set_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from tessera.models.adapters import is_adapter, lora_config, peft_key
+
+    model = AutoModelForCausalLM.from_config(hf_cfg).float()
+    base = {k: v for k, v in state.items() if not is_adapter(k)}
+    missing, unexpected = model.load_state_dict(base, strict=False)
+    if [k for k in missing if not _is_tied(model, k)] or unexpected:  # internal: read_hf_state's names
+        raise RuntimeError(f"base does not fit its config: {missing[:3]} {unexpected[:3]}")
+    model.tie_weights()
+    pm = get_peft_model(model, lora_config(adapters))
+    result = set_peft_model_state_dict(pm, {peft_key(k): v for k, v in state.items() if is_adapter(k)})
+    if [k for k in result.unexpected_keys if "lora" in k or "modules_to_save" in k]:  # internal
+        raise RuntimeError(f"adapter keys peft did not take: {result.unexpected_keys[:3]}")
+    merged = pm.merge_and_unload()
+    return {k: v.detach() for k, v in merged.state_dict().items()}
+
+
+def logits_only(a: Side, b: Side, *, prompts: int) -> dict[str, Any]:
+    """``tessera verify``'s logits check alone (two models whose tensors differ by construction: the base
+    with its adapters, and their merge)."""
+    from tessera.checkpoint.verify import compare_logits
+
+    with torch.no_grad():
+        return compare_logits(a, b, prompts)
+
+
+def convert_to_peft(src: Path, out: Path, *, verify: bool = True, prompts: int = 4) -> dict[str, Any]:
+    """Write the PEFT adapter directory ``out`` (``adapter_config.json`` + ``adapter_model.safetensors``,
+    peft's own config class and key names, and the run's tokenizer) from a checkpoint of adapters, verified:
+    loaded back with ``PeftModel.from_pretrained`` on its base, tensors bit-exact and logits within 1e-5 of
+    the checkpoint's."""
+    with quiet_libraries():
+        return _convert_to_peft(Path(src), Path(out), verify=verify, prompts=prompts)
+
+
+def _convert_to_peft(src: Path, out: Path, *, verify: bool, prompts: int) -> dict[str, Any]:
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    from tessera.checkpoint.verify import ADAPTER_CONFIG, open_side
+    from tessera.models.adapters import is_adapter, lora_config, peft_key
+
+    check_out(out)
+    ckpt = resolve_source(src)
+    state, meta = read_hf_state(ckpt)
+    adapters = meta.get("peft")
+    if adapters is None:
+        raise RecipeError(
+            "the checkpoint holds no adapters (its run trained every weight)",
+            field="--to",
+            value="peft",
+            fix="export the whole model with --to hf",
+        )
+    base = meta.get("base") or {}
+    base_dir = base.get("path") if base.get("from") == "files" else None
+    cfg = lora_config(adapters)
+    cfg.base_model_name_or_path = base_dir
+    cfg.task_type = "CAUSAL_LM"
+    tensors = {peft_key(k): v.detach().float().contiguous() for k, v in state.items() if is_adapter(k)}
+    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        cfg.save_pretrained(str(tmp))
+        save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        tok = tokenizer_dir_of(ckpt)
+        if tok is not None:
+            AutoTokenizer.from_pretrained(str(tok), local_files_only=True).save_pretrained(tmp)
+        record: dict[str, Any] = {
+            "source": str(ckpt),
+            "step": meta["step"],
+            "engine": meta["engine"],
+            "sharding": meta["sharding"],
+            "layout": meta["layout"],
+            "peft": adapters,
+            "base": base,
+            "tensors": len(tensors),
+            "verify": "skipped (--no-verify)",
+        }
+        if verify:
+            source = open_side(ckpt)
+            if base_dir is not None:  # as the ecosystem loads it: PeftModel.from_pretrained on the base
+                written = open_side(tmp)
+            else:  # a base built from a seed has no directory to name: the adapters on the checkpoint's base
+                written = Side(str(tmp), "peft", source.config, _adapter_state(tmp, source.state), None,
+                               None, peft=adapters)  # fmt: skip
+            written.label = f"{out} (as written, before the rename)"
+            report = compare(source, written, prompts=prompts)
+            record["verify"] = report
+            if not report["ok"]:
+                raise CheckpointError(
+                    "the written adapter does not verify against the checkpoint: "
+                    + ", ".join([r["name"] for r in report["tensors"] if not r["equal"]][:4] or ["logits"]),
+                    field="--out",
+                    value=str(out),
+                    fix="report this as a bug (the output was not kept)",
+                )
+        write_json_atomic(tmp / REPORT, record)
+        assert (tmp / ADAPTER_CONFIG).is_file()
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        os.rename(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return record
+
+
+def _adapter_state(adapter_dir: Path, base: Any) -> dict[str, torch.Tensor]:
+    from tessera.models.adapters import from_peft_key, is_adapter
+    from tessera.tensorfile import load_tensors
+
+    written = {from_peft_key(k): v for k, v in load_tensors(adapter_dir / "adapter_model.safetensors").items()}
+    return {**{k: v for k, v in base.items() if not is_adapter(k)}, **written}
 
 
 def _is_tied(model: Any, key: str) -> bool:

@@ -12,6 +12,7 @@ runs code.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +21,11 @@ import torch
 from tessera.checkpoint.index import FORMAT_VERSION, verify_or_raise
 from tessera.engines.base import CheckpointReader
 from tessera.errors import CheckpointError
+from tessera.models.adapters import canonical
 from tessera.models.hf import hf_config_of
 from tessera.tables.engines import ENGINES, PLUGIN_ENV, engine_hook
 
-__all__ = ["hf_config_of", "read_adam_step", "read_hf_moment", "read_hf_state", "reader_of"]
+__all__ = ["base_tensors", "hf_config_of", "read_adam_step", "read_hf_moment", "read_hf_state", "reader_of"]
 
 
 def reader_of(ckpt: Path, meta: dict[str, Any]) -> CheckpointReader:
@@ -51,12 +53,45 @@ def read_hf_state(ckpt: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
             value=str(ckpt),
             fix="resume it once with this release (its next checkpoint is v2), then convert that",
         )
-    state = reader_of(ckpt, meta).weights(ckpt, meta)
+    state = {canonical(k): v for k, v in reader_of(ckpt, meta).weights(ckpt, meta).items()}
+    if meta.get("peft") is not None:  # a checkpoint of adapters: the base is the one meta.json names
+        base = base_tensors(ckpt, meta)
+        state = {**{k: base[k] for k in base if k not in state}, **state}
     if getattr(hf_config_of(meta), "tie_word_embeddings", False):
         # as save_pretrained writes it: a tied head is the embedding, not a second tensor (DeepSpeed's merge
         # adds it back as a shared parameter)
         state = {k: v for k, v in state.items() if not k.endswith("lm_head.weight")}
     return {k: v.float() for k, v in state.items()}, meta
+
+
+def base_tensors(ckpt: Path, meta: dict[str, Any]) -> Mapping[str, torch.Tensor]:
+    """The frozen base of a checkpoint of adapters, as its meta.json names it (``base``): the pretrained
+    directory, whose weight files must still have the recorded sha256, or the seeded rule."""
+    from tessera.evidence.manifest import files_digest
+    from tessera.models.hf import hf_dir_tensors
+    from tessera.models.init import INIT_RULE, SeededWeights
+
+    base = meta.get("base") or {}
+    if base.get("from") == "files":
+        d = Path(base["path"])
+        files = sorted(d.glob("*.safetensors")) or sorted(d.glob("*.bin"))
+        if not files or files_digest(files) != base.get("sha256"):
+            raise CheckpointError(
+                "the checkpoint holds adapters only, and its base model is gone or has changed since "
+                f"(sha256 of {d} differs from the one recorded)",
+                field="checkpoint",
+                value=str(ckpt),
+                fix=f"restore the base model the run trained on at {d} (meta.json 'base' records its sha256)",
+            )
+        return hf_dir_tensors(d)
+    if base.get("from") == "seed" and base.get("rule") == INIT_RULE:
+        return SeededWeights(hf_config_of(meta), int(base["seed"]))
+    raise CheckpointError(
+        "the checkpoint holds adapters only and does not say which base they belong to",
+        field="checkpoint",
+        value=str(ckpt),
+        fix="its meta.json needs 'base' (written by this release); resume the run once to write one",
+    )
 
 
 def read_hf_moment(ckpt: Path, meta: dict[str, Any], kind: str) -> dict[str, torch.Tensor] | None:
@@ -65,7 +100,8 @@ def read_hf_moment(ckpt: Path, meta: dict[str, Any], kind: str) -> dict[str, tor
     wrappers without ZeRO). One kind at a time, so a caller never holds the weights and both moments
     together. ``ckpt`` is verified."""
     ckpt = Path(ckpt)
-    return reader_of(ckpt, meta).moment(ckpt, meta, kind)
+    moment = reader_of(ckpt, meta).moment(ckpt, meta, kind)
+    return None if moment is None else {canonical(k): v for k, v in moment.items()}
 
 
 def read_adam_step(ckpt: Path, meta: dict[str, Any]) -> int:

@@ -105,6 +105,7 @@ def stage(ckpt: Path, out: Path) -> dict[str, Any]:
         "sharding": meta["sharding"],
         "layout": meta["layout"],
         "world_size": meta["world_size"],
+        "peft": meta.get("peft"),  # adapters: staged beside the base, by canonical name
     }
     write_json_atomic(out / STAGE_INFO, info)
     return info
@@ -145,6 +146,7 @@ def verify_against_stage(stage_dir: Path, written: Path, *, prompts: int = 2) ->
         state=LazyTensors([stage_dir / WEIGHTS]),  # read tensor by tensor as the comparison goes
         moments=stage_moments(stage_dir).get,
         tokenizer_dir=tokenizer_dir_of(Path(written)),
+        peft=info.get("peft"),
     )
     return compare(src, open_side(Path(written)), prompts=prompts)
 

@@ -27,6 +27,8 @@ from tessera.checkpoint.sources import is_hf_dir, resolve_source, tokenizer_dir_
 from tessera.engines.optim import MOMENTS
 
 LOGITS_TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-2}
+#: what peft's save_pretrained writes beside ``adapter_model.safetensors``: a PEFT adapter directory
+ADAPTER_CONFIG = "adapter_config.json"
 #: fixed prompts (Python, like the default corpus, and prose); tokenized by the run's tokenizer
 PROMPTS = (
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
@@ -53,6 +55,10 @@ class Side:
     moments: Callable[[str], Mapping[str, torch.Tensor] | None] | None
     tokenizer_dir: Path | None
     model_dir: Path | None = None  # an HF directory loads through from_pretrained itself
+    #: adapters (a checkpoint's meta.json ``peft``): the model is the HF model with them, by canonical name
+    peft: dict[str, Any] | None = None
+    #: a PEFT adapter directory: loaded with ``PeftModel.from_pretrained`` on ``model_dir`` (its base)
+    adapter_dir: Path | None = None
 
 
 #: megatron-core's advice on importing it without TransformerEngine or Apex (true of a CPU machine, and
@@ -80,6 +86,8 @@ def quiet_libraries() -> Iterator[None]:
 
 def open_side(path: Path) -> Side:
     path = Path(path)
+    if (path / ADAPTER_CONFIG).is_file():
+        return _adapter_side(path)
     if is_hf_dir(path):
         return _hf_side(path)
     from tessera.checkpoint.reader import hf_config_of, read_hf_moment, read_hf_state
@@ -94,7 +102,37 @@ def open_side(path: Path) -> Side:
         state=state,
         moments=lambda kind: read_hf_moment(ckpt, meta, kind),
         tokenizer_dir=tokenizer_dir_of(ckpt),
+        peft=meta.get("peft"),
     )
+
+
+def _adapter_side(path: Path) -> Side:
+    """A PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``) on the base its
+    config names: tensors are the base's plus the adapter's by canonical name; logits through
+    ``PeftModel.from_pretrained`` on that base."""
+    from tessera.models.adapters import from_peft_key
+    from tessera.models.hf import hf_dir_tensors, read_dir_config
+    from tessera.tensorfile import LazyTensors
+
+    cfg = json.loads((path / ADAPTER_CONFIG).read_text())
+    base = Path(cfg.get("base_model_name_or_path") or "")
+    if not is_hf_dir(base):
+        from tessera.errors import CheckpointError
+
+        raise CheckpointError(
+            "the adapter's base model (adapter_config.json base_model_name_or_path) is not a local HF directory",
+            field="adapter_config.json",
+            value=str(base),
+            fix="export the base first (tessera convert RUN --to hf --out BASE) and name it there",
+        )
+    lazy = LazyTensors([path / "adapter_model.safetensors"])
+    adapters = {from_peft_key(k): lazy[k] for k in lazy}
+    state = {**dict(hf_dir_tensors(base)), **adapters}
+    has_tok = any((path / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json"))
+    return Side(
+        str(path), "peft", read_dir_config(base), state, None, path if has_tok else None,
+        model_dir=base, adapter_dir=path,
+    )  # fmt: skip
 
 
 def _hf_side(path: Path) -> Side:
@@ -116,14 +154,26 @@ def _model(side: Side, dtype: torch.dtype) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     if side.model_dir is not None:
-        return AutoModelForCausalLM.from_pretrained(
+        model = AutoModelForCausalLM.from_pretrained(
             str(side.model_dir), local_files_only=True, dtype=dtype, attn_implementation="eager"
-        ).eval()
+        )
+        if side.adapter_dir is not None:  # the ecosystem's own load of an exported adapter, untouched
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, str(side.adapter_dir), torch_dtype=dtype)
+        return model.eval()
     model = AutoModelForCausalLM.from_config(side.config, attn_implementation="eager").to(dtype)
+    if side.peft is not None:
+        from tessera.models.adapters import inject
+
+        inject(model, side.peft)
+        model.to(dtype)
+    from tessera.models.adapters import canonical
+
     with torch.no_grad():  # one tensor at a time (the side's state may be read lazily)
         for name, t in model.state_dict().items():
-            if name in side.state:
-                t.copy_(side.state[name])
+            if canonical(name) in side.state:
+                t.copy_(side.state[canonical(name)])
     model.tie_weights()
     return model.eval()
 
@@ -194,7 +244,7 @@ def _compare(a: Side, b: Side, *, prompts: int, source_tokens: bool) -> dict[str
         "weights_ok": bool(shared) and all(r["equal"] for r in tensors),
     }
     report["optimizer"] = _compare_moments(a, b)
-    report["logits"] = _compare_logits(a, b, prompts) if prompts else None
+    report["logits"] = compare_logits(a, b, prompts) if prompts else None
     sides = (a, b) if source_tokens else (b,)
     report["special_tokens"] = [t for t in map(special_tokens, sides) if t is not None]
     report["ok"] = (
@@ -229,7 +279,7 @@ def _compare_moments(a: Side, b: Side) -> dict[str, Any] | None:
             "ok": not differ and not missing}  # fmt: skip
 
 
-def _compare_logits(a: Side, b: Side, n: int) -> dict[str, Any]:
+def compare_logits(a: Side, b: Side, n: int) -> dict[str, Any]:
     dtype = min(
         (s.state[k].dtype for s in (a, b) for k in list(s.state)[:1]), key=lambda d: torch.finfo(d).bits
     )
@@ -298,6 +348,13 @@ def render(report: dict[str, Any]) -> None:
             f"logits, {lg['prompts']} prompts ({lg['dtype']})",
             f"max |A-B| {lg['max_abs_diff']:.3g} (tolerance {lg['tolerance']:g}), mean KL {lg['mean_kl']:.3g}",
             lg["ok"],
+        )
+    merged = report.get("logits_vs_adapters")
+    if merged is not None:  # a merged export against the checkpoint's base + adapters
+        row(
+            f"logits vs A's adapters unmerged ({merged['dtype']})",
+            f"max |A-B| {merged['max_abs_diff']:.3g} (tolerance {merged['tolerance']:g})",
+            merged["ok"],
         )
     for tok in report.get("special_tokens") or []:
         ids = ", ".join(f"{k.removesuffix('_token_id')} {v}" for k, v in tok["tokenizer"].items())

@@ -73,6 +73,45 @@ class ModelSection(_Section):
         return self
 
 
+class PeftSection(_Section):
+    """Parameter-efficient fine-tuning: low-rank adapters on a frozen base (peft's LoRA / DoRA)."""
+
+    method: Literal["lora", "dora"] = Field(
+        "lora", description="lora, or dora (weight-decomposed LoRA: a trained magnitude per output row)"
+    )
+    r: int = Field(8, description="adapter rank (> 0)")
+    alpha: float = Field(16.0, description="scaling numerator: the update is (alpha / r) * B @ A")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the adapter's input")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        description="HF module names that get adapters, as written for peft (e.g. q_proj, v_proj, gate_proj)",
+    )
+    modules_to_save: list[str] = Field(
+        default_factory=list, description="HF modules trained in full beside the adapters (e.g. lm_head)"
+    )
+
+    @field_validator("r")
+    @classmethod
+    def _rank(cls, v: int) -> int:
+        if v <= 0:
+            raise RecipeError(
+                "the adapter rank must be positive", field="peft.r", value=v, fix="e.g. peft.r=8 (8-64 is usual)"
+            )
+        return v
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise RecipeError(
+                "no target modules: the adapters would train nothing",
+                field="peft.target_modules",
+                value=v,
+                fix="name the HF modules, e.g. [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]",
+            )
+        return v
+
+
 class EvalSection(_Section):
     fraction: float = Field(
         0.0,
@@ -437,6 +476,9 @@ class Recipe(_Section):
         default_factory=AcceptanceSection, description="tessera compare's pre-registered thresholds"
     )
     run: RunSection = Field(default_factory=RunSection)
+    peft: PeftSection | None = Field(
+        None, description="low-rank adapters on a frozen base (null = train every weight)"
+    )
 
     @model_validator(mode="after")
     def _tokenizer_of_the_model(self) -> Recipe:
@@ -481,6 +523,23 @@ class Recipe(_Section):
                 value=True,
                 fix=f"use parallel.engine: {engines_with(lambda c: c.hf_module)} (transformers' attention honours "
                 "it: sdpa, eager, flex, flash-attention), or data.document_boundaries=false",
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _adapters_on_an_hf_module(self) -> Recipe:
+        """Adapters are peft's layers on the HF module's linears; megatron-core's fused, parallel linears
+        get none yet (peft's LoraParallelLinear does not run with megatron-core 0.16, and one adapter on a
+        fused qkv is another model than HF's q / k / v adapters)."""
+        from tessera.tables.engines import ENGINES, engines_with
+
+        if self.peft is not None and not ENGINES[self.parallel.engine].caps.hf_module:
+            raise RecipeError(
+                f"engine '{self.parallel.engine}' cannot train adapters yet",
+                field="parallel.engine",
+                value=self.parallel.engine,
+                fix=f"use parallel.engine: {engines_with(lambda c: c.hf_module)} with the peft section "
+                "(ZeRO 0-3 shard what trains), or drop peft to train every weight",
             )
         return self
 

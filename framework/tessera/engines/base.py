@@ -67,6 +67,8 @@ class ModelSource:
     weights: Path | None = None
     #: the tokenizer's bos / eos / pad ids, written into the config of a model trained from scratch
     token_ids: Mapping[str, int | None] | None = None
+    #: the recipe's ``peft`` section: adapters on the frozen base (:mod:`tessera.models.adapters`)
+    peft: Any = None
 
     @classmethod
     def of(
@@ -83,6 +85,7 @@ class ModelSource:
             seed=recipe.train.seed,
             weights=weights,
             token_ids=token_ids,
+            peft=recipe.peft,
         )
 
     def hf_config(self) -> Any:
@@ -99,22 +102,47 @@ class ModelSource:
 
     def tensors(self) -> Mapping[str, torch.Tensor]:
         """The initial weights by HF name, read or drawn lazily: the given directory's (lazy safetensors
-        reads), else the seeded rule's (:class:`~tessera.models.init.SeededWeights`)."""
+        reads), else the seeded rule's (:class:`~tessera.models.init.SeededWeights`); with adapters, theirs
+        too, by canonical name (:class:`~tessera.models.adapters.WithAdapters`)."""
         from tessera.models.hf import hf_dir_tensors
         from tessera.models.init import SeededWeights
 
         d = self.weights_dir()
-        return hf_dir_tensors(d) if d is not None else SeededWeights(self.hf_config(), self.seed)
+        if self.peft is None:
+            return hf_dir_tensors(d) if d is not None else SeededWeights(self.hf_config(), self.seed)
+        from tessera.models.adapters import adapter_shapes, adapter_source
+
+        cfg = self.hf_config()
+        base = (
+            hf_dir_tensors(d, extra=set(adapter_shapes(cfg, self.peft)))
+            if d is not None
+            else SeededWeights(cfg, self.seed)
+        )
+        return adapter_source(cfg, self.peft, base, seed=self.seed)
 
     def build_hf(self, *, dtype: torch.dtype = torch.float32, device: Any = "cpu") -> torch.nn.Module:
-        """The whole HF model in ``dtype`` on ``device``, filled from :meth:`tensors` one tensor at a time."""
+        """The whole HF model in ``dtype`` on ``device`` (with the recipe's adapters, its base frozen),
+        filled from :meth:`tensors` one tensor at a time."""
         from tessera.models.hf import empty_model, fill_from
 
         model = empty_model(
             self.hf_config(), attn_implementation=self.section.attn_implementation, dtype=dtype, device=device
         )
+        self.add_adapters(model, device=device)
         fill_from(model, self.tensors(), where=str(self.weights_dir() or "model.hf_config"))
         return model
+
+    def add_adapters(self, model: torch.nn.Module, *, device: Any = "cpu") -> None:
+        """The recipe's adapters into the HF ``model`` in place (none without a ``peft`` section); their
+        values come from :meth:`tensors` (fill them after this)."""
+        if self.peft is None:
+            return
+        from transformers.initialization import no_init_weights
+
+        from tessera.models.adapters import inject
+
+        with no_init_weights(), torch.device(device):  # values come from the seeded rule, not peft's draw
+            inject(model, self.peft)
 
     def initial_weights(self) -> dict[str, Any]:
         """What the manifest records of the initial weights: the sha256 of the weight files of a
@@ -128,13 +156,22 @@ class ModelSource:
             files = sorted(d.glob("*.safetensors")) or sorted(d.glob("*.bin"))
             return {"from": "files", "path": str(d), "sha256": files_digest(files)}
         from tessera.evidence.manifest import weights_digest
-        from tessera.models.init import INIT_RULE
+        from tessera.models.init import INIT_RULE, SeededWeights
 
-        tensors = self.tensors()
+        tensors = SeededWeights(self.hf_config(), self.seed)  # the base's (adapters start from their rule)
         record: dict[str, Any] = {"from": "seed", "seed": self.seed, "rule": INIT_RULE}
         if sum(math.prod(tensors.shape_of(n)) for n in tensors) <= DIGEST_MAX_PARAMS:
             record["sha256"] = weights_digest(tensors)
         return record
+
+
+    def base_identity(self) -> dict[str, Any]:
+        """What the base under adapters is, for every checkpoint's meta.json (a checkpoint holds only the
+        adapters): the recipe's pretrained directory (path + sha256 of its weight files) or the seeded
+        rule, never a staged copy (resharding stages the base beside the adapters)."""
+        import dataclasses
+
+        return dataclasses.replace(self, weights=None, peft=None).initial_weights()
 
 
 #: the largest model whose seeded initial weights the manifest hashes (drawing them again takes time)

@@ -8,7 +8,9 @@ same token-normalised loss and LR schedule as every other engine, so a compariso
 layout, nothing else.
 
 Checkpoints are safetensors written by rank 0 (the replicas are identical): ``model.safetensors`` keyed
-by HF parameter names, and ``optimizer.safetensors`` with each parameter's Adam moments and step.
+by HF parameter names, and ``optimizer.safetensors`` with each parameter's Adam moments and step. With
+adapters (a ``peft`` section) both hold only what trains, by canonical name
+(:mod:`tessera.models.adapters`); the frozen base is the model source's, recorded in meta.json.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from tessera.engines.held import ACTIVATIONS, optimizer_bytes, tensor_bytes
 from tessera.engines.optim import MOMENTS, LRSchedule, adam_state, build_optimizer, set_adam_step
 from tessera.errors import CheckpointError
 from tessera.hostmem import lean_construction
+from tessera.models.adapters import named_parameters
 from tessera.plan.layout import ParallelLayout
 from tessera.tensorfile import load_tensors_and_meta, save_tensors
 
@@ -96,6 +99,11 @@ class DDPEngine(Engine):
         self.bf16 = recipe.train.precision == "bf16"
         self.objective = HFObjective.of(source, autocast_bf16=self.bf16)
         self._grads_held: int | None = None
+        #: what a checkpoint holds: every parameter, or with adapters only the trained ones
+        self.adapters = source.peft is not None
+
+    def _saved(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(n, p) for n, p in named_parameters(self.model) if p.requires_grad or not self.adapters]
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]], step: int) -> StepResult:
         assert len(micro_batches) == self.layout.grad_accum, "sampler and layout disagree"  # internal
@@ -155,14 +163,15 @@ class DDPEngine(Engine):
             "params": tensor_bytes(params),
             "grads": self._grads_held or 0,
             "optimizer": optimizer_bytes(self.optimizer, params),
+            "frozen": tensor_bytes(p for p in params if not p.requires_grad),
         }
 
     def state_dict(self) -> ShardedStateDict:
         """Whole tensors: every rank holds a full replica."""
-        return {n: [TensorSlice.whole(p.detach())] for n, p in self.model.named_parameters()}
+        return {n: [TensorSlice.whole(p.detach())] for n, p in named_parameters(self.model)}
 
     def optimizer_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        names = {p: n for n, p in self.model.named_parameters()}
+        names = {p: n for n, p in named_parameters(self.model)}
         for p, st in self.optimizer.state.items():
             for k, v in st.items():
                 if torch.is_tensor(v):
@@ -174,7 +183,9 @@ class DDPEngine(Engine):
     def import_optimizer(self, moments: Moments, step: int) -> None:
         """Each parameter's AdamW state from the full HF-named moments (every rank: a full replica)."""
         with torch.no_grad():
-            for name, p in self.model.named_parameters():
+            for name, p in named_parameters(self.model):
+                if not p.requires_grad:
+                    continue  # a frozen base has no optimizer state
                 st = adam_state(self.optimizer, p)
                 for kind in MOMENTS:
                     st[kind].copy_(moments[kind][name])
@@ -184,7 +195,7 @@ class DDPEngine(Engine):
     def save(self, path: Path) -> None:
         if dist.is_initialized() and dist.get_rank() != 0:
             return  # identical replicas: rank 0 writes for all
-        named = list(self.model.named_parameters())
+        named = self._saved()
         save_tensors(path / MODEL_FILE, {n: p for n, p in named})
         state: dict[str, torch.Tensor] = {}
         for n, p in named:
@@ -200,7 +211,7 @@ class DDPEngine(Engine):
     def load(self, path: Path) -> None:
         weights, _ = load_tensors_and_meta(path / MODEL_FILE)
         state, meta = load_tensors_and_meta(path / OPTIMIZER_FILE)
-        named = dict(self.model.named_parameters())
+        named = dict(self._saved())
         missing = sorted(set(named) - set(weights))
         if missing:
             raise CheckpointError(

@@ -32,6 +32,7 @@ from tessera.engines.base import (
 from tessera.engines.optim import MOMENTS
 from tessera.engines.zero import DeepSpeedRunner, build_ds_config
 from tessera.hostmem import lean_construction
+from tessera.models.adapters import named_parameters
 from tessera.plan.layout import ParallelLayout
 
 #: the dtype DeepSpeed keeps the module's parameters in (its fp32 master copies live in the optimizer)
@@ -96,7 +97,7 @@ class DeepSpeedEngine(Engine):
         """HF names; whole tensors under ZeRO 0-2 (replicas), the flat ZeRO-3 partition under ZeRO-3."""
         out: ShardedStateDict = {}
         rank = dist.get_rank() if dist.is_initialized() else 0
-        for name, p in self.module.named_parameters():
+        for name, p in named_parameters(self.module):
             if hasattr(p, "ds_tensor"):  # ZeRO-3: this rank's partition of the flattened tensor
                 start, stop = partition_range(p, rank)
                 t = p.ds_tensor.detach().view(-1)[: stop - start]
@@ -113,7 +114,12 @@ class DeepSpeedEngine(Engine):
 
     def import_optimizer(self, moments: Moments, step: int) -> None:
         self.ds.import_optimizer(
-            ((p, {k: moments[k][name] for k in MOMENTS}) for name, p in self.module.named_parameters()), step
+            (
+                (p, {k: moments[k][name] for k in MOMENTS})
+                for name, p in named_parameters(self.module)
+                if p.requires_grad  # a frozen base has no optimizer state
+            ),
+            step,
         )
 
     def save(self, path: Path) -> None:
@@ -161,6 +167,17 @@ def partitioned_from(
             source.hf_config(), attn_implementation=source.section.attn_implementation
         )
         model.tie_weights()  # part of HF's init_weights, which no_init_weights skips
+    if source.peft is not None:
+        # adapters after zero.Init, never inside it: a layer made under zero.Init is partitioned at the
+        # end of its __init__, so peft's init would write into empty tensors; made here they are plain
+        # tensors, which deepspeed.initialize partitions. peft reads ZeRO-3 through transformers' global
+        # HfDeepSpeedConfig (DoRA's magnitude gathers the base weight), held only while injecting: alive,
+        # it would also put later from_config calls under zero.Init
+        from transformers.integrations import HfDeepSpeedConfig
+
+        zero3 = HfDeepSpeedConfig(ds_config)
+        source.add_adapters(model)
+        del zero3
     rank = dist.get_rank() if dist.is_initialized() else 0
 
     def copy_partition(t: torch.Tensor, name: str) -> None:

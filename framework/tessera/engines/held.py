@@ -62,14 +62,20 @@ def deepspeed_grad_bytes(engine: Any, zero: int) -> int:
 
 def deepspeed_params_and_optimizer(engine: Any, zero: int) -> dict[str, int]:
     params = list(engine.module.parameters())
-    if zero >= 3:  # the partition, plus the full data of persistent parameters
-        held = tensor_bytes([p.ds_tensor for p in params if hasattr(p, "ds_tensor")] + params)
-    else:
-        held = tensor_bytes(params)
+
+    def held(ps: list[Any]) -> int:
+        if zero >= 3:  # the partition, plus the full data of persistent parameters
+            return tensor_bytes([p.ds_tensor for p in ps if hasattr(p, "ds_tensor")] + ps)
+        return tensor_bytes(ps)
+
     opt = engine.optimizer
     inner = getattr(opt, "optimizer", opt)
     masters = flat_tensors(getattr(opt, "fp32_partitioned_groups_flat", [])) if zero >= 3 else []
-    return {"params": held, "optimizer": optimizer_bytes(inner, params) + tensor_bytes(masters)}
+    return {
+        "params": held(params),
+        "optimizer": optimizer_bytes(inner, params) + tensor_bytes(masters),
+        "frozen": held([p for p in params if not p.requires_grad]),  # a frozen base (adapters), of params
+    }
 
 
 def megatron_grad_bytes(chunks: Iterable[Any]) -> int:

@@ -55,6 +55,8 @@ class DeepSpeedRunner:
             model=model, optimizer=optimizer, config=self.config, mpu=mpu
         )
         _load_safely(self.engine)
+        #: a frozen base under adapters: checkpoints hold only what trains
+        self.frozen = any(not p.requires_grad for p in model.parameters())
         self.schedule = LRSchedule(recipe)
         self._grads_held: int | None = None
         self.sharding = f"{SHARDING_PREFIX}{layout.zero}"
@@ -158,7 +160,14 @@ class DeepSpeedRunner:
         for script in ("zero_to_fp32.py", "zero_to_torch.py"):
             if (path.parent / script).is_symlink():
                 (path.parent / script).unlink(missing_ok=True)
-        self.engine.save_checkpoint(str(path.parent), tag=path.name, client_state={}, save_latest=False)
+        # a frozen base (adapters) is not saved: the model source rebuilds it, meta.json records which
+        self.engine.save_checkpoint(
+            str(path.parent),
+            tag=path.name,
+            client_state={},
+            save_latest=False,
+            exclude_frozen_parameters=self.frozen,
+        )
 
     def load(self, path: Path) -> None:
         """Model and optimizer (no scheduler: the LR is a function of the step). DeepSpeed reads its
@@ -166,7 +175,11 @@ class DeepSpeedRunner:
         ``weights_only`` load; the checkpoint manager has verified their checksums and scanned their
         pickles before this runs."""
         loaded, _ = self.engine.load_checkpoint(
-            str(path.parent), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=False
+            str(path.parent),
+            tag=path.name,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=False,
+            load_module_strict=not self.frozen,  # the frozen base is not in it (the model source has it)
         )
         if loaded is None:
             raise CheckpointError(

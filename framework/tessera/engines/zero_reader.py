@@ -59,6 +59,7 @@ def _zero0_moment(ckpt: Path, meta: dict[str, Any], kind: str) -> dict[str, torc
     from transformers import AutoModelForCausalLM
 
     from tessera.engines.optim import param_groups
+    from tessera.models.adapters import canonical, inject
 
     files = sorted(ckpt.glob(MODEL_STATES))
     # DeepSpeed's own pickle, verified and scanned first, loaded with weights_only and the allow-list
@@ -67,9 +68,11 @@ def _zero0_moment(ckpt: Path, meta: dict[str, Any], kind: str) -> dict[str, torc
         return None
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config_of(meta))
-    named = {id(p): n for n, p in model.named_parameters()}
+        if meta.get("peft") is not None:  # adapters: only they are in the optimizer's groups
+            inject(model, meta["peft"])
+    named = {id(p): canonical(n) for n, p in model.named_parameters()}
     order = [named[id(p)] for g in param_groups(model.named_parameters(), 0.0) for p in g["params"]]
-    shapes = dict((n, tuple(p.shape)) for n, p in model.named_parameters())
+    shapes = dict((canonical(n), tuple(p.shape)) for n, p in model.named_parameters())
     got = [i for g in opt["param_groups"] for i in g["params"]]
     if len(got) != len(order) or any(
         tuple(opt["state"][i][kind].shape) != shapes[order[k]] for k, i in enumerate(got) if i in opt["state"]

@@ -159,13 +159,16 @@ def fill_from(
     else (a tied ``lm_head.weight`` may be absent or present). ``shape_of`` / ``copy(param, name)``: for
     parameters that hold only a part of themselves (ZeRO-3 partitions read only their part)."""
     from tessera.errors import CheckpointError
+    from tessera.models.adapters import canonical
     from tessera.models.init import shape_of as source_shape
 
-    own = dict(model.named_parameters())
-    own.update((n, b) for n, b in model.named_buffers() if n in model.state_dict())
+    # by canonical name: an adapter's wrappers (peft's base_layer, its adapter name) are not in the name
+    names = {canonical(n) for n in model.state_dict()}
+    own = {canonical(n): p for n, p in model.named_parameters()}
+    own.update((canonical(n), b) for n, b in model.named_buffers() if canonical(n) in names)
     fix = "give weights written for this model config (model.hf_config / model.path)"
     missing = sorted(set(own) - set(tensors))
-    extra = sorted(set(tensors) - set(model.state_dict()))
+    extra = sorted(set(tensors) - names)
     if missing or extra:
         raise CheckpointError(
             f"the weights do not fit the model: missing {missing[:3]}, unexpected {extra[:3]}",
@@ -197,12 +200,13 @@ def model_tensor_names(cfg: Any) -> set[str]:
         return set(AutoModelForCausalLM.from_config(cfg).state_dict())
 
 
-def hf_dir_tensors(path: Path) -> Mapping[str, torch.Tensor]:
+def hf_dir_tensors(path: Path, *, extra: set[str] | None = None) -> Mapping[str, torch.Tensor]:
     """The weights of an HF directory under the model's own tensor names. Read lazily, one tensor per
     access, when its safetensors use those names; otherwise through ``from_pretrained`` (transformers'
     own key conversion, in memory): a ``.bin`` checkpoint (``weights_only``), or a layout that
     ``save_pretrained`` still writes in its legacy form (Mixtral's per-expert ``w1``/``w2``/``w3``, which
-    the model holds fused)."""
+    the model holds fused). ``extra``: more names the files may hold (a resharding stage's adapters beside
+    the base, by canonical name)."""
     from transformers import AutoModelForCausalLM
 
     from tessera.errors import CheckpointError
@@ -225,7 +229,7 @@ def hf_dir_tensors(path: Path) -> Mapping[str, torch.Tensor]:
     files = sorted(path.glob("*.safetensors"))
     if files:
         lazy = LazyTensors(files)  # a damaged header is an error naming the file
-        if set(lazy) <= model_tensor_names(cfg):
+        if set(lazy) <= model_tensor_names(cfg) | (extra or set()):
             return lazy
     elif not list(path.glob("pytorch_model*.bin")):
         raise CheckpointError(

@@ -244,6 +244,8 @@ class MemoryEstimate:
     host: int
     stage: str  # "only" (pp = 1), "first" or "last"
     formulas: dict[str, str]
+    #: of ``params``, the frozen base's bytes under adapters (0 when every weight trains)
+    frozen: int = 0
 
     @property
     def total(self) -> int:
@@ -253,6 +255,7 @@ class MemoryEstimate:
         out = {k: getattr(self, k) for k in ("params", "grads", "optimizer", "activations", "buffers")}
         return {
             **out,
+            "frozen": self.frozen,
             "total": self.total,
             "host": self.host,
             "activations_per_micro_batch": self.activations_per_micro_batch,
@@ -274,6 +277,22 @@ def _state_bytes(layout: ParallelLayout, psi: int, precision: str, *, persistent
     if layout.sharding.deepspeed:
         return deepspeed_state_bytes(psi, layout.dp, layout.zero, precision, persistent=persistent)
     return model_state_bytes(psi, layout.dp, layout.zero, precision)
+
+
+def _frozen_bytes(layout: ParallelLayout, psi: int, precision: str, *, persistent: int) -> int:
+    """What a frozen base of ``psi`` parameters costs a rank: its parameters only (no gradients, no
+    optimizer state), fp32 in the ddp engine's replicas, the compute dtype under DeepSpeed, a 1/N
+    partition (plus the tensors ZeRO-3 keeps whole) under ZeRO-3."""
+    if layout.sharding.replicas:
+        return 4 * psi
+    p = BYTES[precision]
+    if layout.zero >= 3:
+        return p * math.ceil(psi / layout.dp) + p * persistent
+    return p * psi
+
+
+def _persistent(numels: Sequence[int]) -> int:
+    return sum(x for x in numels if x < ZERO3_PERSISTENCE_THRESHOLD)
 
 
 def memory_per_rank(
@@ -311,13 +330,21 @@ def memory_per_rank(
         dense, expert = (rp.total, 0) if hf_module else (rp.dense, rp.expert)
         # ZeRO-3 keeps the HF module's small tensors whole (megatron-core's fused tensors are not counted)
         small = persistent_numel(f) if hf_module else 0
-        st = _state_bytes(L, dense, precision, persistent=small)
+        trained = rp.total
+        frozen = 0
+        if f.adapters:  # a frozen base (parameters only) plus the adapters' full states
+            trained = sum(f.adapters)
+            frozen = _frozen_bytes(L, dense, precision, persistent=small)
+            st = _state_bytes(L, trained, precision, persistent=_persistent(f.adapters))
+            st["params"] += frozen
+        else:
+            st = _state_bytes(L, dense, precision, persistent=small)
         if expert:
             for k, v in model_state_bytes(expert, expert_dp(L), L.zero, precision).items():
                 st[k] += v
         host = 0
         if L.offload_optimizer:
-            host += st["optimizer"] + 4 * math.ceil(rp.total / L.dp)  # + the fp32 gradient partition
+            host += st["optimizer"] + 4 * math.ceil(trained / L.dp)  # + the fp32 gradient partition
             st["optimizer"] = 0
         if L.offload_params:
             host += st["params"]
@@ -341,23 +368,29 @@ def memory_per_rank(
             logits = seq_len * L.micro_batch * (padded_vocab(f.vocab_size, t) // t)
             buffers += logits * (e + (4 if e < 4 else 0))
         if L.sharding.replicas:
-            states = f"{DDP_FORMULA}, Ψ={dense:,}, whole on each of the {L.dp} ranks"
+            states = f"{DDP_FORMULA}, Ψ={trained:,}, whole on each of the {L.dp} ranks"
         else:
-            states = zero_formula(L.zero, precision, dense, L.dp) + (
+            states = zero_formula(L.zero, precision, trained, L.dp) + (
                 f"; experts: {zero_formula(L.zero, precision, expert, expert_dp(L))}" if expert else ""
+            )
+        if f.adapters:
+            held = "a 1/N partition" if L.zero >= 3 else "whole"
+            states = (
+                f"adapters (Ψ = the {len(f.adapters)} trained tensors): {states}; frozen base "
+                f"Ψ_base={dense:,} parameters only, {held} on each rank: {frozen:,} B"
             )
         formulas = {"model_states": states, "activations": activation_formula(recompute, kernels)}
         if L.zero >= 3:
             # gathered full (dp-unsharded) params: the largest module in use + the prefetched layer
             buffers += p * (max(rp.per_layer, rp.embedding) + rp.per_layer)
         elif L.sharding.deepspeed and L.dp > 1:
-            buffers += p * min(rp.total, DS_REDUCE_BUCKET)
+            buffers += p * min(trained, DS_REDUCE_BUCKET)
         elif L.sharding.replicas:
-            # DDP's reducer allocates its buckets whatever the world size
-            buffers += 4 * rp.total
+            # DDP's reducer allocates its buckets whatever the world size (for the trained parameters)
+            buffers += 4 * trained
             formulas["buffers"] = (
                 "DDP reducer's flat fp32 bucket copy of every gradient (gradient_as_bucket_view=False, "
-                f"the default): 4Ψ, Ψ={rp.total:,}"
+                f"the default): 4Ψ, Ψ={trained:,}"
             )
         est = MemoryEstimate(
             params=st["params"],
@@ -369,6 +402,7 @@ def memory_per_rank(
             host=host,
             stage=name,
             formulas=formulas,
+            frozen=frozen,
         )
         if best is None or est.total > best.total:
             best = est
@@ -493,11 +527,13 @@ def comm_per_step(
     for name, psi, n, span in groups:
         if n == 1 or psi == 0:
             continue
+        # under adapters only the trained tensors have gradients and updates; ZeRO-3 still gathers the base
+        total_psi, psi = psi, (sum(f.adapters) if f.adapters and name == "dp" else psi)
         grad_b, param_b = e * psi, e * psi
         deepspeed_dp = L.sharding.deepspeed
         if L.sharding.replicas:
             # fp32 gradients (fp32 params under autocast), reduced once per step: no_sync on the others
-            grads = [4 * x for x in reversed(hf_tensor_numels(f))]
+            grads = [4 * x for x in reversed(f.adapters or hf_tensor_numels(f))]
             buckets = ddp_bucket_count(grads)
             why = (
                 f"DDP all_reduce of the fp32 gradients once per step: 4Ψ = {4 * psi:,} bytes, Ψ={psi:,}, in "
@@ -523,8 +559,8 @@ def comm_per_step(
         else:
             # persistent (small) tensors are whole on every rank: one all-gather after the update;
             # the others are gathered for every forward and backward
-            small = persistent_numel(f) if hf_module else 0
-            big_b = e * max(psi - small, 0)
+            small = persistent_numel(f) + _persistent(f.adapters) if hf_module else 0
+            big_b = e * max(total_psi + (psi if f.adapters else 0) - small, 0)
             if small:
                 ops.append(CommOp("all_gather", name, e * small, 1, n, span, "none"))
             if big_b:

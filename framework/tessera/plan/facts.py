@@ -49,6 +49,9 @@ class ModelFacts:
     #: a meta-counted family with a megatron adapter: its HF config (JSON), whose megatron shards the weight
     #: map gives exactly (:func:`meta_shard_numels`)
     config_json: str = ""
+    #: with a ``peft`` section: the element counts of the trained adapter tensors (the rest is a frozen
+    #: base); empty when every weight trains
+    adapters: tuple[int, ...] = ()
 
     @property
     def moe(self) -> bool:
@@ -167,3 +170,18 @@ def layer_numels(f: ModelFacts) -> dict[int, int]:
         if m is not None:
             out[int(m.group(1))] = out.get(int(m.group(1)), 0) + n
     return out
+
+
+def with_adapters(f: ModelFacts, hf_cfg: Any, peft: Any) -> ModelFacts:
+    """``f`` with the recipe's adapters (:mod:`tessera.models.adapters`, counted on the meta-device model);
+    ``f`` itself without a ``peft`` section."""
+    if peft is None:
+        return f
+    import dataclasses
+    import math
+
+    from tessera.models.adapters import adapter_shapes
+
+    numels = tuple(math.prod(s) for s in adapter_shapes(hf_cfg, peft).values())
+    return dataclasses.replace(f, adapters=numels)
+

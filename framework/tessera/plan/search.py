@@ -30,7 +30,7 @@ from tessera.plan.estimate import (
     count_params,
     memory_per_rank,
 )
-from tessera.plan.facts import ModelFacts, model_facts
+from tessera.plan.facts import ModelFacts, model_facts, with_adapters
 from tessera.plan.hardware import HardwareProfile
 from tessera.plan.layout import LAYOUT_AXES, ParallelLayout, resolve_auto
 from tessera.plan.time_estimate import (
@@ -40,7 +40,7 @@ from tessera.plan.time_estimate import (
     bubble_fraction,
     step_time,
 )
-from tessera.tables.engines import ENGINE_NAMES, Capabilities, capabilities, engine_hook
+from tessera.tables.engines import ENGINE_NAMES, ENGINES, Capabilities, capabilities, engine_hook
 
 BUBBLE_FORMULA = (
     "(p-1)/(v*m + p-1): Narayanan et al. 2021 (p-1)/(v*m) of the ideal time, as a share of the step"
@@ -207,6 +207,7 @@ def plan(
     micro_batches: Sequence[int] = (1, 2, 4, 8),
     attn_implementation: str = "eager",
     efficiency: float = DEFAULT_EFFICIENCY,
+    peft: Any = None,
 ) -> PlanResult:
     """Enumerate, validate, estimate and rank the layouts of ``hf_cfg`` on ``world_size`` devices.
 
@@ -235,7 +236,9 @@ def plan(
             raise RecipeError(
                 "unknown recompute option", field="recompute", value=rc, fix="use none, selective or full"
             )
-    f = model_facts(hf_cfg)
+    f = with_adapters(model_facts(hf_cfg), hf_cfg, peft)
+    if peft is not None:  # adapters train on the HF module (peft's layers); megatron-core's modules have none
+        engines = [e for e in engines if ENGINES[e].caps.hf_module]
     q = _Query(
         f=f,
         world_size=world_size,
@@ -408,6 +411,7 @@ def plan_recipe(
         recompute=RECOMPUTE,
         micro_batches=tuple(sorted({1, 2, 4, 8, p.micro_batch})),
         attn_implementation=recipe.model.attn_implementation,
+        peft=recipe.peft,
     )
 
 
@@ -445,7 +449,8 @@ def estimate_layout(
     accounting's comparison."""
     from tessera.models.hf import load_hf_config
 
-    f = model_facts(load_hf_config(recipe.model, vocab_size=recipe.data.vocab_size))
+    hf_cfg = load_hf_config(recipe.model, vocab_size=recipe.data.vocab_size)
+    f = with_adapters(model_facts(hf_cfg), hf_cfg, recipe.peft)
     kw = dict(seq_len=recipe.data.seq_len, precision=recipe.train.precision)
     ops = comm_per_step(f, layout, backend=_backend(hardware), **kw)
     kernels = kernels_for(

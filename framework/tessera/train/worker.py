@@ -162,6 +162,33 @@ def check_resume_layout(
     return diff
 
 
+def check_resume_adapters(meta: dict[str, Any], recipe: Recipe, path: Path) -> None:
+    """A checkpoint continues with the adapters it was trained with: the recipe's ``peft`` section must
+    say what the checkpoint's meta.json records (a checkpoint of adapters holds no base, one of a full
+    model no adapters)."""
+    from tessera.models.adapters import section_dict
+
+    saved, now = meta.get("peft"), section_dict(recipe.peft)
+    if saved == now:
+        return
+    if saved is None or now is None:
+        what = "trains every weight" if saved is None else f"holds {saved['method']} adapters (r={saved['r']})"
+        raise CheckpointError(
+            f"checkpoint {path.name} {what}; this recipe " + ("has adapters" if saved is None else "has none"),
+            field="peft",
+            value=now,
+            fix="resume with the recipe's peft section as the checkpoint records it (its meta.json 'peft'), "
+            "or export it (tessera convert) and start a new run from the export",
+        )
+    k = next(k for k in saved if saved.get(k) != now.get(k))
+    raise CheckpointError(
+        f"checkpoint {path.name} was trained with peft.{k}={saved[k]!r}, this recipe has {now[k]!r}",
+        field=f"peft.{k}",
+        value=now[k],
+        fix=f"resume with peft.{k}={saved[k]!r} (the adapters' shapes and targets cannot change mid-run)",
+    )
+
+
 def _manifest(
     recipe: Recipe, layout: ParallelLayout, data: Any, run_dir: RunDir, device: str
 ) -> dict[str, Any]:
@@ -224,6 +251,7 @@ def setup(run_dir: RunDir, start: Start, heartbeat: Any = None) -> tuple[RunCont
     from tessera.comm.shm import use_venv_build_tools
     from tessera.data import StepSampler
     from tessera.engines.base import ModelSource
+    from tessera.models.adapters import section_dict
     from tessera.tables.engines import engine_class
     from tessera.train.faults import fault_from_env
 
@@ -270,6 +298,8 @@ def setup(run_dir: RunDir, start: Start, heartbeat: Any = None) -> tuple[RunCont
     if src is not None and not hf_source:
         phase("checkpoint verify")
         resume_from, reshard = (src, ckpt.verify(src, any_world=True)), True
+    if resume_from is not None:
+        check_resume_adapters(resume_from[1], recipe, resume_from[0])
     stage_dir = None
     if reshard and not engine_reshards_on_load(resume_from[1], layout):  # type: ignore[index]
         phase("reshard")
@@ -308,6 +338,7 @@ def setup(run_dir: RunDir, start: Start, heartbeat: Any = None) -> tuple[RunCont
             "model_config": json.loads(source.hf_config().to_json_string()),
             "tokenizer_hash": data.tokenizer_hash,
             "data_fingerprint": {k: v for k, v in data.fingerprint.items() if k != "files"},
+            "peft": section_dict(recipe.peft),
         },
         resumed=start.resume,
         heartbeat=heartbeat,
@@ -316,6 +347,9 @@ def setup(run_dir: RunDir, start: Start, heartbeat: Any = None) -> tuple[RunCont
     ctx.restart = _history(
         manifest, run_dir, source, resume_from[0] if resume_from and src is None else None, rank=rank
     )
+    if recipe.peft is not None and rank == 0:  # checkpoints hold the adapters and name their base
+        fresh = source.weights is None and resume_from is None
+        ctx.describe["base"] = manifest["initial_weights"] if fresh else source.base_identity()
     if hf_source:
         phase("reshard")
         import_reshard(ctx, None, src, tag=None, verify=start.verify)  # type: ignore[arg-type]
