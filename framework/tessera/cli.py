@@ -143,6 +143,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         f"[bold]model[/]   {m['family']}: {m['parameters']:,} parameters (counted on {m['counted_on']})",
         highlight=False,
     )
+    if m.get("adapter_parameters"):
+        a, peft = m["adapter_parameters"], recipe.peft
+        con.print(
+            f"[bold]adapters[/] {peft.method} r={peft.r} on {', '.join(peft.target_modules)}: {a:,} trained "
+            f"parameters ({100 * a / m['parameters']:.2f} %); the base's {m['parameters']:,} frozen "
+            "(parameters only: no gradients, no optimizer state)",
+            highlight=False,
+        )
     for what in m["generic_estimates"]:
         con.print(f"  generic formula: {what}", highlight=False)
     table = Table(title=f"{args.recipe} on {ws} x {hw.name} ({len(result.candidates)} layouts fit)")

@@ -373,7 +373,8 @@ def memory_of(run_dir: Path) -> dict[str, Any]:
     mem = predicted(recipe, load_hardware("cpu-2core")).memory
     pp = {"only": None, "first": 0, "last": layout.pp - 1}[mem.stage]
     ranks = [r for r in range(layout.world_size) if pp is None or layout.coords(r)["pp"] == pp]
-    states = max(sum(summary["model_state_bytes_per_rank"][r].values()) for r in ranks)
+    held = summary["model_state_bytes_per_rank"]
+    states = max(sum(held[r].get(k, 0) for k in ("params", "grads", "optimizer")) for r in ranks)
     acts = max(summary["activation_bytes_per_rank"][r] for r in ranks)
     peak = max(summary["peak_memory_bytes_per_rank"][r] for r in ranks)
     planned_states = mem.params + mem.grads + mem.optimizer

@@ -342,3 +342,30 @@ def named_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Par
 
 def trainable(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
     return ((n, p) for n, p in named_parameters(model) if p.requires_grad)
+
+
+def check_frozen_base(
+    state: Mapping[str, list[Any]], base: Mapping[str, torch.Tensor], *, rank: int, world: int
+) -> dict[str, Any]:
+    """Whether the frozen base a rank holds (``state``: the engine's :meth:`state_dict`) is still bit for bit
+    its source ``base`` (the model source's tensors, cast to the dtype the engine keeps them in): this rank
+    checks its share (every ``world``-th of the tensors it holds whole, all of a partition or slice), so the
+    ranks together check the whole base once. Returns {"tensors": checked, "differ": names}."""
+    from tessera.models.init import read_flat, read_part
+
+    checked, differ = 0, []
+    names = sorted(n for n in state if not is_adapter(n))
+    for i, name in enumerate(names):
+        for sl in state[name]:
+            whole = sl.flat is None and all(a == 0 and b == n for (a, b), n in zip(sl.index, sl.full_shape))
+            if whole and i % world != rank:
+                continue  # a replica: another rank checks this one
+            if sl.flat is not None:
+                want = read_flat(base, name, sl.full_shape, *sl.flat)
+            else:
+                want = read_part(base, name, tuple(slice(a, b) for a, b in sl.index))
+            have = sl.tensor.detach().cpu()
+            checked += 1
+            if not torch.equal(have, want.to(have.dtype).reshape(have.shape)):
+                differ.append(name)
+    return {"tensors": checked, "differ": differ}

@@ -278,6 +278,8 @@ def model_summary(f: ModelFacts) -> dict[str, Any]:
         "parameters": count_params(f),
         "counted_on": "the model built on the meta device" if f.generic else "the family's formula",
         "generic_estimates": list(GENERIC_ESTIMATES) if f.generic else [],
+        # under adapters: what trains (the rest, the base, is frozen: parameters only)
+        "adapter_parameters": sum(f.adapters) if f.adapters else None,
     }
 
 

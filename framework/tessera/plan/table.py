@@ -47,6 +47,8 @@ COLUMNS: tuple[Column, ...] = (
     Column("mb", "right", lambda i, c: str(c.layout.micro_batch)),
     Column("accum", "right", lambda i, c: str(c.layout.grad_accum)),
     Column("mem GiB/rank", "right", lambda i, c: f"{c.memory.total / GiB:.1f}"),
+    # under adapters: the frozen base's share of the parameters (the rest of the states is the adapters')
+    Column("base GiB", "right", lambda i, c: f"{c.memory.frozen / GiB:.1f}" if c.memory.frozen else "-"),
     Column("act GiB", "right", lambda i, c: f"{c.memory.activations / GiB:.1f}"),
     Column("comm GB/step", "right", lambda i, c: f"{sum(c.comm_bytes.values()) / 1e9:.2f}"),
     Column("bubble", "right", lambda i, c: f"{c.bubble:.3f}"),

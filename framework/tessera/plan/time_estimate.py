@@ -41,13 +41,19 @@ def matmul_params(f: ModelFacts, *, active: bool = True) -> int:
     )
 
 
-FLOPS_FORMULA = "6*N_active + 12*L*H*Q*T (PaLM, Chowdhery et al. 2022, App. B; N without input embeddings)"
+FLOPS_FORMULA = (
+    "6*N_active + 12*L*H*Q*T (PaLM, Chowdhery et al. 2022, App. B; N without input embeddings); "
+    "under adapters 4*N_active + 6*N_adapters + 12*L*H*Q*T (no weight gradients of the frozen base)"
+)
 
 
 def flops_per_token(f: ModelFacts, seq_len: int) -> float:
     """Model FLOPs per trained token, forward + backward: 6N + 12·L·H·Q·T (PaLM App. B). The attention
     term counts QK^T and AV over the full sequence T (the usual MFU convention; causal kernels do half)."""
-    return 6 * matmul_params(f) + 12 * f.num_layers * f.num_heads * f.head_dim * seq_len
+    attn = 12 * f.num_layers * f.num_heads * f.head_dim * seq_len
+    if f.adapters:  # a frozen base: forward 2N and input gradients 2N, no weight gradients; adapters 6N_a
+        return 4 * matmul_params(f) + 6 * sum(f.adapters) + attn
+    return 6 * matmul_params(f) + attn
 
 
 def recompute_flops_per_token(f: ModelFacts, seq_len: int, recompute: str) -> float:
@@ -97,7 +103,7 @@ def grad_hook_seconds(
     if not passes:
         return 0.0
     n_tensors = len(hf_tensor_numels(f))  # a megatron module under DeepSpeed: as many, each a TP shard
-    grad_bytes = BYTES[precision] * largest_shard(f, layout).total
+    grad_bytes = BYTES[precision] * (sum(f.adapters) or largest_shard(f, layout).total)
     per_pass = n_tensors * (hardware.grad_hook_s or 0.0) + 2 * grad_bytes / hardware.hbm_bandwidth
     return passes * per_pass
 
@@ -240,6 +246,8 @@ def step_time(
             exposed += secs(o)
     rp = largest_shard(f, L)
     dense, expert = (rp.total, 0) if L.caps.hf_module else (rp.dense, rp.expert)
+    if f.adapters:  # the optimizer and its offload see only what trains
+        dense, expert = sum(f.adapters), 0
     if L.zero == 0:
         shard = dense + expert
     else:

@@ -56,6 +56,9 @@ class RunContext:
     heartbeat: Any = None
     #: why this process exists, when the supervisor restarted the run (into the first metrics line)
     restart: dict[str, Any] | None = None
+    #: where the initial weights came from (tessera.engines.base.ModelSource): the end of a run with
+    #: adapters checks the frozen base against it
+    source: Any = None
 
     def beat(self, **kw: Any) -> None:
         if self.heartbeat is not None:

@@ -52,6 +52,10 @@ def check_model(resolved: Any, device: str) -> Any:
     cfg = load_hf_config(recipe.model)
     if recipe.data.tokenizer == "bpe":
         check_vocab(cfg, recipe.data.vocab_size)
+    if recipe.peft is not None:  # every target names linear modules of the model (on the meta device)
+        from tessera.models.adapters import adapter_shapes
+
+        adapter_shapes(load_hf_config(recipe.model, vocab_size=recipe.data.vocab_size), recipe.peft)
     if recipe.model.moe_aux_loss_coeff:
         from tessera.tables.families import family_of
 

@@ -342,6 +342,7 @@ def setup(run_dir: RunDir, start: Start, heartbeat: Any = None) -> tuple[RunCont
         },
         resumed=start.resume,
         heartbeat=heartbeat,
+        source=source,
     )
     # the run's history before a resume compares manifests (else initial_weights would read as changed)
     ctx.restart = _history(
@@ -426,6 +427,7 @@ def finish(ctx: RunContext, *, stopped: RunStopped | None = None) -> None:
 
     engine = ctx.engine
     held = all_gather_object(engine.held_state())  # model states each rank really holds, for the plan check
+    frozen = _frozen_base_check(ctx)
     from tessera.engines.held import ACTIVATIONS
 
     activations = all_gather_object(ACTIVATIONS.per_micro_batch)  # None: no step ran in this process
@@ -454,13 +456,33 @@ def finish(ctx: RunContext, *, stopped: RunStopped | None = None) -> None:
             "stopped": None if stopped is None else {"diagnosis": str(stopped), "exit_code": stopped.code},
             "restarts": ctx.manifest.get("restarts", []),
         }
-        | seen,
+        | seen
+        | ({"frozen_base": frozen} if frozen is not None else {}),
     )
     if stopped is not None:
         ctx.manifest["stopped"] = {"diagnosis": str(stopped), "exit_code": stopped.code}
     if stopped is not None or seen:
         ctx.manifest.update(seen)
         ctx.run_dir.write_json(RunDir.MANIFEST, ctx.manifest)
+
+
+def _frozen_base_check(ctx: RunContext) -> dict[str, Any] | None:
+    """With adapters: the frozen base every rank holds, compared bit for bit with where it came from (the
+    ranks share the reading: :func:`tessera.models.adapters.check_frozen_base`); None without adapters."""
+    if ctx.recipe.peft is None or ctx.source is None:
+        return None
+    from tessera.comm.groups import all_gather_object
+    from tessera.models.adapters import check_frozen_base
+
+    import dataclasses
+
+    # the base as the recipe names it (a resharding stage the engine was built from is gone by now)
+    base = dataclasses.replace(ctx.source, weights=None).tensors()
+    with torch.no_grad():
+        mine = check_frozen_base(ctx.engine.state_dict(), base, rank=ctx.rank, world=ctx.world)
+    parts = all_gather_object(mine)
+    differ = sorted({n for p in parts for n in p["differ"]})
+    return {"tensors_checked": sum(p["tensors"] for p in parts), "unchanged": not differ, "differ": differ}
 
 
 def _wandb_dir(ctx: RunContext) -> str | None:
