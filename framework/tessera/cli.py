@@ -110,7 +110,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from tessera.device import resolve_device
     from tessera.plan.hardware import load_hardware
     from tessera.plan.search import DEFAULT_HARDWARE, check_recipe_layout, plan_recipe
-    from tessera.plan.table import COLUMNS, cells
+    from tessera.plan.table import cells, columns_for
 
     if args.calibrate:
         return _plan_calibrate(args)
@@ -154,10 +154,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for what in m["generic_estimates"]:
         con.print(f"  generic formula: {what}", highlight=False)
     table = Table(title=f"{args.recipe} on {ws} x {hw.name} ({len(result.candidates)} layouts fit)")
-    for col in COLUMNS:  # headers and cells from the one list: they cannot drift apart
+    shown = result.candidates[: args.top]
+    columns = columns_for(shown)
+    for col in columns:  # headers and cells from the one list: they cannot drift apart
         table.add_column(col.header, justify=col.justify)
-    for i, c in enumerate(result.candidates[: args.top]):
-        table.add_row(*cells(i, c), style="bold green" if i == 0 else None)
+    for i, c in enumerate(shown):
+        table.add_row(*cells(i, c, columns), style="bold green" if i == 0 else None)
     con.print(table)
     if result.chosen is None:
         con.print("[bold red]nothing fits[/]")

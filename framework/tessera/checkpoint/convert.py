@@ -167,7 +167,9 @@ def _convert_to_hf(
     return record
 
 
-def merged_state(hf_cfg: Any, adapters: dict[str, Any], state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def merged_state(
+    hf_cfg: Any, adapters: dict[str, Any], state: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """The HF state of the base with the adapters merged in, by peft itself: the model with its adapters
     (canonical names loaded), ``merge_and_unload`` (fp32)."""
     from peft import get_peft_model, set_peft_model_state_dict
@@ -283,7 +285,9 @@ def _adapter_state(adapter_dir: Path, base: Any) -> dict[str, torch.Tensor]:
     from tessera.models.adapters import from_peft_key, is_adapter
     from tessera.tensorfile import load_tensors
 
-    written = {from_peft_key(k): v for k, v in load_tensors(adapter_dir / "adapter_model.safetensors").items()}
+    written = {
+        from_peft_key(k): v for k, v in load_tensors(adapter_dir / "adapter_model.safetensors").items()
+    }
     return {**{k: v for k, v in base.items() if not is_adapter(k)}, **written}
 
 

@@ -95,7 +95,10 @@ class PeftSection(_Section):
     def _rank(cls, v: int) -> int:
         if v <= 0:
             raise RecipeError(
-                "the adapter rank must be positive", field="peft.r", value=v, fix="e.g. peft.r=8 (8-64 is usual)"
+                "the adapter rank must be positive",
+                field="peft.r",
+                value=v,
+                fix="e.g. peft.r=8 (8-64 is usual)",
             )
         return v
 

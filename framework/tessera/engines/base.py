@@ -164,7 +164,6 @@ class ModelSource:
             record["sha256"] = weights_digest(tensors)
         return record
 
-
     def base_identity(self) -> dict[str, Any]:
         """What the base under adapters is, for every checkpoint's meta.json (a checkpoint holds only the
         adapters): the recipe's pretrained directory (path + sha256 of its weight files) or the seeded

@@ -113,6 +113,7 @@ SAME_WORK: tuple[tuple[str, str], ...] = (
     ("data.", "the data (content / data hash, samples, seq_len, packing, eval split)"),
     ("tokenizer_hash", "the tokenizer"),
     ("recipe.model.", "the model config"),
+    ("recipe.peft", "the adapters (a LoRA run's baseline trains the same adapters)"),
     ("layout.global_batch", "the global batch"),
     ("world_size", "the world size"),
     ("device", "the device"),

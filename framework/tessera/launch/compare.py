@@ -78,6 +78,7 @@ def _same_work(cand: Any, base: Any, cand_layout: Any, base_layout: Any) -> None
     pairs = [
         ("data", cand.data.model_dump(), base.data.model_dump()),
         ("model", _model(cand), _model(base)),
+        ("peft", cand.peft, base.peft),
         ("train.steps", cand.train.steps, base.train.steps),
         ("run.world_size", cand_layout.world_size, base_layout.world_size),
         ("parallel.global_batch", cand_layout.global_batch, base_layout.global_batch),

@@ -145,8 +145,13 @@ def check_targets(model: torch.nn.Module, section: Any) -> None:
     """Every target and module to save names modules of ``model`` (the HF model, before injection)."""
     s = section_dict(section)
     assert s is not None
-    leaf_names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
-    for field, names in (("peft.target_modules", s["target_modules"]), ("peft.modules_to_save", s["modules_to_save"])):
+    leaf_names = sorted(
+        {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    )
+    for field, names in (
+        ("peft.target_modules", s["target_modules"]),
+        ("peft.modules_to_save", s["modules_to_save"]),
+    ):
         for t in names:
             if not _modules_named(model, t):
                 hint = _fused_hint(model, t)
@@ -293,9 +298,7 @@ class WithAdapters(Mapping[str, torch.Tensor]):
         return base.clone()  # a module to save starts as the base module
 
 
-def adapter_source(
-    hf_cfg: Any, section: Any, base: Mapping[str, torch.Tensor], *, seed: int
-) -> WithAdapters:
+def adapter_source(hf_cfg: Any, section: Any, base: Mapping[str, torch.Tensor], *, seed: int) -> WithAdapters:
     """:class:`WithAdapters` for the recipe's adapters on ``base``; adapter tensors ``base`` already holds
     (a resharding stage: base and adapters in one directory) are taken from it."""
     s = section_dict(section)

@@ -184,4 +184,3 @@ def with_adapters(f: ModelFacts, hf_cfg: Any, peft: Any) -> ModelFacts:
 
     numels = tuple(math.prod(s) for s in adapter_shapes(hf_cfg, peft).values())
     return dataclasses.replace(f, adapters=numels)
-

@@ -273,14 +273,15 @@ def model_summary(f: ModelFacts) -> dict[str, Any]:
     its meta-device model, and the estimates that fall back to a generic formula are named."""
     from tessera.tables.families import GENERIC_ESTIMATES
 
-    return {
+    out = {
         "family": f.family,
         "parameters": count_params(f),
         "counted_on": "the model built on the meta device" if f.generic else "the family's formula",
         "generic_estimates": list(GENERIC_ESTIMATES) if f.generic else [],
-        # under adapters: what trains (the rest, the base, is frozen: parameters only)
-        "adapter_parameters": sum(f.adapters) if f.adapters else None,
     }
+    if f.adapters:  # what trains (the rest, the base, is frozen: parameters only)
+        out["adapter_parameters"] = sum(f.adapters)
+    return out
 
 
 def rank_key(c: Candidate) -> tuple[float, int, int, int]:

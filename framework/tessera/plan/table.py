@@ -31,6 +31,8 @@ class Column:
     header: str
     justify: str
     cell: Callable[[int, Candidate], str]
+    #: shown only where some row has a value (not "-"): a column of one kind of run
+    optional: bool = False
 
 
 def _axis(name: str) -> Column:
@@ -48,13 +50,27 @@ COLUMNS: tuple[Column, ...] = (
     Column("accum", "right", lambda i, c: str(c.layout.grad_accum)),
     Column("mem GiB/rank", "right", lambda i, c: f"{c.memory.total / GiB:.1f}"),
     # under adapters: the frozen base's share of the parameters (the rest of the states is the adapters')
-    Column("base GiB", "right", lambda i, c: f"{c.memory.frozen / GiB:.1f}" if c.memory.frozen else "-"),
+    Column(
+        "base GiB",
+        "right",
+        lambda i, c: f"{c.memory.frozen / GiB:.1f}" if c.memory.frozen else "-",
+        optional=True,
+    ),
     Column("act GiB", "right", lambda i, c: f"{c.memory.activations / GiB:.1f}"),
     Column("comm GB/step", "right", lambda i, c: f"{sum(c.comm_bytes.values()) / 1e9:.2f}"),
     Column("bubble", "right", lambda i, c: f"{c.bubble:.3f}"),
     Column("step s", "right", lambda i, c: f"{c.time.step_s:.3g}"),
     Column("MFU", "right", lambda i, c: f"{c.time.mfu:.3f}"),
 )
+
+
+def columns_for(candidates: Sequence[Candidate]) -> list[Column]:
+    """The columns of a table of ``candidates``: an optional column only where some row has a value."""
+    return [
+        col
+        for col in COLUMNS
+        if not col.optional or any(col.cell(i, c) != "-" for i, c in enumerate(candidates))
+    ]
 
 
 def headers(columns: Sequence[Column] = COLUMNS) -> list[str]:

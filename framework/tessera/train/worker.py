@@ -172,9 +172,12 @@ def check_resume_adapters(meta: dict[str, Any], recipe: Recipe, path: Path) -> N
     if saved == now:
         return
     if saved is None or now is None:
-        what = "trains every weight" if saved is None else f"holds {saved['method']} adapters (r={saved['r']})"
+        what = (
+            "trains every weight" if saved is None else f"holds {saved['method']} adapters (r={saved['r']})"
+        )
         raise CheckpointError(
-            f"checkpoint {path.name} {what}; this recipe " + ("has adapters" if saved is None else "has none"),
+            f"checkpoint {path.name} {what}; this recipe "
+            + ("has adapters" if saved is None else "has none"),
             field="peft",
             value=now,
             fix="resume with the recipe's peft section as the checkpoint records it (its meta.json 'peft'), "
@@ -471,10 +474,10 @@ def _frozen_base_check(ctx: RunContext) -> dict[str, Any] | None:
     ranks share the reading: :func:`tessera.models.adapters.check_frozen_base`); None without adapters."""
     if ctx.recipe.peft is None or ctx.source is None:
         return None
+    import dataclasses
+
     from tessera.comm.groups import all_gather_object
     from tessera.models.adapters import check_frozen_base
-
-    import dataclasses
 
     # the base as the recipe names it (a resharding stage the engine was built from is gone by now)
     base = dataclasses.replace(ctx.source, weights=None).tensors()

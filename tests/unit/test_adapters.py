@@ -1,0 +1,204 @@
+"""Adapters (issue 34) without processes: names, initial values, the recipe's peft section, the planner."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tessera.config.loader import load_recipe
+from tessera.config.schema import ModelSection, PeftSection
+from tessera.engines.base import ModelSource, TensorSlice
+from tessera.errors import CheckpointError, RecipeError
+from tessera.models.adapters import (
+    adapter_shapes,
+    base_of,
+    canonical,
+    check_frozen_base,
+    from_peft_key,
+    is_adapter,
+    named_parameters,
+    peft_key,
+)
+
+TINY = dict(
+    model_type="llama",
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+)
+SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+DEFAULT = "recipes/tiny-llama-cpu.yaml"
+
+
+def source(**peft) -> ModelSource:
+    section = PeftSection(**peft) if peft else None
+    return ModelSource(section=ModelSection(hf_config=TINY), vocab_size=128, seed=3, peft=section)
+
+
+@pytest.mark.parametrize(
+    ("module_name", "name"),
+    [
+        ("model.layers.0.self_attn.q_proj.base_layer.weight", "model.layers.0.self_attn.q_proj.weight"),
+        ("model.layers.0.self_attn.q_proj.lora_A.default.weight", "model.layers.0.self_attn.q_proj.lora_A.weight"),
+        ("model.layers.1.mlp.down_proj.lora_magnitude_vector.default.weight",
+         "model.layers.1.mlp.down_proj.lora_magnitude_vector"),
+        ("lm_head.original_module.weight", "lm_head.weight"),
+        ("lm_head.modules_to_save.default.weight", "lm_head.modules_to_save.weight"),
+        ("model.norm.weight", "model.norm.weight"),
+    ],
+)  # fmt: skip
+def test_canonical_names_and_peft_keys_round_trip(module_name, name):
+    """peft's module names -> one name per tensor; adapters <-> adapter_model.safetensors keys."""
+    assert canonical(module_name) == name
+    if is_adapter(name):
+        key = peft_key(name)
+        assert key.startswith("base_model.model.") and ".default" not in key
+        assert from_peft_key(key) == name
+        assert base_of(name).endswith(".weight") and not is_adapter(base_of(name))
+
+
+def test_adapters_start_as_the_identity_with_layout_free_values():
+    """B = 0 (the adapted model is the base at step 0), A uniform(+-1/sqrt(fan_in)) from the tensor's name
+    and the seed (not peft's draw from the global RNG), DoRA's magnitude the base's row norms, a module to
+    save a copy of the base module; only adapters train."""
+    torch.manual_seed(0)
+    lora = source(method="dora", r=4, target_modules=SEVEN, modules_to_save=["lm_head"]).build_hf()
+    torch.manual_seed(99)  # another global RNG state: the same values
+    again = source(method="dora", r=4, target_modules=SEVEN, modules_to_save=["lm_head"]).build_hf()
+    plain = source().build_hf()
+    named = dict(named_parameters(lora))
+    assert {n for n, p in named.items() if p.requires_grad} == set(
+        adapter_shapes(
+            plain.config, PeftSection(method="dora", r=4, target_modules=SEVEN, modules_to_save=["lm_head"])
+        )
+    )
+    assert len([n for n in named if ".lora_A." in n]) == 2 * 7
+    for n, p in named.items():
+        assert torch.equal(p, dict(named_parameters(again))[n]), n
+        if ".lora_B." in n:
+            assert not p.any()
+        elif ".lora_A." in n:
+            bound = 1 / math.sqrt(p.shape[1])
+            assert 0.8 * bound < float(p.abs().max()) <= bound
+        elif n.endswith("lora_magnitude_vector"):
+            assert torch.allclose(p, plain.get_parameter(base_of(n)).norm(dim=1), rtol=0, atol=1e-6)
+        elif ".modules_to_save." in n:
+            assert torch.equal(p, plain.get_parameter(base_of(n)))
+        else:
+            assert not p.requires_grad and torch.equal(p, plain.get_parameter(n)), n
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert float((lora(input_ids=ids).logits - plain(input_ids=ids).logits).abs().max()) <= 1e-6
+
+
+def test_a_changed_frozen_base_is_found():
+    """The end-of-run check reads the base the engine holds against its source: equal passes; one element
+    off, in a whole tensor or a ZeRO-3 partition, is named."""
+    src = source(r=4)
+    model = src.build_hf()
+    state = {n: [TensorSlice.whole(p.detach())] for n, p in named_parameters(model)}
+    tensors = src.tensors()
+    assert check_frozen_base(state, tensors, rank=0, world=1) == {"tensors": 21, "differ": []}
+    name = "model.layers.1.self_attn.q_proj.weight"
+    with torch.no_grad():
+        model.get_submodule("model.layers.1.self_attn.q_proj").base_layer.weight[3, 5] += 1e-7
+    assert check_frozen_base(state, tensors, rank=0, world=1)["differ"] == [name]
+    full = tensors[name].reshape(-1).clone()
+    full[7] += 1e-3
+    part = TensorSlice(tensor=full[0:100], full_shape=(64, 64), flat=(0, 100))
+    assert check_frozen_base({name: [part]}, tensors, rank=1, world=2)["differ"] == [name]
+    # replicas: two ranks check different whole tensors, together each once
+    shares = [check_frozen_base(state, tensors, rank=r, world=2)["tensors"] for r in (0, 1)]
+    assert sum(shares) == 21 and min(shares) >= 10
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field", "words"),
+    [
+        (["peft.r=0"], "peft.r", "the adapter rank must be positive"),
+        (["peft.r=-4"], "peft.r", "the adapter rank must be positive"),
+        (["peft.target_modules=[]"], "peft.target_modules", "no target modules"),
+        (["peft.method=ia3"], "peft.method", ""),
+        (["peft.r=8", "parallel.engine=megatron"], "parallel.engine", "cannot train adapters yet"),
+    ],
+)
+def test_bad_adapter_settings_name_the_field(overrides, field, words):
+    with pytest.raises(RecipeError) as e:
+        load_recipe(DEFAULT, overrides)
+    assert e.value.field == field and words in e.value.message
+
+
+@pytest.mark.parametrize(
+    ("model", "target", "words"),
+    [
+        (TINY, "qq_proj", "LlamaForCausalLM has no module named 'qq_proj'"),
+        (TINY, "embed_tokens.weight", "has no module named"),
+        ({**TINY, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}, "gate_proj",
+         "its experts are fused 3-D tensors"),
+    ],
+)  # fmt: skip
+def test_an_unknown_target_module_is_refused_naming_it(model, target, words):
+    from transformers import AutoConfig
+
+    cfg = dict(model)
+    hf = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    with pytest.raises(RecipeError) as e:
+        adapter_shapes(hf, PeftSection(target_modules=["q_proj", target]))
+    assert e.value.field == "peft.target_modules" and e.value.value == target and words in e.value.message
+    assert "q_proj" in e.value.fix
+
+
+def test_resuming_with_other_adapters_is_refused():
+    from pathlib import Path
+
+    from tessera.models.adapters import section_dict
+    from tessera.train.worker import check_resume_adapters
+
+    recipe = load_recipe(DEFAULT, ["peft.r=8"]).recipe
+    meta = {"peft": section_dict(recipe.peft)}
+    check_resume_adapters(meta, recipe, Path("step_000005"))
+    with pytest.raises(CheckpointError) as e:
+        check_resume_adapters({"peft": {**meta["peft"], "r": 16}}, recipe, Path("step_000005"))
+    assert e.value.field == "peft.r" and "peft.r=16" in e.value.message
+    with pytest.raises(CheckpointError) as e:
+        check_resume_adapters({}, recipe, Path("step_000005"))
+    assert e.value.field == "peft" and "trains every weight" in e.value.message
+
+
+def test_the_8b_lora_plans_split_base_and_adapters():
+    """r=16 on the seven projections of Llama 3 8B: 41,943,040 trained parameters; the bf16 base is
+    parameters only (whole on 1 GPU, 1/8 under ZeRO-3), the adapters' states Adam's 16 bytes a parameter
+    (bf16 param + grad, fp32 master + m + v) sharded by the stage."""
+    from tessera.plan.search import check_recipe_layout, hardware_for
+
+    GiB = 2**30
+    base = 8_030_261_248
+    for name, frozen in (
+        ("llama3-8b-lora-h100x1.yaml", 2 * base),
+        ("llama3-8b-lora-h100x8-zero3.yaml", 2 * math.ceil(base / 8)),
+    ):
+        r = load_recipe(f"recipes/{name}").recipe
+        fit = check_recipe_layout(r, hardware=hardware_for(r, device="cuda"))
+        mem = fit.estimate.memory
+        assert fit.fits, (name, fit.message())
+        persistent = mem.frozen - frozen  # ZeRO-3 keeps tensors under 1e5 elements whole (the norms)
+        assert 0 <= persistent < 0.001 * frozen, name
+        a = 41_943_040
+        n = 8 if "zero3" in name else 1
+        # ZeRO-3 keeps the adapter tensors under 1e5 elements (most: r x 4096) whole on every rank too
+        from tessera.models.hf import load_hf_config
+
+        shapes = adapter_shapes(load_hf_config(r.model), r.peft)
+        assert sum(math.prod(x) for x in shapes.values()) == a
+        whole = sum(math.prod(x) for x in shapes.values() if math.prod(x) < 100_000) if n > 1 else 0
+        assert whole == 19_922_944 or n == 1
+        assert mem.params - mem.frozen == pytest.approx(2 * (a / n + whole), rel=0.01), name
+        assert mem.grads == pytest.approx(2 * a / n, rel=0.01) and mem.optimizer == pytest.approx(
+            12 * a / n, rel=0.01
+        )
+        assert mem.frozen / GiB == pytest.approx(frozen / GiB, rel=0.001)
