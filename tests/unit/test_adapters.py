@@ -16,10 +16,12 @@ from tessera.models.adapters import (
     base_of,
     canonical,
     check_frozen_base,
+    checkers,
     from_peft_key,
     is_adapter,
     named_parameters,
     peft_key,
+    whole_base_tensors,
 )
 
 TINY = dict(
@@ -103,18 +105,28 @@ def test_a_changed_frozen_base_is_found():
     model = src.build_hf()
     state = {n: [TensorSlice.whole(p.detach())] for n, p in named_parameters(model)}
     tensors = src.tensors()
-    assert check_frozen_base(state, tensors, rank=0, world=1) == {"tensors": 21, "differ": []}
+    one = checkers([whole_base_tensors(state)])
+    assert check_frozen_base(state, tensors, rank=0, checker=one) == {"tensors": 21, "differ": []}
     name = "model.layers.1.self_attn.q_proj.weight"
     with torch.no_grad():
         model.get_submodule("model.layers.1.self_attn.q_proj").base_layer.weight[3, 5] += 1e-7
-    assert check_frozen_base(state, tensors, rank=0, world=1)["differ"] == [name]
+    assert check_frozen_base(state, tensors, rank=0, checker=one)["differ"] == [name]
     full = tensors[name].reshape(-1).clone()
     full[7] += 1e-3
     part = TensorSlice(tensor=full[0:100], full_shape=(64, 64), flat=(0, 100))
-    assert check_frozen_base({name: [part]}, tensors, rank=1, world=2)["differ"] == [name]
+    assert check_frozen_base({name: [part]}, tensors, rank=1, checker={})["differ"] == [name]
     # replicas: two ranks check different whole tensors, together each once
-    shares = [check_frozen_base(state, tensors, rank=r, world=2)["tensors"] for r in (0, 1)]
+    two = checkers([whole_base_tensors(state)] * 2)
+    shares = [check_frozen_base(state, tensors, rank=r, checker=two)["tensors"] for r in (0, 1)]
     assert sum(shares) == 21 and min(shares) >= 10
+    # pipeline stages: a tensor only one rank holds is checked by that rank
+    first = {n: v for n, v in state.items() if "layers.0." in n or "embed" in n}
+    rest = {n: v for n, v in state.items() if n not in first}
+    split = checkers([whole_base_tensors(first), whole_base_tensors(rest)])
+    got = [
+        check_frozen_base(s, tensors, rank=r, checker=split)["tensors"] for r, s in enumerate((first, rest))
+    ]
+    assert got == [len(whole_base_tensors(first)), len(whole_base_tensors(rest))] and sum(got) == 21
 
 
 @pytest.mark.parametrize(
@@ -124,7 +136,8 @@ def test_a_changed_frozen_base_is_found():
         (["peft.r=-4"], "peft.r", "the adapter rank must be positive"),
         (["peft.target_modules=[]"], "peft.target_modules", "no target modules"),
         (["peft.method=ia3"], "peft.method", ""),
-        (["peft.r=8", "parallel.engine=megatron"], "parallel.engine", "cannot train adapters yet"),
+        (["peft.r=8", "parallel.engine=megatron", "parallel.zero=2", "parallel.zero_impl=deepspeed"],
+         "parallel.zero_impl", "megatron's own data parallelism"),
     ],
 )
 def test_bad_adapter_settings_name_the_field(overrides, field, words):
@@ -202,3 +215,36 @@ def test_the_8b_lora_plans_split_base_and_adapters():
             12 * a / n, rel=0.01
         )
         assert mem.frozen / GiB == pytest.approx(frozen / GiB, rel=0.001)
+
+
+@pytest.mark.parametrize(
+    ("peft", "field", "value", "words"),
+    [
+        ({"target_modules": ["q_proj", "lm_head"]}, "peft.target_modules", "lm_head", "no linear of the layers"),
+        ({"target_modules": ["embed_tokens"]}, "peft.target_modules", "embed_tokens", "no linear of the layers"),
+        ({"method": "dora"}, "peft.method", "dora", "DoRA"),
+        ({"dropout": 0.1}, "peft.dropout", 0.1, "dropout"),
+        ({"modules_to_save": ["lm_head"]}, "peft.modules_to_save", ["lm_head"], "modules trained in full"),
+    ],
+)
+def test_what_megatron_cannot_adapt_is_refused_naming_the_field(peft, field, value, words):
+    """The megatron targets come from the family's weight rules: q/k/v/o and gate/up/down of the layers;
+    the LM head, embeddings, DoRA, dropout and modules to save are refused, naming the field and value."""
+    from transformers import AutoConfig
+
+    from tessera.engines.megatron_adapters import sites
+    from tessera.models.adapters import section_dict
+    from tessera.models.megatron import adapter_for
+
+    cfg = dict(TINY)
+    hf = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    with pytest.raises(RecipeError) as e:
+        sites(adapter_for("llama"), hf, section_dict(PeftSection(**peft)))
+    assert (e.value.field, e.value.value) == (field, value) and words in e.value.message
+    found = sites(adapter_for("llama"), hf, section_dict(PeftSection(target_modules=SEVEN)))
+    assert [(s.mcore, s.split, [t for t, _ in s.targets]) for s in found] == [
+        ("decoder.layers.*.self_attention.linear_qkv", "col", ["q_proj", "k_proj", "v_proj"]),
+        ("decoder.layers.*.self_attention.linear_proj", "row", ["o_proj"]),
+        ("decoder.layers.*.mlp.linear_fc1", "col", ["gate_proj", "up_proj"]),
+        ("decoder.layers.*.mlp.linear_fc2", "row", ["down_proj"]),
+    ]

@@ -530,19 +530,20 @@ class Recipe(_Section):
         return self
 
     @model_validator(mode="after")
-    def _adapters_on_an_hf_module(self) -> Recipe:
-        """Adapters are peft's layers on the HF module's linears; megatron-core's fused, parallel linears
-        get none yet (peft's LoraParallelLinear does not run with megatron-core 0.16, and one adapter on a
-        fused qkv is another model than HF's q / k / v adapters)."""
-        from tessera.tables.engines import ENGINES, engines_with
+    def _adapters_on_megatron(self) -> Recipe:
+        """Adapters on megatron-core's linears (:mod:`tessera.engines.megatron_adapters`) train under
+        megatron's own data parallelism; DeepSpeed ZeRO over its modules would not sum the adapters'
+        sequence-parallel gradients over TP."""
+        from tessera.tables.engines import ENGINES
 
-        if self.peft is not None and not ENGINES[self.parallel.engine].caps.hf_module:
+        p = self.parallel
+        if self.peft is not None and not ENGINES[p.engine].caps.hf_module and p.zero_impl == "deepspeed":
             raise RecipeError(
-                f"engine '{self.parallel.engine}' cannot train adapters yet",
-                field="parallel.engine",
-                value=self.parallel.engine,
-                fix=f"use parallel.engine: {engines_with(lambda c: c.hf_module)} with the peft section "
-                "(ZeRO 0-3 shard what trains), or drop peft to train every weight",
+                f"adapters on engine '{p.engine}' train under megatron's own data parallelism only",
+                field="parallel.zero_impl",
+                value=p.zero_impl,
+                fix="parallel.zero_impl=megatron (ZeRO-1 is its distributed optimizer), or parallel.engine: "
+                "deepspeed for ZeRO 2-3 over the HF module",
             )
         return self
 

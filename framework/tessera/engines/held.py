@@ -90,6 +90,7 @@ def megatron_params_and_optimizer(chunks: Iterable[Any], optimizer: Any) -> dict
     return {
         "params": tensor_bytes(params),
         "optimizer": sum(optimizer_bytes(o.optimizer, params) for o in opts),
+        "frozen": tensor_bytes(p for p in params if not p.requires_grad),  # a frozen base (adapters)
     }
 
 

@@ -265,13 +265,23 @@ def transformer_config(
 
 
 def build_model_chunks(
-    hf_cfg: Any, hf_state: Mapping[str, torch.Tensor], config: Any, layout: ParallelLayout, ps: Any
+    hf_cfg: Any,
+    hf_state: Mapping[str, torch.Tensor],
+    config: Any,
+    layout: ParallelLayout,
+    ps: Any,
+    peft: Mapping[str, Any] | None = None,
 ) -> list[torch.nn.Module]:
     """One ``GPTModel`` per virtual stage of this rank, each loaded with its shard of ``hf_state`` (read
-    part by part: megatron makes only the local slices, uninitialised, and they are filled here)."""
+    part by part: megatron makes only the local slices, uninitialised, and they are filled here); with
+    ``peft`` (the recipe's section as a dict), the LoRA adapters of :mod:`tessera.engines.megatron_adapters`
+    on its linears, filled from ``hf_state`` by their canonical names like the rest."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    adapter = adapter_for(hf_cfg.model_type)
+    from tessera.engines.megatron_adapters import attach, mcore_adapter
+
+    family = adapter_for(hf_cfg.model_type)
+    adapter = mcore_adapter(hf_cfg, peft)
     shape = adapter.shape(hf_cfg)
     chunks = []
     for vp in range(layout.vpp):
@@ -287,6 +297,8 @@ def build_model_chunks(
             vp_stage=vp if layout.vpp > 1 else None,
             **adapter.gpt(hf_cfg),
         )
+        if peft is not None:
+            attach(model, family, hf_cfg, peft, config)
         placed = [layer.layer_number - 1 for layer in model.decoder.layers]
         if placed != list(layer_range(shape, shard)):  # internal: megatron's split must be the map's
             raise RuntimeError(
@@ -306,7 +318,7 @@ def build_model_chunks(
         missing = sorted(set(own) - filled)
         if missing or unexpected:  # internal: the weight map and megatron's modules disagree
             raise RuntimeError(f"weight map mismatch for {shard}: missing {missing}, unexpected {unexpected}")
-        check_tp_attributes(model, hf_cfg, shard)
+        check_tp_attributes(model, hf_cfg, shard, adapter)
         chunks.append(model)
     return chunks
 
@@ -326,12 +338,12 @@ def shard_of(ps: Any, layout: ParallelLayout, vp_stage: int) -> Shard:
     )
 
 
-def check_tp_attributes(model: torch.nn.Module, hf_cfg: Any, shard: Shard) -> None:
+def check_tp_attributes(model: torch.nn.Module, hf_cfg: Any, shard: Shard, adapter: Any = None) -> None:
     """Guard against a silent failure: a TP-sharded parameter without ``tensor_model_parallel=True`` is
     counted once per TP rank in the clipping norm (DeepSpeed and megatron both read the attribute), and
     a replicated one with it is counted once instead of tp times. Each parameter's flag must match
     the weight map's split."""
-    split = tp_splits(adapter_for(hf_cfg.model_type), hf_cfg, shard)
+    split = tp_splits(adapter or adapter_for(hf_cfg.model_type), hf_cfg, shard)
     wrong = []
     for name, p in model.named_parameters():
         want = split.get(name, REPL) in (COL, ROW, VOCAB)

@@ -37,6 +37,7 @@ from tessera.engines.base import (
     step_result,
 )
 from tessera.engines.held import ACTIVATIONS, megatron_grad_bytes, megatron_params_and_optimizer
+from tessera.engines.megatron_adapters import SUFFIX, freeze_base, mcore_adapter
 from tessera.engines.megatron_build import (
     CPU_CONFIG,
     MpuAdapter,
@@ -51,9 +52,9 @@ from tessera.engines.megatron_build import (
 )
 from tessera.engines.optim import MOMENTS, LRSchedule, materialize_adam_state, set_adam_step
 from tessera.engines.zero import DeepSpeedRunner
-from tessera.errors import CheckpointError
+from tessera.errors import CheckpointError, RecipeError
 from tessera.hostmem import lean_construction
-from tessera.models.megatron import adapter_for
+from tessera.models.adapters import section_dict
 from tessera.models.weight_map import hf_to_mcore, mcore_to_hf_slices
 from tessera.plan.layout import ParallelLayout
 from tessera.safeload import safe_torch_load
@@ -110,9 +111,22 @@ class MegatronEngine(Engine):
             device=device,
             moe_aux_loss_coeff=self.aux_coeff,
         )
+        #: the recipe's adapters (dict) or None: only they train, and checkpoints hold only them
+        self.peft = section_dict(source.peft)
+        if self.peft is not None and layout.uses_deepspeed:
+            raise RecipeError(
+                "adapters on the megatron engine train under megatron's own data parallelism only",
+                field="parallel.zero_impl",
+                value="deepspeed",
+                fix="parallel.zero_impl=megatron (ZeRO-1 is its distributed optimizer), or parallel.engine: "
+                "deepspeed for ZeRO 2-3 over the HF module",
+            )
+        self.adapter = mcore_adapter(hf_cfg, self.peft)
         with lean_construction():
-            chunks = build_model_chunks(hf_cfg, hf_state, self.config, layout, ps)
+            chunks = build_model_chunks(hf_cfg, hf_state, self.config, layout, ps, self.peft)
         del hf_state
+        if self.peft is not None:
+            freeze_base(chunks)
         if device == "cuda":
             chunks = [c.cuda() for c in chunks]
         self.dp_group = ps.get_data_parallel_group()
@@ -319,7 +333,7 @@ class MegatronEngine(Engine):
     def state_dict(self) -> ShardedStateDict:
         """HF names with the slice of the full HF tensor each local megatron tensor holds (fused QKV and
         gate_up give several slices; see :func:`tessera.models.megatron.mcore_to_hf_slices`)."""
-        adapter = adapter_for(self.hf_config.model_type)
+        adapter = self.adapter
         out: ShardedStateDict = {}
         for vp, model in enumerate(self._local_modules()):
             local = {k: v.detach() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
@@ -351,7 +365,7 @@ class MegatronEngine(Engine):
         slice, fused QKV, padded vocabulary), then into the optimizer that owns each parameter: DeepSpeed
         (zero_impl deepspeed), the distributed optimizer (this dp rank's range of the flat parameter) or
         megatron's per-parameter optimizer."""
-        adapter = adapter_for(self.hf_config.model_type)
+        adapter = self.adapter
         if self.ds is None:
             self._materialize_optimizer_state()
             targets = self._main_params()
@@ -361,7 +375,7 @@ class MegatronEngine(Engine):
                 local = hf_to_mcore(
                     moments[kind], adapter, self.hf_config, shard_of(self.ps, self.layout, vp)
                 )
-                per_param += [(p, {kind: local[n]}) for n, p in model.named_parameters()]
+                per_param += [(p, {kind: local[n]}) for n, p in model.named_parameters() if p.requires_grad]
             if self.ds is not None:
                 self.ds.import_optimizer(per_param, step)
                 continue
@@ -469,8 +483,16 @@ class MegatronEngine(Engine):
             sharded_strategy=sharded,
             common_strategy=common,
         )
-        for i, c in enumerate(self.chunks):
-            c.module.load_state_dict(state[f"model{i}"])  # the model inside megatron's DDP wrapper
+        for i, c in enumerate(self.chunks):  # the model inside megatron's DDP wrapper
+            missing, unexpected = c.module.load_state_dict(state[f"model{i}"], strict=self.peft is None)
+            lost = [k for k in missing if SUFFIX + "." in k]  # with adapters only they are in the checkpoint
+            if lost or unexpected:
+                raise CheckpointError(
+                    f"the checkpoint's model does not fit this one: missing {lost[:3]}, unexpected {unexpected[:3]}",
+                    field="checkpoint",
+                    value=str(path),
+                    fix="resume with the recipe's peft section as the checkpoint's meta.json records it",
+                )
         with torch.no_grad(), _model_space_step_fix(self.optimizer):
             # the distributed optimizer copies into views of the fp32 parameters
             self.optimizer.load_state_dict(state["optimizer"])
@@ -516,6 +538,8 @@ class MegatronEngine(Engine):
         model_sd = {
             f"model{i}": c.module.sharded_state_dict(metadata=metadata) for i, c in enumerate(self.chunks)
         }
+        if self.peft is not None:  # the frozen base is the model source's (meta.json names it): not saved
+            model_sd = {m: {k: v for k, v in sd.items() if SUFFIX + "." in k} for m, sd in model_sd.items()}
         # the optimizer finds each parameter's sharded key in the nested model dicts (as Megatron-LM does)
         optim = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
         return {**model_sd, "optimizer": optim}

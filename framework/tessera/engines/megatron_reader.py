@@ -41,7 +41,7 @@ class MegatronReader(CheckpointReader):
     def weights(self, ckpt: Path, meta: dict[str, Any]) -> dict[str, torch.Tensor]:
         sharding = meta["sharding"]
         if sharding.startswith(SHARDING_PREFIX):
-            return _megatron(ckpt, hf_config_of(meta))
+            return _megatron(ckpt, hf_config_of(meta), peft=meta.get("peft"))
         if sharding.startswith(DEEPSPEED_SHARDING_PREFIX):
             return _megatron_deepspeed(ckpt, meta)
         raise unreadable_sharding(ckpt, sharding)
@@ -49,7 +49,7 @@ class MegatronReader(CheckpointReader):
     def moment(self, ckpt: Path, meta: dict[str, Any], kind: str) -> dict[str, torch.Tensor] | None:
         sharding = meta["sharding"]
         if sharding.startswith(SHARDING_PREFIX):  # megatron DDP and the distributed optimizer save them alike
-            got = _megatron(ckpt, hf_config_of(meta), moment=kind)
+            got = _megatron(ckpt, hf_config_of(meta), moment=kind, peft=meta.get("peft"))
             return {k: v.float() for k, v in got.items()} or None
         if sharding.startswith(DEEPSPEED_SHARDING_PREFIX):
             return _megatron_deepspeed(ckpt, meta, kind)
@@ -74,7 +74,9 @@ def reshards_on_load(meta: dict[str, Any], layout: ParallelLayout) -> bool:
     )
 
 
-def _megatron(ckpt: Path, hf_cfg: Any, moment: str | None = None) -> dict[str, torch.Tensor]:
+def _megatron(
+    ckpt: Path, hf_cfg: Any, moment: str | None = None, peft: dict[str, Any] | None = None
+) -> dict[str, torch.Tensor]:
     """Global megatron tensors (layers stacked on dim 0 by dist_checkpointing) -> the tp = 1, pp = 1 chunk
     -> HF, through the same weight map the engine loads with. ``moment``: None for the parameters,
     ``optimizer.state.exp_avg.`` (or ``exp_avg_sq``) for megatron DDP's Adam moments, saved per parameter."""
@@ -82,7 +84,8 @@ def _megatron(ckpt: Path, hf_cfg: Any, moment: str | None = None) -> dict[str, t
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    from tessera.models.megatron import Shard, adapter_for
+    from tessera.engines.megatron_adapters import mcore_adapter
+    from tessera.models.megatron import Shard
     from tessera.models.weight_map import mcore_to_hf
 
     root = ckpt / DIST_DIR
@@ -115,7 +118,7 @@ def _megatron(ckpt: Path, hf_cfg: Any, moment: str | None = None) -> dict[str, t
             value=str(root),
             fix=SAFE_FIX,
         ) from None
-    adapter = adapter_for(hf_cfg.model_type)
+    adapter = mcore_adapter(hf_cfg, peft)
     shape = adapter.shape(hf_cfg)
     # megatron-core saves the local spec's separate norms under TransformerEngine's fused names; its layer
     # spec says how (sharded_state_dict_keys_map), and the reverse gives the module keys back
@@ -156,7 +159,7 @@ def _megatron(ckpt: Path, hf_cfg: Any, moment: str | None = None) -> dict[str, t
             else:
                 chunk[f"decoder.layers.{i}.{rest}"] = t[i]
     try:
-        return mcore_to_hf({Shard(): chunk}, adapter, hf_cfg)
+        return mcore_to_hf({Shard(): chunk}, adapter, hf_cfg, adapters_only=peft is not None)
     except KeyError as e:
         raise CheckpointError(
             f"the megatron checkpoint has no tensor for {e}",

@@ -347,22 +347,44 @@ def trainable(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]
     return ((n, p) for n, p in named_parameters(model) if p.requires_grad)
 
 
+def whole_base_tensors(state: Mapping[str, list[Any]]) -> list[str]:
+    """The frozen base tensors a rank holds whole (a replica's, a pipeline stage's), by canonical name."""
+    return sorted(
+        n
+        for n, slices in state.items()
+        if not is_adapter(n)
+        and any(
+            sl.flat is None and all(a == 0 and b == k for (a, b), k in zip(sl.index, sl.full_shape))
+            for sl in slices
+        )
+    )
+
+
+def checkers(whole: list[list[str]]) -> dict[str, int]:
+    """Who checks each tensor held whole: of the ranks holding it (``whole[rank]``), one picked by the
+    name's position, so that replicas share the reading and every tensor is read once."""
+    holders: dict[str, list[int]] = {}
+    for rank, names in enumerate(whole):
+        for n in names:
+            holders.setdefault(n, []).append(rank)
+    return {n: ranks[i % len(ranks)] for i, (n, ranks) in enumerate(sorted(holders.items()))}
+
+
 def check_frozen_base(
-    state: Mapping[str, list[Any]], base: Mapping[str, torch.Tensor], *, rank: int, world: int
+    state: Mapping[str, list[Any]], base: Mapping[str, torch.Tensor], *, rank: int, checker: Mapping[str, int]
 ) -> dict[str, Any]:
     """Whether the frozen base a rank holds (``state``: the engine's :meth:`state_dict`) is still bit for bit
-    its source ``base`` (the model source's tensors, cast to the dtype the engine keeps them in): this rank
-    checks its share (every ``world``-th of the tensors it holds whole, all of a partition or slice), so the
-    ranks together check the whole base once. Returns {"tensors": checked, "differ": names}."""
+    its source ``base`` (the model source's tensors, cast to the dtype the engine keeps them in): a tensor
+    held whole is checked by the rank ``checker`` names (:func:`checkers`), every partition or slice by its
+    holder, so the ranks together read the whole base once. Returns {"tensors": checked, "differ": names}."""
     from tessera.models.init import read_flat, read_part
 
     checked, differ = 0, []
-    names = sorted(n for n in state if not is_adapter(n))
-    for i, name in enumerate(names):
+    for name in sorted(n for n in state if not is_adapter(n)):
         for sl in state[name]:
-            whole = sl.flat is None and all(a == 0 and b == n for (a, b), n in zip(sl.index, sl.full_shape))
-            if whole and i % world != rank:
-                continue  # a replica: another rank checks this one
+            whole = sl.flat is None and all(a == 0 and b == k for (a, b), k in zip(sl.index, sl.full_shape))
+            if whole and checker.get(name, rank) != rank:
+                continue  # another rank holding it whole checks it
             if sl.flat is not None:
                 want = read_flat(base, name, sl.full_shape, *sl.flat)
             else:

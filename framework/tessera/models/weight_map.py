@@ -180,9 +180,17 @@ def hf_to_mcore(
 
 
 def mcore_to_hf(
-    chunks: dict[Shard, dict[str, torch.Tensor]], adapter: Adapter, hf_cfg: Any
+    chunks: dict[Shard, dict[str, torch.Tensor]],
+    adapter: Adapter,
+    hf_cfg: Any,
+    *,
+    adapters_only: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """The full HF state dict from every chunk's megatron state dict (all TP / PP / VPP / EP shards)."""
+    """The full HF state dict from every chunk's megatron state dict (all TP / PP / VPP / EP shards).
+    ``adapters_only``: a checkpoint of LoRA adapters, which holds no frozen base tensor (their rules are
+    skipped; an adapter's missing is still an error)."""
+    from tessera.models.adapters import is_adapter
+
     shape = adapter.shape(hf_cfg)
     gathered: dict[tuple[str, str, int | None], dict[int, torch.Tensor]] = {}
     by_key: dict[tuple[str, str, int | None], tuple[Rule, Callable[[str], str]]] = {}
@@ -191,8 +199,9 @@ def mcore_to_hf(
             if not _stage_has(rule, shard, shape):
                 continue
             _, r = _tp_of(rule, shard)
+            frozen = adapters_only and not is_adapter(rule.hf if isinstance(rule.hf, str) else rule.hf[0])
             for key, hf_key, expert in _instances(rule, shape, shard):
-                if rule.buffer and key not in sd:  # Adam moments: none for a buffer
+                if (rule.buffer or frozen) and key not in sd:  # Adam moments: none for a buffer
                     continue
                 ident = (rule.mcore, hf_key(rule.mcore), expert)
                 gathered.setdefault(ident, {})[r] = sd[key]

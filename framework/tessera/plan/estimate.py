@@ -291,6 +291,17 @@ def _frozen_bytes(layout: ParallelLayout, psi: int, precision: str, *, persisten
     return p * psi
 
 
+def adapter_numel_per_rank(f: ModelFacts, layout: ParallelLayout) -> int:
+    """The adapter elements one rank holds: all of them on an HF-module engine; on megatron's linears a
+    pipeline stage's layers, the TP-split ones (B of column-parallel sites, A of row-parallel ones) 1/tp."""
+    if layout.caps.hf_module:
+        return sum(f.adapters)
+    per_layer = sum(
+        n // layout.tp if split else n for n, split in zip(f.adapters, f.adapters_tp, strict=True)
+    )
+    return per_layer // layout.pp
+
+
 def _persistent(numels: Sequence[int]) -> int:
     return sum(x for x in numels if x < ZERO3_PERSISTENCE_THRESHOLD)
 
@@ -333,10 +344,11 @@ def memory_per_rank(
         trained = rp.total
         frozen = 0
         if f.adapters:  # a frozen base (parameters only) plus the adapters' full states
-            trained = sum(f.adapters)
-            frozen = _frozen_bytes(L, dense, precision, persistent=small)
-            st = _state_bytes(L, trained, precision, persistent=_persistent(f.adapters))
+            trained = adapter_numel_per_rank(f, L)
+            frozen = _frozen_bytes(L, dense + expert, precision, persistent=small)
+            st = _state_bytes(L, trained, precision, persistent=_persistent(f.adapters) if hf_module else 0)
             st["params"] += frozen
+            expert = 0  # the experts are part of the frozen base
         else:
             st = _state_bytes(L, dense, precision, persistent=small)
         if expert:
@@ -528,7 +540,9 @@ def comm_per_step(
         if n == 1 or psi == 0:
             continue
         # under adapters only the trained tensors have gradients and updates; ZeRO-3 still gathers the base
-        total_psi, psi = psi, (sum(f.adapters) if f.adapters and name == "dp" else psi)
+        if f.adapters and name == "edp":
+            continue  # frozen experts: nothing to reduce
+        total_psi, psi = psi, (adapter_numel_per_rank(f, L) if f.adapters else psi)
         grad_b, param_b = e * psi, e * psi
         deepspeed_dp = L.sharding.deepspeed
         if L.sharding.replicas:
@@ -606,6 +620,8 @@ def comm_per_step(
         norms += 2 * layers * f.head_dim if f.qk_norm else 0
         if norms:  # megatron's gradient buffers are fp32 (grad_reduce_in_fp32)
             ops.append(CommOp("all_reduce", "tp", norms * 4, 1, t, t))
+        if f.adapter_sites and not L.caps.hf_module:
+            ops += _lora_tp_ops(f, L, seq_len=seq_len, e=e, layers=layers)
     if L.ep > 1 and f.moe:
         tokens = seq_len * b // (t if L.sequence_parallel else 1)
         ops.append(CommOp("all_to_all", "ep", tokens * f.topk * f.hidden * e, 4 * layers * m, L.ep, t * L.ep))
@@ -617,6 +633,30 @@ def comm_per_step(
         if f.tied:
             emb = padded_vocab(f.vocab_size, t) // t * f.hidden * e
             ops.append(CommOp("all_reduce", "embd", emb, 1, 2, L.world_size))
+    return ops
+
+
+def _lora_tp_ops(f: ModelFacts, L: ParallelLayout, *, seq_len: int, e: int, layers: int) -> list[CommOp]:
+    """The TP collectives of LoRA on megatron's linears (:mod:`tessera.engines.megatron_adapters`), per
+    layer and micro-batch: a column-parallel site sums its targets' (s, b, r) inputs of B in backward (one
+    all-reduce each) and, under SP, gathers its input once more (b·s·h); a row-parallel site sums A x
+    forward (all-reduce, or reduce-scatter + the backward's all-gather under SP); with the rank r."""
+    t, m, b = L.tp, L.grad_accum, L.micro_batch
+    low = seq_len * b * f.adapter_rank * e
+    col = [n for kind, n in f.adapter_sites if kind == "col"]
+    rows = sum(1 for kind, _ in f.adapter_sites if kind == "row")
+    ops = []
+    if col:
+        ops.append(CommOp("all_reduce", "tp", low, sum(col) * layers * m, t, t, "bwd",
+                          formula="LoRA: B's input gradient summed over TP, per column-parallel target"))  # fmt: skip
+        if L.sequence_parallel:
+            ops.append(CommOp("all_gather", "tp", seq_len * b * f.hidden * e, len(col) * layers * m, t, t,
+                              formula="LoRA: the input of each column-parallel site gathered for A"))  # fmt: skip
+    if rows and L.sequence_parallel:
+        ops.append(CommOp("reduce_scatter", "tp", low, rows * layers * m, t, t))
+        ops.append(CommOp("all_gather", "tp", low, rows * layers * m, t, t))
+    elif rows:
+        ops.append(CommOp("all_reduce", "tp", low, rows * layers * m, t, t))
     return ops
 
 

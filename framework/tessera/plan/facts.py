@@ -52,6 +52,11 @@ class ModelFacts:
     #: with a ``peft`` section: the element counts of the trained adapter tensors (the rest is a frozen
     #: base); empty when every weight trains
     adapters: tuple[int, ...] = ()
+    #: for each of ``adapters``: whether megatron splits it over TP (B of a column-parallel site, A of a
+    #: row-parallel one), and the megatron sites' kinds: ("col" | "row", targets) per adapted linear
+    adapters_tp: tuple[bool, ...] = ()
+    adapter_sites: tuple[tuple[str, int], ...] = ()
+    adapter_rank: int = 0
 
     @property
     def moe(self) -> bool:
@@ -180,7 +185,31 @@ def with_adapters(f: ModelFacts, hf_cfg: Any, peft: Any) -> ModelFacts:
     import dataclasses
     import math
 
-    from tessera.models.adapters import adapter_shapes
+    from tessera.models.adapters import adapter_shapes, section_dict
 
-    numels = tuple(math.prod(s) for s in adapter_shapes(hf_cfg, peft).values())
-    return dataclasses.replace(f, adapters=numels)
+    shapes = adapter_shapes(hf_cfg, peft)
+    split: dict[str, bool] = {}
+    sites: tuple[tuple[str, int], ...] = ()
+    if family_of(hf_cfg.model_type).adapter is not None:
+        from tessera.engines.megatron_adapters import lora_rules
+        from tessera.engines.megatron_adapters import sites as megatron_sites
+        from tessera.errors import RecipeError
+        from tessera.models.megatron import adapter_for
+
+        try:
+            found = megatron_sites(adapter_for(hf_cfg.model_type), hf_cfg, section_dict(peft))
+        except RecipeError:  # not on megatron (the engine refuses it there, naming the field)
+            found = []
+        sites = tuple((s.split, len(s.targets)) for s in found)
+        for site in found:
+            for rule in lora_rules(site):
+                split[str(rule.hf).replace("*", "")] = rule.split != "repl"
+    numels = tuple(math.prod(s) for s in shapes.values())
+    tp = tuple(split.get(_layerless(n), False) for n in shapes)
+    rank = int(section_dict(peft)["r"])
+    return dataclasses.replace(f, adapters=numels, adapters_tp=tp, adapter_sites=sites, adapter_rank=rank)
+
+
+def _layerless(name: str) -> str:
+    """``model.layers.3.self_attn.q_proj.lora_A.weight`` -> ``model.layers..self_attn.q_proj.lora_A.weight``."""
+    return re.sub(r"\.layers\.\d+\.", ".layers..", name)

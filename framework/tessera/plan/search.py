@@ -40,7 +40,7 @@ from tessera.plan.time_estimate import (
     bubble_fraction,
     step_time,
 )
-from tessera.tables.engines import ENGINE_NAMES, ENGINES, Capabilities, capabilities, engine_hook
+from tessera.tables.engines import ENGINE_NAMES, ENGINES, ZERO_IMPLS, Capabilities, capabilities, engine_hook
 
 BUBBLE_FORMULA = (
     "(p-1)/(v*m + p-1): Narayanan et al. 2021 (p-1)/(v*m) of the ideal time, as a share of the step"
@@ -237,8 +237,6 @@ def plan(
                 "unknown recompute option", field="recompute", value=rc, fix="use none, selective or full"
             )
     f = with_adapters(model_facts(hf_cfg), hf_cfg, peft)
-    if peft is not None:  # adapters train on the HF module (peft's layers); megatron-core's modules have none
-        engines = [e for e in engines if ENGINES[e].caps.hf_module]
     q = _Query(
         f=f,
         world_size=world_size,
@@ -322,6 +320,12 @@ def _try_structure(
     f, hw, world_size, global_batch, precision = q.f, q.hw, q.world_size, q.global_batch, q.precision
     dp = world_size // (st["tp"] * st["pp"])
     zero_impl, sp = resolve_auto(engine, zero=st["zero"], tp=st["tp"], sp_ok=q.sp_ok)
+    if f.adapters and not ENGINES[engine].caps.hf_module and ZERO_IMPLS[zero_impl].deepspeed:
+        lay = dict(engine=engine, dp=dp, **st, zero_impl=zero_impl)
+        result.rejected.append(
+            Rejection(lay, "adapters on megatron's linears train under megatron's own data parallelism only")
+        )
+        return
     seen: set[str] = set()
     sizes = [mb for mb in q.micro_batches if mb * dp <= max(global_batch, dp)] or [1]
     for mb in sizes:

@@ -477,12 +477,14 @@ def _frozen_base_check(ctx: RunContext) -> dict[str, Any] | None:
     import dataclasses
 
     from tessera.comm.groups import all_gather_object
-    from tessera.models.adapters import check_frozen_base
+    from tessera.models.adapters import check_frozen_base, checkers, whole_base_tensors
 
     # the base as the recipe names it (a resharding stage the engine was built from is gone by now)
     base = dataclasses.replace(ctx.source, weights=None).tensors()
+    state = ctx.engine.state_dict()
+    who = checkers(all_gather_object(whole_base_tensors(state)))
     with torch.no_grad():
-        mine = check_frozen_base(ctx.engine.state_dict(), base, rank=ctx.rank, world=ctx.world)
+        mine = check_frozen_base(state, base, rank=ctx.rank, checker=who)
     parts = all_gather_object(mine)
     differ = sorted({n for p in parts for n in p["differ"]})
     return {"tensors_checked": sum(p["tensors"] for p in parts), "unchanged": not differ, "differ": differ}
