@@ -1,8 +1,9 @@
-"""LoRA / DoRA under the HF-module engines (issue 34), real gloo ranks, fp32, a tiny pretrained Llama.
+"""LoRA / DoRA under every layout (issue 34), real gloo ranks, fp32, a tiny pretrained Llama and Mixtral.
 
-One fixture: LoRA r=8 on the seven projections under ddp, ZeRO-2 and ZeRO-3, DoRA (with the LM head as a
-module to save) under ddp and ZeRO-3, 10 steps with checkpoints at 5 and 10; then, in a second set of rank
-processes, a same-layout resume and two resumes at other layouts from step 5.
+One fixture: LoRA r=8 on the seven projections under ddp, ZeRO-2, ZeRO-3, megatron TP2 (sequence parallel)
+and PP2, DoRA (with the LM head as a module to save) under ddp and ZeRO-3, LoRA on Mixtral's attention
+under ddp and megatron EP2; 10 steps with checkpoints at 5 and 10; then, in new rank processes, a
+same-layout resume and resumes at other layouts and engines from step 5 (TP2 -> TP1 on one rank).
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from tessera.rundir import RunDir
 
 pytestmark = pytest.mark.slow
 
-LLAMA = REPO / "recipes" / "tiny-llama-cpu.yaml"
+R = REPO / "recipes"
+LLAMA = R / "tiny-llama-cpu.yaml"
+MIXTRAL = R / "tiny-mixtral-cpu.yaml"
 SEVEN = "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"
 LORA = ["peft.method=lora", "peft.r=8", "peft.alpha=16", f"peft.target_modules={SEVEN}"]
 DORA = ["peft.method=dora", "peft.r=8", "peft.alpha=16", f"peft.target_modules={SEVEN}",
@@ -34,31 +37,70 @@ DORA = ["peft.method=dora", "peft.r=8", "peft.alpha=16", f"peft.target_modules={
 DDP = ["parallel.engine=ddp", "parallel.zero=0"]
 Z2 = ["parallel.engine=deepspeed", "parallel.zero=2"]
 Z3 = ["parallel.engine=deepspeed", "parallel.zero=3"]
+ATTN = ["peft.method=lora", "peft.r=8", "peft.alpha=16", "peft.target_modules=[q_proj,k_proj,v_proj,o_proj]"]
+TP2 = ["parallel.engine=megatron", "parallel.tp=2", "parallel.zero=0"]  # sequence parallel: auto (on)
+PP2 = ["parallel.engine=megatron", "parallel.pp=2", "parallel.zero=0"]
+EP2 = ["parallel.engine=megatron", "parallel.ep=2", "parallel.zero=1"]
+# name -> (recipe, overrides): the model is the recipe's family, pretrained (seed 7)
 RUNS = {
-    "lora_ddp": [*LORA, *DDP],
-    "lora_z2": [*LORA, *Z2],
-    "lora_z3": [*LORA, *Z3],
-    "dora_ddp": [*DORA, *DDP],
-    "dora_z3": [*DORA, *Z3],
+    "lora_ddp": (LLAMA, [*LORA, *DDP]),
+    "lora_z2": (LLAMA, [*LORA, *Z2]),
+    "lora_z3": (LLAMA, [*LORA, *Z3]),
+    "lora_tp2": (LLAMA, [*LORA, *TP2]),
+    "lora_pp2": (LLAMA, [*LORA, *PP2]),
+    "dora_ddp": (LLAMA, [*DORA, *DDP]),
+    "dora_z3": (LLAMA, [*DORA, *Z3]),
+    "mixtral_ddp": (MIXTRAL, [*ATTN, *DDP]),
+    "mixtral_ep2": (MIXTRAL, [*ATTN, *EP2]),
 }
-# name -> (source run, the new layout's overrides): resumed from the source's step 5
-RESUMES = {"lora_z2_again": ("lora_z2", []), "lora_z3_to_ddp": ("lora_z3", DDP), "dora_ddp_to_z3": ("dora_ddp", Z3)}
+ONE = ["run.world_size=1"]
+# name -> (source run, the new layout's overrides, world size): resumed from the source's step 5
+RESUMES = {
+    "lora_z2_again": ("lora_z2", [], 2),
+    "lora_z3_to_ddp": ("lora_z3", DDP, 2),
+    "dora_ddp_to_z3": ("dora_ddp", Z3, 2),
+    "lora_tp2_to_z2": ("lora_tp2", [*Z2, "parallel.tp=1"], 2),
+    "lora_tp2_to_tp1": ("lora_tp2", [*ONE, "parallel.tp=1"], 1),
+}
 COMMON = ["train.steps=10", "checkpoint.every=5", "checkpoint.keep=3", "data.eval.max_samples=32",
           "optim.lr=1e-2", "optim.warmup_steps=0"]  # fmt: skip
 
 
+def save_tiny(recipe, path):
+    """The recipe's tiny model written by save_pretrained (seed 7: not the weights any run initialises)
+    with the recipe's stdlib BPE as its tokenizer: the base a pretrained run then loads."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tessera.config.loader import load_recipe
+    from tessera.data import prepare_data
+    from tessera.models.hf import load_hf_config
+
+    r = load_recipe(recipe).recipe
+    torch.manual_seed(7)
+    AutoModelForCausalLM.from_config(load_hf_config(r.model, vocab_size=512)).save_pretrained(path)
+    bpe = prepare_data(r.data, root=REPO).tokenizer_dir  # cached: the runs reuse it
+    AutoTokenizer.from_pretrained(bpe, local_files_only=True).save_pretrained(path)
+    return path
+
+
+def _pretrained(hf) -> list[str]:
+    return ["model.hf_config=null", f"model.path={hf}", "model.pretrained=true"]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from test_reshard import pretrained, save_pretrained_tiny
-
     base = tmp_path_factory.mktemp("lora")
-    hf = save_pretrained_tiny(base / "hf_pretrained")
-    model = [o for o in pretrained(hf) if not o.startswith("train.steps")]
-    got = train_runs({base / k: (LLAMA, [*model, *COMMON, *ov], False) for k, ov in RUNS.items()}, world=2)
-    for name, (src, ov) in RESUMES.items():
+    hf = {LLAMA: save_tiny(LLAMA, base / "hf_llama"), MIXTRAL: save_tiny(MIXTRAL, base / "hf_mixtral")}
+    got = train_runs(
+        {base / k: (rec, [*_pretrained(hf[rec]), *COMMON, *ov], False) for k, (rec, ov) in RUNS.items()},
+        world=2,
+    )
+    for name, (src, ov, _) in RESUMES.items():
         relayout(base / src, base / name, ov, at_step=5)
-    got |= train_runs({base / k: (None, [], True) for k in RESUMES}, world=2)
-    return {"_base": base, "_hf": hf, **{d.name: rec for d, rec in got.items()}}
+    for world in (2, 1):
+        got |= train_runs({base / k: (None, [], True) for k, v in RESUMES.items() if v[2] == world}, world=world)
+    return {"_base": base, "_hf": hf[LLAMA], **{d.name: rec for d, rec in got.items()}}
 
 
 def _cli(*args: str) -> tuple[int, str]:
@@ -69,7 +111,11 @@ def _cli(*args: str) -> tuple[int, str]:
     return code, o.getvalue() + e.getvalue()
 
 
-@pytest.mark.parametrize(("ref", "other"), [("lora_ddp", "lora_z2"), ("lora_ddp", "lora_z3"), ("dora_ddp", "dora_z3")])
+@pytest.mark.parametrize(
+    ("ref", "other"),
+    [("lora_ddp", "lora_z2"), ("lora_ddp", "lora_z3"), ("lora_ddp", "lora_tp2"), ("lora_ddp", "lora_pp2"),
+     ("dora_ddp", "dora_z3"), ("mixtral_ddp", "mixtral_ep2")],
+)  # fmt: skip
 def test_every_layout_trains_the_same_adapters(runs, ref, other):
     """Steps 1-10: losses within 1e-6, grad norms within 1e-5 (the adapters' own; the base has none)."""
     a, b = runs[ref], runs[other]
@@ -86,8 +132,12 @@ def test_the_frozen_base_is_bit_identical_after_training(runs, name):
     summary = RunDir(runs["_base"] / name).read_summary()
     frozen = summary["frozen_base"]
     assert frozen["unchanged"] and not frozen["differ"]
-    tensors = 21  # tiny Llama: the 2 x 9 layer tensors, embedding, final norm, head
-    assert frozen["tensors_checked"] == (2 * tensors if "z3" in name else tensors)
+    # 21 tensors (2 layers x 9, embedding, final norm, head; Mixtral's 9 with router and fused experts);
+    # ZeRO-3: each rank its partition of every one (42); TP2: the 16 split ones once per rank (the fused
+    # QKV / fc1 give one piece per q, k, v, gate, up: 2 x 14 + 4 for the vocabulary) and the 5 norms once
+    # (37); EP2: each rank its 2 experts' pieces (gate, up, down: 2 x 2 x 6 = 24) and 17 others once (41)
+    want = {"lora_z3": 42, "dora_z3": 42, "lora_tp2": 37, "mixtral_ep2": 41}
+    assert frozen["tensors_checked"] == want.get(name, 21)
 
 
 def test_checkpoints_hold_the_adapters_and_name_their_base(runs):
@@ -117,8 +167,8 @@ def test_checkpoints_hold_the_adapters_and_name_their_base(runs):
 
 @pytest.mark.parametrize("name", sorted(RESUMES))
 def test_a_resume_continues_the_run_with_its_adapters_and_moments(runs, name):
-    """At the same layout bit-exact; at another engine / stage the next step within 1e-6, the resharded
-    checkpoint verified (adapters and their Adam moments bit-exact, logits within 1e-5)."""
+    """At the same layout bit-exact; at another engine / stage / TP degree the next step within 1e-6, the
+    resharded checkpoint verified (adapters and their Adam moments bit-exact, logits within 1e-5)."""
     src = RESUMES[name][0]
     assert [r["step"] for r in runs[name]] == list(range(1, 11))  # the copied history, then steps 6-10
     a, b = losses(runs[src]), losses(runs[name])[5:]
@@ -132,7 +182,7 @@ def test_a_resume_continues_the_run_with_its_adapters_and_moments(runs, name):
     assert int(v["tensors_equal"].split("/")[0]) == int(v["tensors_equal"].split("/")[1]) > 21
 
 
-@pytest.mark.parametrize("name", ["lora_z3", "dora_z3"])
+@pytest.mark.parametrize("name", ["lora_z3", "dora_z3", "lora_tp2"])
 def test_the_peft_export_loads_with_peft_and_replays_the_run(runs, name, tmp_path):
     """``tessera convert --to peft``: ``PeftModel.from_pretrained`` on the original base gives the run's
     own loss of the next step (so the adapters, and the base they were trained on, are the run's); the
@@ -166,7 +216,7 @@ def test_the_peft_export_loads_with_peft_and_replays_the_run(runs, name, tmp_pat
 def test_model_states_match_the_plan(runs):
     """Parameters (frozen base apart), gradients and optimizer moments each rank held, against the
     planner's prediction within 5 % (ddp's replicas, ZeRO-2, ZeRO-3 with the base partitioned)."""
-    for name in ("lora_ddp", "lora_z2", "lora_z3", "dora_z3"):
+    for name in ("lora_ddp", "lora_z2", "lora_z3", "dora_z3", "lora_tp2", "lora_pp2", "mixtral_ep2"):
         want = assert_model_states_match_plan(runs["_base"] / name)
         assert 0 < want["grads"] < want["frozen"] <= want["params"]
 

@@ -136,8 +136,11 @@ def test_a_changed_frozen_base_is_found():
         (["peft.r=-4"], "peft.r", "the adapter rank must be positive"),
         (["peft.target_modules=[]"], "peft.target_modules", "no target modules"),
         (["peft.method=ia3"], "peft.method", ""),
-        (["peft.r=8", "parallel.engine=megatron", "parallel.zero=2", "parallel.zero_impl=deepspeed"],
-         "parallel.zero_impl", "megatron's own data parallelism"),
+        (
+            ["peft.r=8", "parallel.engine=megatron", "parallel.zero=2", "parallel.zero_impl=deepspeed"],
+            "parallel.zero_impl",
+            "megatron's own data parallelism",
+        ),
     ],
 )
 def test_bad_adapter_settings_name_the_field(overrides, field, words):
@@ -220,8 +223,18 @@ def test_the_8b_lora_plans_split_base_and_adapters():
 @pytest.mark.parametrize(
     ("peft", "field", "value", "words"),
     [
-        ({"target_modules": ["q_proj", "lm_head"]}, "peft.target_modules", "lm_head", "no linear of the layers"),
-        ({"target_modules": ["embed_tokens"]}, "peft.target_modules", "embed_tokens", "no linear of the layers"),
+        (
+            {"target_modules": ["q_proj", "lm_head"]},
+            "peft.target_modules",
+            "lm_head",
+            "no linear of the layers",
+        ),
+        (
+            {"target_modules": ["embed_tokens"]},
+            "peft.target_modules",
+            "embed_tokens",
+            "no linear of the layers",
+        ),
         ({"method": "dora"}, "peft.method", "dora", "DoRA"),
         ({"dropout": 0.1}, "peft.dropout", 0.1, "dropout"),
         ({"modules_to_save": ["lm_head"]}, "peft.modules_to_save", ["lm_head"], "modules trained in full"),
