@@ -1,9 +1,10 @@
 """LoRA / DoRA under every layout (issue 34), real gloo ranks, fp32, a tiny pretrained Llama and Mixtral.
 
 One fixture: LoRA r=8 on the seven projections under ddp, ZeRO-2, ZeRO-3, megatron TP2 (sequence parallel)
-and PP2, DoRA (with the LM head as a module to save) under ddp and ZeRO-3, LoRA on Mixtral's attention
-under ddp and megatron EP2; 10 steps with checkpoints at 5 and 10; then, in new rank processes, a
-same-layout resume and resumes at other layouts and engines from step 5 (TP2 -> TP1 on one rank).
+and PP2, DoRA (with the LM head as a module to save) under ddp and ZeRO-3, LoRA on Mixtral's seven
+projections (the experts' fused tensors: one adapter per expert) under ddp, ZeRO-3 and megatron EP2; 10
+steps with checkpoints at 5 and 10; then, in new rank processes, a same-layout resume and resumes at other
+layouts and engines from step 5 (TP2 -> TP1 on one rank).
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ DORA = ["peft.method=dora", "peft.r=8", "peft.alpha=16", f"peft.target_modules={
 DDP = ["parallel.engine=ddp", "parallel.zero=0"]
 Z2 = ["parallel.engine=deepspeed", "parallel.zero=2"]
 Z3 = ["parallel.engine=deepspeed", "parallel.zero=3"]
-ATTN = ["peft.method=lora", "peft.r=8", "peft.alpha=16", "peft.target_modules=[q_proj,k_proj,v_proj,o_proj]"]
 TP2 = ["parallel.engine=megatron", "parallel.tp=2", "parallel.zero=0"]  # sequence parallel: auto (on)
 PP2 = ["parallel.engine=megatron", "parallel.pp=2", "parallel.zero=0"]
 EP2 = ["parallel.engine=megatron", "parallel.ep=2", "parallel.zero=1"]
@@ -50,8 +50,9 @@ RUNS = {
     "lora_pp2": (LLAMA, [*LORA, *PP2]),
     "dora_ddp": (LLAMA, [*DORA, *DDP]),
     "dora_z3": (LLAMA, [*DORA, *Z3]),
-    "mixtral_ddp": (MIXTRAL, [*ATTN, *DDP]),
-    "mixtral_ep2": (MIXTRAL, [*ATTN, *EP2]),
+    "mixtral_ddp": (MIXTRAL, [*LORA, *DDP]),
+    "mixtral_z3": (MIXTRAL, [*LORA, *Z3]),
+    "mixtral_ep2": (MIXTRAL, [*LORA, *EP2]),
 }
 ONE = ["run.world_size=1"]
 # name -> (source run, the new layout's overrides, world size): resumed from the source's step 5
@@ -100,7 +101,7 @@ def runs(tmp_path_factory):
         relayout(base / src, base / name, ov, at_step=5)
     for world in (2, 1):
         got |= train_runs({base / k: (None, [], True) for k, v in RESUMES.items() if v[2] == world}, world=world)
-    return {"_base": base, "_hf": hf[LLAMA], **{d.name: rec for d, rec in got.items()}}
+    return {"_base": base, "_hf": hf, **{d.name: rec for d, rec in got.items()}}
 
 
 def _cli(*args: str) -> tuple[int, str]:
@@ -114,7 +115,7 @@ def _cli(*args: str) -> tuple[int, str]:
 @pytest.mark.parametrize(
     ("ref", "other"),
     [("lora_ddp", "lora_z2"), ("lora_ddp", "lora_z3"), ("lora_ddp", "lora_tp2"), ("lora_ddp", "lora_pp2"),
-     ("dora_ddp", "dora_z3"), ("mixtral_ddp", "mixtral_ep2")],
+     ("dora_ddp", "dora_z3"), ("mixtral_ddp", "mixtral_z3"), ("mixtral_ddp", "mixtral_ep2")],
 )  # fmt: skip
 def test_every_layout_trains_the_same_adapters(runs, ref, other):
     """Steps 1-10: losses within 1e-6, grad norms within 1e-5 (the adapters' own; the base has none)."""
@@ -136,7 +137,7 @@ def test_the_frozen_base_is_bit_identical_after_training(runs, name):
     # ZeRO-3: each rank its partition of every one (42); TP2: the 16 split ones once per rank (the fused
     # QKV / fc1 give one piece per q, k, v, gate, up: 2 x 14 + 4 for the vocabulary) and the 5 norms once
     # (37); EP2: each rank its 2 experts' pieces (gate, up, down: 2 x 2 x 6 = 24) and 17 others once (41)
-    want = {"lora_z3": 42, "dora_z3": 42, "lora_tp2": 37, "mixtral_ep2": 41}
+    want = {"lora_z3": 42, "dora_z3": 42, "mixtral_z3": 42, "lora_tp2": 37, "mixtral_ep2": 41}
     assert frozen["tensors_checked"] == want.get(name, 21)
 
 
@@ -148,7 +149,7 @@ def test_checkpoints_hold_the_adapters_and_name_their_base(runs):
     from tessera.evidence.manifest import files_digest
     from tessera.tensorfile import load_tensors
 
-    base, hf = runs["_base"], runs["_hf"]
+    base, hf = runs["_base"], runs["_hf"][LLAMA]
     ckpt = RunDir(base / "lora_ddp").checkpoints / step_dir_name(10)
     saved = load_tensors(ckpt / MODEL_FILE)
     assert len(saved) == 28 and all(".lora_A." in n or ".lora_B." in n for n in saved)
@@ -182,7 +183,7 @@ def test_a_resume_continues_the_run_with_its_adapters_and_moments(runs, name):
     assert int(v["tensors_equal"].split("/")[0]) == int(v["tensors_equal"].split("/")[1]) > 21
 
 
-@pytest.mark.parametrize("name", ["lora_z3", "dora_z3", "lora_tp2"])
+@pytest.mark.parametrize("name", ["lora_z3", "dora_z3", "lora_tp2", "mixtral_ep2"])
 def test_the_peft_export_loads_with_peft_and_replays_the_run(runs, name, tmp_path):
     """``tessera convert --to peft``: ``PeftModel.from_pretrained`` on the original base gives the run's
     own loss of the next step (so the adapters, and the base they were trained on, are the run's); the
@@ -190,7 +191,7 @@ def test_the_peft_export_loads_with_peft_and_replays_the_run(runs, name, tmp_pat
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    run, hf = runs["_base"] / name, runs["_hf"]
+    run, hf = runs["_base"] / name, runs["_hf"][MIXTRAL if name.startswith("mixtral") else LLAMA]
     ckpt = RunDir(run).checkpoints / step_dir_name(5)
     logged = next(r["loss"] for r in RunDir(run).read_metrics() if r["step"] == 6)
     code, out = _cli("convert", str(ckpt), "--to", "peft", "--out", str(tmp_path / "adapter"))
@@ -216,7 +217,7 @@ def test_the_peft_export_loads_with_peft_and_replays_the_run(runs, name, tmp_pat
 def test_model_states_match_the_plan(runs):
     """Parameters (frozen base apart), gradients and optimizer moments each rank held, against the
     planner's prediction within 5 % (ddp's replicas, ZeRO-2, ZeRO-3 with the base partitioned)."""
-    for name in ("lora_ddp", "lora_z2", "lora_z3", "dora_z3", "lora_tp2", "lora_pp2", "mixtral_ep2"):
+    for name in ("lora_ddp", "lora_z2", "lora_z3", "dora_z3", "lora_tp2", "lora_pp2", "mixtral_z3", "mixtral_ep2"):
         want = assert_model_states_match_plan(runs["_base"] / name)
         assert 0 < want["grads"] < want["frozen"] <= want["params"]
 

@@ -155,7 +155,7 @@ def test_bad_adapter_settings_name_the_field(overrides, field, words):
         (TINY, "qq_proj", "LlamaForCausalLM has no module named 'qq_proj'"),
         (TINY, "embed_tokens.weight", "has no module named"),
         ({**TINY, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}, "gate_proj",
-         "its experts are fused 3-D tensors"),
+         "the experts keep gate and up in one tensor"),
     ],
 )  # fmt: skip
 def test_an_unknown_target_module_is_refused_naming_it(model, target, words):
@@ -166,7 +166,7 @@ def test_an_unknown_target_module_is_refused_naming_it(model, target, words):
     with pytest.raises(RecipeError) as e:
         adapter_shapes(hf, PeftSection(target_modules=["q_proj", target]))
     assert e.value.field == "peft.target_modules" and e.value.value == target and words in e.value.message
-    assert "q_proj" in e.value.fix
+    assert ("q_proj" if target != "gate_proj" else "up_proj") in e.value.fix
 
 
 def test_resuming_with_other_adapters_is_refused():
@@ -261,3 +261,55 @@ def test_what_megatron_cannot_adapt_is_refused_naming_the_field(peft, field, val
         ("decoder.layers.*.mlp.linear_fc1", "col", ["gate_proj", "up_proj"]),
         ("decoder.layers.*.mlp.linear_fc2", "row", ["down_proj"]),
     ]
+
+
+def test_expert_adapters_are_peft_packing_and_reshard_exactly():
+    """Mixtral's fused experts: gate/up/down targets become peft's LoRA on gate_up_proj and down_proj (one
+    per expert: A's rows e*r.., B's columns e, e+E, ...). Expert e's block through the weight map is the
+    block whose product is peft's own delta of that expert, and every TP / EP shard put back together
+    gives the packed tensors bit for bit."""
+    from transformers import AutoConfig
+
+    from tessera.engines.megatron_adapters import mcore_adapter
+    from tessera.models.adapters import section_dict
+    from tessera.models.megatron import Shard
+    from tessera.models.weight_map import hf_to_mcore, mcore_to_hf
+
+    cfg = dict(TINY, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2)
+    src = ModelSource(
+        section=ModelSection(hf_config=cfg),
+        vocab_size=128,
+        seed=3,
+        peft=PeftSection(r=4, target_modules=SEVEN),
+    )
+    model = src.build_hf()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in named_parameters(model):
+            if ".lora_B." in n:
+                p.copy_(torch.randn(p.shape, generator=gen))
+    state = {n: p.detach().clone() for n, p in named_parameters(model)}
+    wrapper = model.get_submodule("model.layers.0.mlp.experts.base_layer")  # peft's inner: gate_up_proj
+    assert type(wrapper).__name__ == "ParamWrapper" and wrapper.parameter_name == "gate_up_proj"
+    delta = wrapper.get_delta_weight("default")  # (E, 2I, H): peft's own expert deltas
+    hf = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    adapter = mcore_adapter(hf, section_dict(PeftSection(r=4, target_modules=SEVEN)))
+    key = "decoder.layers.0.mlp.experts.local_experts.{}.linear_fc1_lora.gate_up_proj.lora_{}.weight"
+    shards = {}
+    for ep_rank in (0, 1):
+        for tp_rank in (0, 1):
+            sh = Shard(tp=2, tp_rank=tp_rank, ep=2, ep_rank=ep_rank, etp=2, etp_rank=tp_rank)
+            shards[sh] = hf_to_mcore(state, adapter, hf, sh)
+    scale = 16.0 / 4  # peft's scaling: alpha / r
+    for e in range(4):
+        sh0, sh1 = (Shard(tp=2, tp_rank=t, ep=2, ep_rank=e // 2, etp=2, etp_rank=t) for t in (0, 1))
+        a = shards[sh0][key.format(e % 2, "A")]
+        b0, b1 = shards[sh0][key.format(e % 2, "B")], shards[sh1][key.format(e % 2, "B")]
+        half = delta.shape[1] // 2
+        gate = torch.cat([b0[: half // 2], b1[: half // 2]]) @ a * scale
+        up = torch.cat([b0[half // 2 :], b1[half // 2 :]]) @ a * scale
+        assert torch.allclose(torch.cat([gate, up]), delta[e], atol=1e-5), e
+    back = mcore_to_hf(shards, adapter, hf, adapters_only=False)
+    for n, t in state.items():
+        if ".experts." in n and ".lora_" in n:
+            assert torch.equal(back[n], t), n

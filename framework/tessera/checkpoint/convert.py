@@ -175,7 +175,7 @@ def merged_state(
     from peft import get_peft_model, set_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
-    from tessera.models.adapters import is_adapter, lora_config, peft_key
+    from tessera.models.adapters import is_adapter, lora_config, peft_names
 
     model = AutoModelForCausalLM.from_config(hf_cfg).float()
     base = {k: v for k, v in state.items() if not is_adapter(k)}
@@ -183,8 +183,9 @@ def merged_state(
     if [k for k in missing if not _is_tied(model, k)] or unexpected:  # internal: read_hf_state's names
         raise RuntimeError(f"base does not fit its config: {missing[:3]} {unexpected[:3]}")
     model.tie_weights()
-    pm = get_peft_model(model, lora_config(adapters))
-    result = set_peft_model_state_dict(pm, {peft_key(k): v for k, v in state.items() if is_adapter(k)})
+    names = peft_names(hf_cfg, adapters)
+    pm = get_peft_model(model, lora_config(adapters, model))
+    result = set_peft_model_state_dict(pm, {names.peft_key(k): v for k, v in state.items() if is_adapter(k)})
     if [k for k in result.unexpected_keys if "lora" in k or "modules_to_save" in k]:  # internal
         raise RuntimeError(f"adapter keys peft did not take: {result.unexpected_keys[:3]}")
     merged = pm.merge_and_unload()
@@ -214,7 +215,7 @@ def _convert_to_peft(src: Path, out: Path, *, verify: bool, prompts: int) -> dic
     from transformers import AutoTokenizer
 
     from tessera.checkpoint.verify import ADAPTER_CONFIG, open_side
-    from tessera.models.adapters import is_adapter, lora_config, peft_key
+    from tessera.models.adapters import is_adapter, lora_config, meta_model, peft_names
 
     check_out(out)
     ckpt = resolve_source(src)
@@ -229,10 +230,12 @@ def _convert_to_peft(src: Path, out: Path, *, verify: bool, prompts: int) -> dic
         )
     base = meta.get("base") or {}
     base_dir = base.get("path") if base.get("from") == "files" else None
-    cfg = lora_config(adapters)
+    hf_cfg = hf_config_of(meta)
+    names = peft_names(hf_cfg, adapters)
+    cfg = lora_config(adapters, meta_model(hf_cfg, adapters))
     cfg.base_model_name_or_path = base_dir
     cfg.task_type = "CAUSAL_LM"
-    tensors = {peft_key(k): v.detach().float().contiguous() for k, v in state.items() if is_adapter(k)}
+    tensors = {names.peft_key(k): v.detach().float().contiguous() for k, v in state.items() if is_adapter(k)}
     tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -258,7 +261,7 @@ def _convert_to_peft(src: Path, out: Path, *, verify: bool, prompts: int) -> dic
             if base_dir is not None:  # as the ecosystem loads it: PeftModel.from_pretrained on the base
                 written = open_side(tmp)
             else:  # a base built from a seed has no directory to name: the adapters on the checkpoint's base
-                written = Side(str(tmp), "peft", source.config, _adapter_state(tmp, source.state), None,
+                written = Side(str(tmp), "peft", source.config, _adapter_state(tmp, source.state, names), None,
                                None, peft=adapters)  # fmt: skip
             written.label = f"{out} (as written, before the rename)"
             report = compare(source, written, prompts=prompts)
@@ -281,12 +284,12 @@ def _convert_to_peft(src: Path, out: Path, *, verify: bool, prompts: int) -> dic
     return record
 
 
-def _adapter_state(adapter_dir: Path, base: Any) -> dict[str, torch.Tensor]:
-    from tessera.models.adapters import from_peft_key, is_adapter
+def _adapter_state(adapter_dir: Path, base: Any, names: Any) -> dict[str, torch.Tensor]:
+    from tessera.models.adapters import is_adapter
     from tessera.tensorfile import load_tensors
 
     written = {
-        from_peft_key(k): v for k, v in load_tensors(adapter_dir / "adapter_model.safetensors").items()
+        names.from_peft_key(k): v for k, v in load_tensors(adapter_dir / "adapter_model.safetensors").items()
     }
     return {**{k: v for k, v in base.items() if not is_adapter(k)}, **written}
 

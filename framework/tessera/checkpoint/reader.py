@@ -53,7 +53,8 @@ def read_hf_state(ckpt: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
             value=str(ckpt),
             fix="resume it once with this release (its next checkpoint is v2), then convert that",
         )
-    state = {canonical(k): v for k, v in reader_of(ckpt, meta).weights(ckpt, meta).items()}
+    name = names_of(meta)
+    state = {name(k): v for k, v in reader_of(ckpt, meta).weights(ckpt, meta).items()}
     if meta.get("peft") is not None:  # a checkpoint of adapters: the base is the one meta.json names
         base = base_tensors(ckpt, meta)
         state = {**{k: base[k] for k in base if k not in state}, **state}
@@ -101,7 +102,18 @@ def read_hf_moment(ckpt: Path, meta: dict[str, Any], kind: str) -> dict[str, tor
     together. ``ckpt`` is verified."""
     ckpt = Path(ckpt)
     moment = reader_of(ckpt, meta).moment(ckpt, meta, kind)
-    return None if moment is None else {canonical(k): v for k, v in moment.items()}
+    name = names_of(meta)
+    return None if moment is None else {name(k): v for k, v in moment.items()}
+
+
+def names_of(meta: dict[str, Any]) -> Any:
+    """Module name -> canonical name of a checkpoint's tensors (the names its engine's modules have: with
+    adapters peft's, positional for fused experts; :mod:`tessera.models.adapters`)."""
+    if meta.get("peft") is None:
+        return canonical
+    from tessera.models.adapters import peft_names
+
+    return peft_names(hf_config_of(meta), meta["peft"]).canonical
 
 
 def read_adam_step(ckpt: Path, meta: dict[str, Any]) -> int:

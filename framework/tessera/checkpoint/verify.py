@@ -64,6 +64,7 @@ class Side:
 #: megatron-core's advice on importing it without TransformerEngine or Apex (true of a CPU machine, and
 #: nothing to do with reading a checkpoint; the training ranks send it to their log file)
 _IMPORT_ADVICE = r"(Transformer Engine and Apex are|Apex is) not installed"
+_PEFT_DEPRECATION = r"`is_gradient_checkpointing` is deprecated"
 
 
 @contextlib.contextmanager
@@ -78,6 +79,8 @@ def quiet_libraries() -> Iterator[None]:
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_IMPORT_ADVICE, category=UserWarning)
+            # transformers' deprecation of a name peft's LoRA layers still read (peft 0.21.2)
+            warnings.filterwarnings("ignore", message=_PEFT_DEPRECATION, category=FutureWarning)
             yield
     finally:
         if bars:
@@ -87,9 +90,11 @@ def quiet_libraries() -> Iterator[None]:
 def open_side(path: Path) -> Side:
     path = Path(path)
     if (path / ADAPTER_CONFIG).is_file():
-        return _adapter_side(path)
+        with quiet_libraries():  # a base in legacy form loads through from_pretrained: no bar
+            return _adapter_side(path)
     if is_hf_dir(path):
-        return _hf_side(path)
+        with quiet_libraries():
+            return _hf_side(path)
     from tessera.checkpoint.reader import hf_config_of, read_hf_moment, read_hf_state
 
     ckpt = resolve_source(path)
@@ -110,7 +115,9 @@ def _adapter_side(path: Path) -> Side:
     """A PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``) on the base its
     config names: tensors are the base's plus the adapter's by canonical name; logits through
     ``PeftModel.from_pretrained`` on that base."""
-    from tessera.models.adapters import from_peft_key
+    from peft import LoraConfig
+
+    from tessera.models.adapters import names_of_config
     from tessera.models.hf import hf_dir_tensors, read_dir_config
     from tessera.tensorfile import LazyTensors
 
@@ -126,7 +133,8 @@ def _adapter_side(path: Path) -> Side:
             fix="export the base first (tessera convert RUN --to hf --out BASE) and name it there",
         )
     lazy = LazyTensors([path / "adapter_model.safetensors"])
-    adapters = {from_peft_key(k): lazy[k] for k in lazy}
+    names = names_of_config(read_dir_config(base), LoraConfig.from_pretrained(str(path)))
+    adapters = {names.from_peft_key(k): lazy[k] for k in lazy}
     state = {**dict(hf_dir_tensors(base)), **adapters}
     has_tok = any((path / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json"))
     return Side(
@@ -168,12 +176,13 @@ def _model(side: Side, dtype: torch.dtype) -> torch.nn.Module:
 
         inject(model, side.peft)
         model.to(dtype)
-    from tessera.models.adapters import canonical
+    from tessera.models.adapters import name_map
 
+    canon = name_map(model)
     with torch.no_grad():  # one tensor at a time (the side's state may be read lazily)
         for name, t in model.state_dict().items():
-            if canonical(name) in side.state:
-                t.copy_(side.state[canonical(name)])
+            if canon[name] in side.state:
+                t.copy_(side.state[canon[name]])
     model.tie_weights()
     return model.eval()
 

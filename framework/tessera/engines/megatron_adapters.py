@@ -53,6 +53,9 @@ class Site:
     fuse: str | None
     split: str
     targets: tuple[tuple[str, str], ...]  # (target, HF weight pattern)
+    #: a routed expert's linear (``#`` in ``mcore``): one adapter per expert on HF's fused expert tensor,
+    #: packed as peft packs them (``Rule.hf_experts``)
+    expert: bool = False
 
     @property
     def lora(self) -> str:
@@ -86,11 +89,12 @@ def sites(adapter: Adapter, hf_cfg: Any, peft: Mapping[str, Any]) -> list[Site]:
     wanted = list(dict.fromkeys(peft["target_modules"]))
     found: dict[str, Site] = {}
     for rule in adapter.rules(hf_cfg):
-        if (
-            "#" in rule.mcore
-            or rule.split not in (COL, ROW)
-            or not rule.mcore.startswith("decoder.layers.*.")
-        ):
+        if "#" in rule.mcore:
+            site = _expert_site(rule, wanted)
+            if site is not None:
+                found.update((t, site) for t in _expert_targets(site) if t in wanted)
+            continue
+        if rule.split not in (COL, ROW) or not rule.mcore.startswith("decoder.layers.*."):
             continue
         if not rule.mcore.endswith(".weight") or rule.layers != "all":
             continue
@@ -125,10 +129,40 @@ def sites(adapter: Adapter, hf_cfg: Any, peft: Mapping[str, Any]) -> list[Site]:
     for t in wanted:
         s = found[t]
         out.setdefault(s.mcore, s)
-    # only the targets asked for, in the fused order
+    # only the targets asked for, in the fused order (an expert site's one target is the fused tensor's)
     return [
-        dataclasses.replace(s, targets=tuple(x for x in s.targets if x[0] in wanted)) for s in out.values()
+        s if s.expert else dataclasses.replace(s, targets=tuple(x for x in s.targets if x[0] in wanted))
+        for s in out.values()
     ]
+
+
+#: HF targets -> the fused expert tensor they adapt together (transformers 5 MoE layers)
+_EXPERT_TENSORS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+def _expert_targets(site: Site) -> tuple[str, ...]:
+    return _EXPERT_TENSORS[site.targets[0][0]]
+
+
+def _expert_site(rule: Rule, wanted: list[str]) -> Site | None:
+    """The adapter site of a routed expert's linear when the recipe targets its HF tensor (peft's LoRA on
+    the fused tensor: gate and up together, or down); None otherwise. Only gate *and* up can share it."""
+    if rule.split not in (COL, ROW) or rule.layers != "all" or not isinstance(rule.hf, str):
+        return None
+    leaf = rule.hf.rsplit(".", 1)[-1]
+    targets = _EXPERT_TENSORS.get(leaf)
+    if targets is None or not any(t in wanted for t in targets):
+        return None
+    if not all(t in wanted for t in targets):
+        missing = next(t for t in targets if t not in wanted)
+        raise RecipeError(
+            f"the experts keep {' and '.join(targets)} in one tensor ({rule.hf}): one adapter covers both",
+            field="peft.target_modules",
+            value=next(t for t in targets if t in wanted),
+            fix=f"target {missing} too, or neither",
+        )
+    fuse = "gate_up_fused" if rule.fuse == "gate_up_fused" else None
+    return Site(rule.mcore.removesuffix(".weight"), fuse, rule.split, ((leaf, rule.hf),), expert=True)
 
 
 def _all_sites(adapter: Adapter, hf_cfg: Any) -> list[Site]:
@@ -154,7 +188,12 @@ def lora_rules(site: Site) -> list[Rule]:
     for target, hf in site.targets:
         base = hf.removesuffix(".weight")
         for part, split in (("lora_A", a_split), ("lora_B", b_split)):
-            out.append(Rule(f"{site.lora}.{target}.{part}.weight", f"{base}.{part}.weight", split))
+            extra: dict[str, Any] = {}
+            if site.expert:  # the expert's block of peft's packed tensor: A's rows, B's columns
+                extra = {"hf_experts": "rows" if part == "lora_A" else "cols"}
+                if part == "lora_B" and site.fuse == "gate_up_fused":
+                    extra["fuse"] = "gate_up_fused"  # B's rows laid out as the base's [gate_r; up_r]
+            out.append(Rule(f"{site.lora}.{target}.{part}.weight", f"{base}.{part}.weight", split, **extra))
     return out
 
 
@@ -199,13 +238,18 @@ class LoRASite(torch.nn.Module):
 
         super().__init__()
         self.site, self.scaling, self.config = site, scaling, config
+        #: how the targets' outputs join into the base's: an expert's one adapter is laid out by its rule
+        self.layout = None if site.expert else site.fuse
+        # the base's own TP group and sequence parallelism (a routed expert's: the expert-TP group, no SP)
+        self.group = getattr(base, "tp_group", None)
+        self.sp = bool(getattr(base, "sequence_parallel", config.sequence_parallel))
         tp = config.tensor_model_parallel_size
         dtype = config.params_dtype
         out_local, in_local = base.weight.shape
         self.groups = shape.num_query_groups // tp
         self.per_q = shape.num_heads // shape.num_query_groups * shape.head_dim
         self.head_dim = shape.head_dim
-        if site.fuse == "qkv" and shape.num_query_groups % tp:
+        if self.layout == "qkv" and shape.num_query_groups % tp:
             raise RecipeError(
                 f"adapters on q / k / v need the {shape.num_query_groups} query groups split evenly over tp",
                 field="parallel.tp",
@@ -223,15 +267,18 @@ class LoRASite(torch.nn.Module):
                 tensor_parallel.set_tensor_model_parallel_attributes(pair.lora_A.weight, True, 1, 1)
                 tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(pair.lora_B.weight)
                 # under SP each rank's B sees its own part of the sequence: finalize_model_grads sums it
-                pair.lora_B.weight.sequence_parallel = config.sequence_parallel
+                pair.lora_B.weight.sequence_parallel = self.sp
+            if site.expert:  # megatron's DDP and optimizer take expert parameters apart (expert-dp group)
+                for w in (pair.lora_A.weight, pair.lora_B.weight):
+                    w.allreduce = False
             self.add_module(target, pair)  # keys <site>_lora.<target>.lora_A.weight, as the rules say
         self.fused = [t for t, _ in site.targets]
         base.register_forward_hook(self._add)
 
     def _rows_of(self, target: str, out_local: int) -> int:
-        if self.site.fuse == "qkv":
+        if self.layout == "qkv":
             return self.groups * (self.per_q if target.startswith("q") else self.head_dim)
-        if self.site.fuse == "gate_up":
+        if self.layout == "gate_up":
             return out_local // 2
         return out_local
 
@@ -243,32 +290,32 @@ class LoRASite(torch.nn.Module):
         """``scaling * B(A x)`` of every target, laid out as the base's local output ``out``."""
         from megatron.core.tensor_parallel import mappings
 
-        sp = self.config.sequence_parallel
+        sp, g = self.sp, self.group
         if self.site.split == COL:
             full = (
-                mappings.gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False)
+                mappings.gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False, group=g)
                 if sp
                 else x
             )
             ys = {}
             for t in self.fused:
                 p = self._modules[t]
-                h = mappings.copy_to_tensor_model_parallel_region(F.linear(full, p.lora_A.weight))
+                h = mappings.copy_to_tensor_model_parallel_region(F.linear(full, p.lora_A.weight), group=g)
                 ys[t] = F.linear(h, p.lora_B.weight) * self.scaling
             return self._lay_out(ys, out)
         (t,) = self.fused
         p = self._modules[t]
         h = F.linear(x, p.lora_A.weight)
         h = (
-            mappings.reduce_scatter_to_sequence_parallel_region(h)
+            mappings.reduce_scatter_to_sequence_parallel_region(h, group=g)
             if sp
-            else mappings.reduce_from_tensor_model_parallel_region(h)
+            else mappings.reduce_from_tensor_model_parallel_region(h, group=g)
         )
         return F.linear(h, p.lora_B.weight) * self.scaling
 
     def _lay_out(self, ys: dict[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
         """The targets' outputs in the fused base's local layout (a target not adapted adds zeros)."""
-        fuse = self.site.fuse
+        fuse = self.layout
         if fuse is None:
             return next(iter(ys.values()))
         lead = out.shape[:-1]
@@ -301,7 +348,7 @@ class LoRASite(torch.nn.Module):
             prefix,
             axis,
             sharded_offsets,
-            tp_group=ps.get_tensor_model_parallel_group(),
+            tp_group=self.group or ps.get_tensor_model_parallel_group(),
             dp_cp_group=dp_cp,
         )
 
@@ -315,9 +362,16 @@ def attach(
     for site in sites(adapter, hf_cfg, peft):
         parent_path, leaf = site.mcore.removeprefix("decoder.layers.*.").rsplit(".", 1)
         for layer in model.decoder.layers:
-            parent = layer.get_submodule(parent_path)
-            base = getattr(parent, leaf)
-            parent.add_module(leaf + SUFFIX, LoRASite(site, base, shape, int(peft["r"]), scale, config))
+            if "#" in parent_path:  # every local expert of the layer
+                holder, _, rest = parent_path.partition(".#")
+                parents = [
+                    e.get_submodule(rest.lstrip(".")) if rest else e for e in layer.get_submodule(holder)
+                ]
+            else:
+                parents = [layer.get_submodule(parent_path)]
+            for parent in parents:
+                base = getattr(parent, leaf)
+                parent.add_module(leaf + SUFFIX, LoRASite(site, base, shape, int(peft["r"]), scale, config))
 
 
 def freeze_base(chunks: list[torch.nn.Module]) -> None:

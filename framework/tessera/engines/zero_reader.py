@@ -59,7 +59,7 @@ def _zero0_moment(ckpt: Path, meta: dict[str, Any], kind: str) -> dict[str, torc
     from transformers import AutoModelForCausalLM
 
     from tessera.engines.optim import param_groups
-    from tessera.models.adapters import canonical, inject
+    from tessera.models.adapters import inject, name_map
 
     files = sorted(ckpt.glob(MODEL_STATES))
     # DeepSpeed's own pickle, verified and scanned first, loaded with weights_only and the allow-list
@@ -70,9 +70,10 @@ def _zero0_moment(ckpt: Path, meta: dict[str, Any], kind: str) -> dict[str, torc
         model = AutoModelForCausalLM.from_config(hf_config_of(meta))
         if meta.get("peft") is not None:  # adapters: only they are in the optimizer's groups
             inject(model, meta["peft"])
-    named = {id(p): canonical(n) for n, p in model.named_parameters()}
+    canon = name_map(model)
+    named = {id(p): canon[n] for n, p in model.named_parameters()}
     order = [named[id(p)] for g in param_groups(model.named_parameters(), 0.0) for p in g["params"]]
-    shapes = dict((canonical(n), tuple(p.shape)) for n, p in model.named_parameters())
+    shapes = dict((canon[n], tuple(p.shape)) for n, p in model.named_parameters())
     got = [i for g in opt["param_groups"] for i in g["params"]]
     if len(got) != len(order) or any(
         tuple(opt["state"][i][kind].shape) != shapes[order[k]] for k, i in enumerate(got) if i in opt["state"]

@@ -28,6 +28,7 @@ import hashlib
 import json
 import math
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -92,21 +93,83 @@ def from_peft_key(key: str) -> str:
     return ".".join([*parts[:-1], SAVED, parts[-1]])  # a module saved in full
 
 
-def lora_config(section: Any) -> Any:
-    """peft's ``LoraConfig`` of the recipe's ``peft`` section (or of its dict in a checkpoint's meta.json)."""
+def lora_config(section: Any, model: torch.nn.Module | None = None) -> Any:
+    """peft's ``LoraConfig`` of the recipe's ``peft`` section (or of its dict in a checkpoint's meta.json);
+    with ``model`` (the HF model, any device), targets on fused expert tensors become peft's
+    ``target_parameters`` (:func:`peft_targets`)."""
     from peft import LoraConfig
 
     s = section if isinstance(section, Mapping) else section.model_dump()
+    modules, parameters = peft_targets(model, s) if model is not None else (list(s["target_modules"]), [])
     return LoraConfig(
         r=int(s["r"]),
         lora_alpha=float(s["alpha"]),
         lora_dropout=float(s["dropout"]),
-        target_modules=list(s["target_modules"]),
+        target_modules=modules or None,
+        target_parameters=parameters or None,
         modules_to_save=list(s["modules_to_save"]) or None,
         use_dora=s["method"] == "dora",
         bias="none",
         init_lora_weights=True,
     )
+
+
+#: HF projection names on the experts' fused tensors (transformers 5 keeps each layer's experts as 3-D
+#: parameters): gate and up are one ``gate_up_proj`` ([gate; up] rows per expert)
+FUSED_GATE_UP = ("gate_proj", "up_proj")
+
+
+def _fused(model: torch.nn.Module) -> dict[str, str]:
+    """Leaf name -> peft's target_parameters suffix (``experts.gate_up_proj``) of the model's 3-D expert
+    tensors."""
+    out: dict[str, str] = {}
+    for n, p in model.named_parameters():
+        if len(getattr(p, "ds_shape", p.shape)) == 3:  # ZeRO-3 keeps the full shape aside
+            parts = canonical(n).split(".")
+            out.setdefault(parts[-1], ".".join(parts[-2:]))
+    return out
+
+
+def peft_targets(model: torch.nn.Module, section: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+    """(target_modules, target_parameters) for peft: a target that names linear modules stays a module
+    target; one that names a projection of the fused experts (``gate_proj`` and ``up_proj`` together:
+    their ``gate_up_proj``; ``down_proj``) becomes a parameter target, one LoRA per expert on the fused
+    tensor (peft's ``ParamWrapper``: r rows of A and r columns of B per expert, gate and up sharing A)."""
+    fused = _fused(model)
+    modules: list[str] = []
+    parameters: list[str] = []
+    targets = list(dict.fromkeys(section["target_modules"]))
+    for t in targets:
+        if _modules_named(model, t):
+            modules.append(t)
+        if t in fused:
+            parameters.append(fused[t])
+        elif t in FUSED_GATE_UP and "gate_up_proj" in fused:
+            other = FUSED_GATE_UP[1 - FUSED_GATE_UP.index(t)]
+            if other not in targets:
+                raise RecipeError(
+                    f"the experts keep gate and up in one tensor ({fused['gate_up_proj']}): {t} alone cannot "
+                    "have an adapter there",
+                    field="peft.target_modules",
+                    value=t,
+                    fix=f"target both {FUSED_GATE_UP[0]} and {FUSED_GATE_UP[1]} (one adapter on the fused "
+                    "tensor per expert), or neither",
+                )
+            parameters.append(fused["gate_up_proj"])
+    parameters = list(dict.fromkeys(parameters))
+    if parameters:
+        for key, bad, what in (
+            ("peft.method", section["method"] != "lora", "DoRA"),
+            ("peft.dropout", float(section["dropout"]) != 0.0, "dropout"),
+        ):
+            if bad:
+                raise RecipeError(
+                    f"peft's LoRA on the fused expert tensors ({', '.join(parameters)}) has no {what}",
+                    field=key,
+                    value=section[key.split(".")[1]],
+                    fix="use method lora with dropout 0, or target the attention projections only",
+                )
+    return modules, parameters
 
 
 def section_dict(section: Any) -> dict[str, Any] | None:
@@ -123,7 +186,7 @@ def inject(model: torch.nn.Module, section: Any) -> torch.nn.Module:
     from peft import inject_adapter_in_model
 
     check_targets(model, section)
-    cfg = lora_config(section)
+    cfg = lora_config(section, model)
     try:
         inject_adapter_in_model(cfg, model, adapter_name=ADAPTER_NAME)
     except (ValueError, TypeError) as e:
@@ -148,12 +211,16 @@ def check_targets(model: torch.nn.Module, section: Any) -> None:
     leaf_names = sorted(
         {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     )
+    fused = _fused(model)
     for field, names in (
         ("peft.target_modules", s["target_modules"]),
         ("peft.modules_to_save", s["modules_to_save"]),
     ):
         for t in names:
-            if not _modules_named(model, t):
+            on_experts = field == "peft.target_modules" and (
+                t in fused or (t in FUSED_GATE_UP and "gate_up_proj" in fused)
+            )
+            if not _modules_named(model, t) and not on_experts:
                 hint = _fused_hint(model, t)
                 raise RecipeError(
                     f"{type(model).__name__} has no module named {t!r}{hint}",
@@ -165,11 +232,8 @@ def check_targets(model: torch.nn.Module, section: Any) -> None:
 
 def _fused_hint(model: torch.nn.Module, target: str) -> str:
     fused = [n for n, p in model.named_parameters() if p.dim() == 3]
-    if fused and target in ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"):
-        return (
-            f" (its experts are fused 3-D tensors such as {fused[0]}, which peft's target_modules cannot "
-            "wrap; adapters on the experts are not supported yet: target the attention projections)"
-        )
+    if fused and target in ("w1", "w2", "w3"):
+        return f" (its experts are fused 3-D tensors such as {fused[0]}: name them gate_proj, up_proj, down_proj)"
     return ""
 
 
@@ -207,16 +271,38 @@ def _config_key(hf_cfg: Any) -> str:
     return hf_cfg.to_json_string(use_diff=False)
 
 
-@functools.lru_cache(maxsize=8)
-def _meta_shapes(cfg_json: str, peft_json: str) -> tuple[tuple[str, tuple[int, ...], bool], ...]:
+def _meta_model(cfg_json: str, peft_json: str) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = json.loads(cfg_json)
     hf_cfg = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_cfg)
-    inject(model, json.loads(peft_json))
-    return tuple((canonical(n), tuple(p.shape), p.requires_grad) for n, p in model.named_parameters())
+    return inject(model, json.loads(peft_json))
+
+
+@functools.lru_cache(maxsize=8)
+def _meta_shapes(cfg_json: str, peft_json: str) -> tuple[tuple[str, tuple[int, ...], bool], ...]:
+    model = _meta_model(cfg_json, peft_json)
+    return tuple((n, tuple(p.shape), p.requires_grad) for n, p in named_parameters(model))
+
+
+def meta_model(hf_cfg: Any, section: Any) -> torch.nn.Module:
+    """The HF model of ``hf_cfg`` on the meta device with the adapters of ``section`` (no memory)."""
+    return _meta_model(_config_key(hf_cfg), json.dumps(section_dict(section), sort_keys=True))
+
+
+def names_of_config(hf_cfg: Any, lora_cfg: Any) -> PeftNames:
+    """:class:`PeftNames` of an adapter written by peft (its ``LoraConfig``, from adapter_config.json)."""
+    from peft import inject_adapter_in_model
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_cfg)
+    inject_adapter_in_model(lora_cfg, model, adapter_name=ADAPTER_NAME)
+    names = name_map(model)
+    keys = {names[n]: PEFT_PREFIX + saved_key(n) for n, p in model.named_parameters() if p.requires_grad}
+    return PeftNames(module_to_canonical=names, canonical_to_key=keys)
 
 
 def adapter_shapes(hf_cfg: Any, section: Any) -> dict[str, tuple[int, ...]]:
@@ -337,10 +423,76 @@ class _Without(Mapping[str, torch.Tensor]):
         return read_part(self.base, name, index)
 
 
+def name_map(model: torch.nn.Module) -> dict[str, str]:
+    """Module parameter name -> canonical name, for every parameter and buffer of ``model``. peft nests one
+    ``ParamWrapper`` per fused expert tensor it adapts, so their names are positional
+    (``experts.base_layer.lora_A.default.weight`` is the inner wrapper's): they are named by the tensor the
+    wrapper adapts instead (``experts.gate_up_proj.lora_A.weight``); everything else by :func:`canonical`."""
+    out = {n: canonical(n) for n in model.state_dict(keep_vars=True)}
+    out.update((n, canonical(n)) for n, _ in model.named_parameters())
+    for path, module in model.named_modules():
+        param = getattr(module, "parameter_name", None)
+        if param is None or type(module).__name__ != "ParamWrapper":
+            continue
+        for part in LORA_PARTS:
+            out[f"{path}.{part}.{ADAPTER_NAME}.weight"] = f"{canonical(path)}.{param}.{part}.weight"
+    return out
+
+
 def named_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
     """``model.named_parameters()`` under canonical names (plain HF names without adapters)."""
+    names = name_map(model)
     for n, p in model.named_parameters():
-        yield canonical(n), p
+        yield names[n], p
+
+
+def saved_key(module_name: str) -> str:
+    """The key peft's ``get_peft_model_state_dict`` saves a module parameter under (its adapter name out;
+    DoRA's vector without ``.weight``; a module to save under the module's own name), without the
+    ``base_model.model.`` prefix."""
+    parts = module_name.split(".")
+    out: list[str] = []
+    for i, part in enumerate(parts):
+        if part == ADAPTER_NAME and i > 0 and parts[i - 1] in (*LORA_PARTS, MAGNITUDE, SAVED):
+            continue
+        if part == SAVED:
+            continue
+        out.append(part)
+    if len(out) >= 2 and out[-2] == MAGNITUDE:
+        out.pop()
+    return ".".join(out)
+
+
+@dataclass(frozen=True)
+class PeftNames:
+    """Canonical names <-> peft's file keys and the module names of the model with adapters (built on the
+    meta device): the adapters of fused experts are named by position in peft's files and modules."""
+
+    module_to_canonical: dict[str, str]
+    canonical_to_key: dict[str, str]
+
+    def canonical(self, module_name: str) -> str:
+        return self.module_to_canonical.get(module_name, canonical(module_name))
+
+    def peft_key(self, name: str) -> str:
+        return self.canonical_to_key.get(name) or peft_key(name)
+
+    def from_peft_key(self, key: str) -> str:
+        inverse = {v: k for k, v in self.canonical_to_key.items()}
+        return inverse.get(key) or from_peft_key(key)
+
+
+@functools.lru_cache(maxsize=8)
+def _peft_names(cfg_json: str, peft_json: str) -> PeftNames:
+    model = _meta_model(cfg_json, peft_json)
+    names = name_map(model)
+    keys = {names[n]: PEFT_PREFIX + saved_key(n) for n, p in model.named_parameters() if p.requires_grad}
+    return PeftNames(module_to_canonical=names, canonical_to_key=keys)
+
+
+def peft_names(hf_cfg: Any, section: Any) -> PeftNames:
+    """:class:`PeftNames` of the model of ``hf_cfg`` with the adapters of ``section``."""
+    return _peft_names(_config_key(hf_cfg), json.dumps(section_dict(section), sort_keys=True))
 
 
 def trainable(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:

@@ -159,13 +159,14 @@ def fill_from(
     else (a tied ``lm_head.weight`` may be absent or present). ``shape_of`` / ``copy(param, name)``: for
     parameters that hold only a part of themselves (ZeRO-3 partitions read only their part)."""
     from tessera.errors import CheckpointError
-    from tessera.models.adapters import canonical
+    from tessera.models.adapters import name_map
     from tessera.models.init import shape_of as source_shape
 
     # by canonical name: an adapter's wrappers (peft's base_layer, its adapter name) are not in the name
-    names = {canonical(n) for n in model.state_dict()}
-    own = {canonical(n): p for n, p in model.named_parameters()}
-    own.update((canonical(n), b) for n, b in model.named_buffers() if canonical(n) in names)
+    canon = name_map(model)
+    names = {canon[n] for n in model.state_dict()}
+    own = {canon[n]: p for n, p in model.named_parameters()}
+    own.update((canon[n], b) for n, b in model.named_buffers() if canon.get(n) in names)
     fix = "give weights written for this model config (model.hf_config / model.path)"
     missing = sorted(set(own) - set(tensors))
     extra = sorted(set(tensors) - names)

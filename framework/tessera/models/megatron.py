@@ -64,6 +64,9 @@ class Rule:
     layers: str = "all"
     #: a persistent buffer, not a parameter (no optimizer moments: skipped where the HF side has none)
     buffer: bool = False
+    #: per-expert blocks packed in one 2-D HF tensor, as peft packs a LoRA of fused experts: "rows" (expert
+    #: e is rows [e*k, (e+1)*k)) or "cols" (expert e is every E-th column from e: peft's (out, r, E) order)
+    hf_experts: str | None = None
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,11 @@ def _local_mcore(
 ) -> torch.Tensor:  # fmt: skip
     """This TP rank's megatron tensor of one rule instance, reading only the HF parts it holds."""
     names = [hf_key(n) for n in (rule.hf if isinstance(rule.hf, tuple) else (rule.hf,))]
+    if rule.hf_experts is not None:  # one expert's block of a packed tensor (small: read whole, then cut)
+        assert expert is not None
+        block = expert_block(hf[names[0]], rule.hf_experts, shape.num_experts, expert)
+        plain = dataclasses.replace(rule, hf="x", hf_experts=None, hf_expert_dim=False)
+        return _local_mcore(plain, {"x": block}, lambda p: p, None, shape, tp, r)
     prefix: tuple[int, ...] = (expert,) if rule.hf_expert_dim else ()
 
     def read(
@@ -153,6 +158,21 @@ def _local_mcore(
     return read(names[0])
 
 
+def expert_block(t: torch.Tensor, packing: str, experts: int, e: int) -> torch.Tensor:
+    """Expert ``e``'s block of a tensor packing every expert's (see ``Rule.hf_experts``)."""
+    if packing == "rows":
+        return t.reshape(experts, t.shape[0] // experts, *t.shape[1:])[e]
+    return t.reshape(t.shape[0], t.shape[1] // experts, experts)[:, :, e]
+
+
+def pack_experts(blocks: list[torch.Tensor], packing: str) -> torch.Tensor:
+    """The inverse of :func:`expert_block` over every expert's block, in expert order."""
+    if packing == "rows":
+        return torch.cat(blocks, dim=0)
+    stacked = torch.stack(blocks, dim=-1)  # (out, r, E)
+    return stacked.reshape(stacked.shape[0], -1)
+
+
 def iter_hf_to_mcore(
     hf: Mapping[str, torch.Tensor], adapter: Adapter, hf_cfg: Any, shard: Shard
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -208,6 +228,7 @@ def mcore_to_hf(
                 by_key[ident] = (rule, hf_key)
     out: dict[str, torch.Tensor] = {}
     stacked: dict[str, dict[int, torch.Tensor]] = {}
+    packing: dict[str, str] = {}
     for ident, shards in gathered.items():
         rule, hf_key = by_key[ident]
         expert = ident[2]
@@ -234,14 +255,17 @@ def mcore_to_hf(
         names = rule.hf if isinstance(rule.hf, tuple) else (rule.hf,)
         for name, t in zip(names, full, strict=True):
             k = hf_key(name)
-            if rule.hf_expert_dim:
+            if rule.hf_expert_dim or rule.hf_experts:
                 stacked.setdefault(k, {})[expert] = t
+                if rule.hf_experts:
+                    packing[k] = rule.hf_experts
             elif rule.stage == "output" and k in out:
                 continue  # tied head: the embedding already gave this tensor
             else:
                 out[k] = t.clone().contiguous()
     for k, per_expert in stacked.items():
-        out[k] = torch.stack([per_expert[e] for e in sorted(per_expert)]).contiguous()
+        blocks = [per_expert[e] for e in sorted(per_expert)]
+        out[k] = (pack_experts(blocks, packing[k]) if k in packing else torch.stack(blocks)).contiguous()
     return out
 
 
@@ -282,8 +306,13 @@ def mcore_to_hf_slices(
             continue
         tp, r = _tp_of(rule, shard)
         names = rule.hf if isinstance(rule.hf, tuple) else (rule.hf,)
+        if rule.hf_experts == "cols":
+            continue  # a packed expert's columns are no slice of the HF tensor (only adapters are packed so)
         for key, hf_key, expert in _instances(rule, shape, shard):
             for name_i, t, row0, rows, col0, cols in _local_pieces(rule, sd[key], shape, tp, r):
+                if rule.hf_experts == "rows":  # expert e's rows of the packed tensor
+                    assert expert is not None
+                    row0, rows = row0 + expert * rows, rows * shape.num_experts
                 index = [(row0, row0 + t.shape[0])]
                 full = [rows]
                 if t.dim() == 2:

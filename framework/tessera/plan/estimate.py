@@ -292,14 +292,26 @@ def _frozen_bytes(layout: ParallelLayout, psi: int, precision: str, *, persisten
 
 
 def adapter_numel_per_rank(f: ModelFacts, layout: ParallelLayout) -> int:
-    """The adapter elements one rank holds: all of them on an HF-module engine; on megatron's linears a
-    pipeline stage's layers, the TP-split ones (B of column-parallel sites, A of row-parallel ones) 1/tp."""
+    """The adapter elements one rank holds (:func:`adapter_split_per_rank`, dense and expert together)."""
+    return sum(adapter_split_per_rank(f, layout))
+
+
+def adapter_split_per_rank(f: ModelFacts, layout: ParallelLayout) -> tuple[int, int]:
+    """(dense, expert) adapter elements one rank holds: all of them, as dense, on an HF-module engine; on
+    megatron's linears a pipeline stage's layers, the TP-split ones (B of column-parallel sites, A of
+    row-parallel ones) 1/tp, a routed expert's with its expert (1/ep, its TP split over etp). megatron's
+    distributed optimizer shards the dense ones over dp and the expert ones over the expert-dp group."""
     if layout.caps.hf_module:
-        return sum(f.adapters)
-    per_layer = sum(
-        n // layout.tp if split else n for n, split in zip(f.adapters, f.adapters_tp, strict=True)
-    )
-    return per_layer // layout.pp
+        return sum(f.adapters), 0
+    dense = expert = 0
+    experts = f.adapters_ep or (False,) * len(f.adapters)
+    for n, split, is_expert in zip(f.adapters, f.adapters_tp, experts, strict=True):
+        if is_expert:
+            n //= layout.ep
+            expert += n // layout.etp if split else n
+        else:
+            dense += n // layout.tp if split else n
+    return dense // layout.pp, expert // layout.pp
 
 
 def _persistent(numels: Sequence[int]) -> int:
@@ -344,11 +356,12 @@ def memory_per_rank(
         trained = rp.total
         frozen = 0
         if f.adapters:  # a frozen base (parameters only) plus the adapters' full states
-            trained = adapter_numel_per_rank(f, L)
             frozen = _frozen_bytes(L, dense + expert, precision, persistent=small)
+            # the experts' adapters are the expert states now (the experts themselves: the frozen base)
+            trained, expert = adapter_split_per_rank(f, L)
             st = _state_bytes(L, trained, precision, persistent=_persistent(f.adapters) if hf_module else 0)
             st["params"] += frozen
-            expert = 0  # the experts are part of the frozen base
+            trained += expert
         else:
             st = _state_bytes(L, dense, precision, persistent=small)
         if expert:
@@ -540,9 +553,11 @@ def comm_per_step(
         if n == 1 or psi == 0:
             continue
         # under adapters only the trained tensors have gradients and updates; ZeRO-3 still gathers the base
-        if f.adapters and name == "edp":
-            continue  # frozen experts: nothing to reduce
-        total_psi, psi = psi, (adapter_numel_per_rank(f, L) if f.adapters else psi)
+        total_psi = psi
+        if f.adapters:
+            psi = adapter_split_per_rank(f, L)[0 if name == "dp" else 1]
+            if psi == 0:
+                continue
         grad_b, param_b = e * psi, e * psi
         deepspeed_dp = L.sharding.deepspeed
         if L.sharding.replicas:

@@ -55,6 +55,8 @@ class ModelFacts:
     #: for each of ``adapters``: whether megatron splits it over TP (B of a column-parallel site, A of a
     #: row-parallel one), and the megatron sites' kinds: ("col" | "row", targets) per adapted linear
     adapters_tp: tuple[bool, ...] = ()
+    #: for each of ``adapters``: whether it belongs to the routed experts (megatron: split over EP)
+    adapters_ep: tuple[bool, ...] = ()
     adapter_sites: tuple[tuple[str, int], ...] = ()
     adapter_rank: int = 0
 
@@ -189,6 +191,7 @@ def with_adapters(f: ModelFacts, hf_cfg: Any, peft: Any) -> ModelFacts:
 
     shapes = adapter_shapes(hf_cfg, peft)
     split: dict[str, bool] = {}
+    experts: set[str] = set()
     sites: tuple[tuple[str, int], ...] = ()
     if family_of(hf_cfg.model_type).adapter is not None:
         from tessera.engines.megatron_adapters import lora_rules
@@ -204,10 +207,15 @@ def with_adapters(f: ModelFacts, hf_cfg: Any, peft: Any) -> ModelFacts:
         for site in found:
             for rule in lora_rules(site):
                 split[str(rule.hf).replace("*", "")] = rule.split != "repl"
+                if site.expert:
+                    experts.add(str(rule.hf).replace("*", ""))
     numels = tuple(math.prod(s) for s in shapes.values())
     tp = tuple(split.get(_layerless(n), False) for n in shapes)
+    ep = tuple(_layerless(n) in experts for n in shapes)
     rank = int(section_dict(peft)["r"])
-    return dataclasses.replace(f, adapters=numels, adapters_tp=tp, adapter_sites=sites, adapter_rank=rank)
+    return dataclasses.replace(
+        f, adapters=numels, adapters_tp=tp, adapters_ep=ep, adapter_sites=sites, adapter_rank=rank
+    )
 
 
 def _layerless(name: str) -> str:
