@@ -55,7 +55,12 @@ def check_model(resolved: Any, device: str) -> Any:
     if recipe.peft is not None:  # every target names linear modules of the model (on the meta device)
         from tessera.models.adapters import adapter_shapes
 
-        adapter_shapes(load_hf_config(recipe.model, vocab_size=recipe.data.vocab_size), recipe.peft)
+        hf_cfg = load_hf_config(recipe.model, vocab_size=recipe.data.vocab_size)
+        adapter_shapes(hf_cfg, recipe.peft)
+        if not layout.caps.hf_module:  # and have megatron linears (the family's weight rules say which)
+            from tessera.engines.megatron_adapters import mcore_adapter
+
+            mcore_adapter(hf_cfg, recipe.peft).rules(hf_cfg)
     if recipe.model.moe_aux_loss_coeff:
         from tessera.tables.families import family_of
 
