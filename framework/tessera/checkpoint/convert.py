@@ -12,9 +12,11 @@ model trained from scratch: exactly the tokenizer's; a pretrained one keeps thos
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -118,18 +120,12 @@ def _convert_to_hf(
             fix="the checkpoint's meta.json model_config must describe the model it holds",
         )
     model.tie_weights()
-    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with written_into(out) as tmp:
         model.save_pretrained(tmp, safe_serialization=True, max_shard_size="5GB")
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         record: dict[str, Any] = {
-            "source": str(ckpt),
-            "step": meta["step"],
-            "engine": meta["engine"],
-            "sharding": meta["sharding"],
-            "layout": meta["layout"],
+            **source_record(ckpt, meta),
             "dtype": dtype,
             "tokenizer": str(tok) if tok else None,
             "token_ids": {k: getattr(cfg, k, None) for k in ids} if ids is not None else None,
@@ -159,11 +155,6 @@ def _convert_to_hf(
                     fix="report this as a bug (the output was not kept)",
                 )
         write_json_atomic(tmp / REPORT, record)
-        if out.exists():
-            out.rmdir()  # empty, checked above
-        os.rename(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return record
 
 
@@ -214,7 +205,7 @@ def _convert_to_peft(src: Path, out: Path, *, verify: bool, prompts: int) -> dic
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
-    from tessera.checkpoint.verify import ADAPTER_CONFIG, open_side
+    from tessera.checkpoint.verify import open_side
     from tessera.models.adapters import is_adapter, lora_config, meta_model, peft_names
 
     check_out(out)
@@ -236,9 +227,7 @@ def _convert_to_peft(src: Path, out: Path, *, verify: bool, prompts: int) -> dic
     cfg.base_model_name_or_path = base_dir
     cfg.task_type = "CAUSAL_LM"
     tensors = {names.peft_key(k): v.detach().float().contiguous() for k, v in state.items() if is_adapter(k)}
-    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with written_into(out) as tmp:
         tmp.mkdir(parents=True)
         cfg.save_pretrained(str(tmp))
         save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
@@ -246,11 +235,7 @@ def _convert_to_peft(src: Path, out: Path, *, verify: bool, prompts: int) -> dic
         if tok is not None:
             AutoTokenizer.from_pretrained(str(tok), local_files_only=True).save_pretrained(tmp)
         record: dict[str, Any] = {
-            "source": str(ckpt),
-            "step": meta["step"],
-            "engine": meta["engine"],
-            "sharding": meta["sharding"],
-            "layout": meta["layout"],
+            **source_record(ckpt, meta),
             "peft": adapters,
             "base": base,
             "tensors": len(tensors),
@@ -275,12 +260,6 @@ def _convert_to_peft(src: Path, out: Path, *, verify: bool, prompts: int) -> dic
                     fix="report this as a bug (the output was not kept)",
                 )
         write_json_atomic(tmp / REPORT, record)
-        assert (tmp / ADAPTER_CONFIG).is_file()
-        if out.exists():
-            out.rmdir()  # empty, checked above
-        os.rename(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return record
 
 
@@ -292,6 +271,27 @@ def _adapter_state(adapter_dir: Path, base: Any, names: Any) -> dict[str, torch.
         names.from_peft_key(k): v for k, v in load_tensors(adapter_dir / "adapter_model.safetensors").items()
     }
     return {**{k: v for k, v in base.items() if not is_adapter(k)}, **written}
+
+
+@contextlib.contextmanager
+def written_into(out: Path) -> Iterator[Path]:
+    """A temporary directory beside ``out`` to write an export into, renamed to ``out`` when the block
+    ends without an error (``out`` is new or an empty directory: :func:`check_out`); removed otherwise, so
+    a failed conversion leaves nothing at ``out``."""
+    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        yield tmp
+        if out.exists():
+            out.rmdir()  # empty, checked before
+        os.rename(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def source_record(ckpt: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """What an export's record says of the checkpoint it came from."""
+    return {k: meta[k] for k in ("step", "engine", "sharding", "layout")} | {"source": str(ckpt)}
 
 
 def _is_tied(model: Any, key: str) -> bool:

@@ -70,22 +70,22 @@ def sites(adapter: Adapter, hf_cfg: Any, peft: Mapping[str, Any]) -> list[Site]:
     """The megatron linears the recipe's targets adapt, from the family's weight rules; a target without a
     column / row-parallel counterpart in the layers (an embedding, a routed expert, the LM head, a norm) is
     a RecipeError naming it, and so are what this engine does not run (DoRA, dropout, modules to save)."""
-    for key, bad, why in (
-        (
-            "peft.method",
-            peft["method"] != "lora",
-            "DoRA's magnitude is not mapped onto megatron's fused linears",
-        ),
-        ("peft.dropout", float(peft["dropout"]) != 0.0, "adapter dropout would need the TP-region RNG"),
-        ("peft.modules_to_save", bool(peft["modules_to_save"]), "modules trained in full are not mapped"),
-    ):
-        if bad:
-            raise RecipeError(
-                f"the megatron engine cannot train this yet: {why}",
-                field=key,
-                value=peft[key.split(".")[1]],
-                fix="use parallel.engine: deepspeed or ddp for it (adapters of every kind on the HF module)",
-            )
+    from tessera.models.adapters import refuse_any
+
+    refuse_any(
+        peft,
+        [
+            (
+                "peft.method",
+                peft["method"] != "lora",
+                "DoRA's magnitude is not mapped onto megatron's fused linears",
+            ),
+            ("peft.dropout", float(peft["dropout"]) != 0.0, "adapter dropout would need the TP-region RNG"),
+            ("peft.modules_to_save", bool(peft["modules_to_save"]), "modules trained in full are not mapped"),
+        ],
+        message="the megatron engine cannot train this yet: {why}",
+        fix="use parallel.engine: deepspeed or ddp for it (adapters of every kind on the HF module)",
+    )
     wanted = list(dict.fromkeys(peft["target_modules"]))
     found: dict[str, Site] = {}
     for rule in adapter.rules(hf_cfg):

@@ -158,18 +158,28 @@ def peft_targets(model: torch.nn.Module, section: Mapping[str, Any]) -> tuple[li
             parameters.append(fused["gate_up_proj"])
     parameters = list(dict.fromkeys(parameters))
     if parameters:
-        for key, bad, what in (
-            ("peft.method", section["method"] != "lora", "DoRA"),
-            ("peft.dropout", float(section["dropout"]) != 0.0, "dropout"),
-        ):
-            if bad:
-                raise RecipeError(
-                    f"peft's LoRA on the fused expert tensors ({', '.join(parameters)}) has no {what}",
-                    field=key,
-                    value=section[key.split(".")[1]],
-                    fix="use method lora with dropout 0, or target the attention projections only",
-                )
+        refuse_any(
+            section,
+            [
+                ("peft.method", section["method"] != "lora", "DoRA"),
+                ("peft.dropout", float(section["dropout"]) != 0.0, "dropout"),
+            ],
+            message=f"peft's LoRA on the fused expert tensors ({', '.join(parameters)}) has no {{why}}",
+            fix="use method lora with dropout 0, or target the attention projections only",
+        )
     return modules, parameters
+
+
+def refuse_any(
+    section: Mapping[str, Any], checks: list[tuple[str, bool, str]], *, message: str, fix: str
+) -> None:
+    """The first of ``checks`` ((``peft.<key>``, refused?, why)) that is refused, as a RecipeError naming
+    the field and its value (``message`` formats ``{why}``)."""
+    for key, bad, why in checks:
+        if bad:
+            raise RecipeError(
+                message.format(why=why), field=key, value=section[key.split(".", 1)[1]], fix=fix
+            )
 
 
 def section_dict(section: Any) -> dict[str, Any] | None:
