@@ -261,7 +261,9 @@ def assert_model_states_match_plan(run_dir: Path, tol: float = 0.05) -> dict[str
     recipe = validate_recipe(yaml.safe_load(rd.recipe.read_text()))
     mem = estimate_layout(recipe, layout_from_recipe(recipe), hardware=load_hardware("cpu-2core")).memory
     want = {k: getattr(mem, k) for k in ("params", "grads", "optimizer")}
-    if mem.frozen:  # with adapters: the frozen base's share of params (0, and held 0, when every weight trains)
+    if (
+        mem.frozen
+    ):  # with adapters: the frozen base's share of params (0, and held 0, when every weight trains)
         want["frozen"] = mem.frozen
     held = rd.read_summary()["model_state_bytes_per_rank"]
     assert len(held) == recipe.run.world_size
@@ -597,6 +599,25 @@ def _assert_verify_fails_a_tampered_eos(ckpt: Path, export: Path, eos: int) -> N
     assert [t["problems"] for t in report["special_tokens"]] == [
         [f"config.json eos_token_id={eos + 2}, the tokenizer's eos_token is {eos}"]
     ]
+
+
+def save_pretrained_tiny(path: Path, recipe: Path = DEFAULT_RECIPE) -> Path:
+    """The recipe's tiny model written by save_pretrained (seed 7: not the weights any run initialises)
+    with the recipe's stdlib BPE as its tokenizer (cached: the runs reuse it): the directory a pretrained
+    run (``model.pretrained: true``) then loads."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tessera.config.loader import load_recipe
+    from tessera.data import prepare_data
+    from tessera.models.hf import load_hf_config
+
+    r = load_recipe(recipe).recipe
+    torch.manual_seed(7)
+    AutoModelForCausalLM.from_config(load_hf_config(r.model, vocab_size=512)).save_pretrained(path)
+    bpe = prepare_data(r.data, root=REPO).tokenizer_dir
+    AutoTokenizer.from_pretrained(bpe, local_files_only=True).save_pretrained(path)
+    return path
 
 
 def relayout(src: Path, dst: Path, overrides: list[str], *, at_step: int | None = None) -> Path:

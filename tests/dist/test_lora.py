@@ -20,6 +20,7 @@ from helpers import (
     hf_loss_on_step,
     losses,
     relayout,
+    save_pretrained_tiny,
     train_runs,
 )
 
@@ -67,24 +68,6 @@ COMMON = ["train.steps=10", "checkpoint.every=5", "checkpoint.keep=3", "data.eva
           "optim.lr=1e-2", "optim.warmup_steps=0"]  # fmt: skip
 
 
-def save_tiny(recipe, path):
-    """The recipe's tiny model written by save_pretrained (seed 7: not the weights any run initialises)
-    with the recipe's stdlib BPE as its tokenizer: the base a pretrained run then loads."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from tessera.config.loader import load_recipe
-    from tessera.data import prepare_data
-    from tessera.models.hf import load_hf_config
-
-    r = load_recipe(recipe).recipe
-    torch.manual_seed(7)
-    AutoModelForCausalLM.from_config(load_hf_config(r.model, vocab_size=512)).save_pretrained(path)
-    bpe = prepare_data(r.data, root=REPO).tokenizer_dir  # cached: the runs reuse it
-    AutoTokenizer.from_pretrained(bpe, local_files_only=True).save_pretrained(path)
-    return path
-
-
 def _pretrained(hf) -> list[str]:
     return ["model.hf_config=null", f"model.path={hf}", "model.pretrained=true"]
 
@@ -92,7 +75,7 @@ def _pretrained(hf) -> list[str]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("lora")
-    hf = {LLAMA: save_tiny(LLAMA, base / "hf_llama"), MIXTRAL: save_tiny(MIXTRAL, base / "hf_mixtral")}
+    hf = {r: save_pretrained_tiny(base / f"hf_{r.stem}", r) for r in (LLAMA, MIXTRAL)}
     got = train_runs(
         {base / k: (rec, [*_pretrained(hf[rec]), *COMMON, *ov], False) for k, (rec, ov) in RUNS.items()},
         world=2,

@@ -22,6 +22,7 @@ from helpers import (
     hf_loss_on_step,
     losses,
     relayout,
+    save_pretrained_tiny,
     train_runs,
 )
 
@@ -92,25 +93,6 @@ def runs(tmp_path_factory):
     )
     out["_hf"] = hf
     return out
-
-
-def save_pretrained_tiny(path):
-    """A tiny Llama written by save_pretrained (seed 7: not the weights any run initialises) with its
-    tokenizer (the recipe's stdlib BPE, as the other runs use), which a pretrained run then takes."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from tessera.config.loader import load_recipe
-    from tessera.data import prepare_data
-    from tessera.models.hf import load_hf_config
-
-    recipe = load_recipe(LLAMA).recipe
-    torch.manual_seed(7)
-    model = AutoModelForCausalLM.from_config(load_hf_config(recipe.model, vocab_size=512))
-    model.save_pretrained(path, safe_serialization=True)
-    bpe = prepare_data(recipe.data, root=REPO).tokenizer_dir  # cached: the runs below reuse it
-    AutoTokenizer.from_pretrained(bpe, local_files_only=True).save_pretrained(path)
-    return path
 
 
 def pretrained(hf) -> list[str]:
