@@ -49,6 +49,7 @@ RUNS = {
     "lora_z3": (LLAMA, [*LORA, *Z3]),
     "lora_tp2": (LLAMA, [*LORA, *TP2]),
     "lora_pp2": (LLAMA, [*LORA, *PP2]),
+    "lora_tp2_bf16": (LLAMA, [*LORA, *TP2, "train.precision=bf16"]),  # the planner's bf16 accounting
     "dora_ddp": (LLAMA, [*DORA, *DDP]),
     "dora_z3": (LLAMA, [*DORA, *Z3]),
     "mixtral_ddp": (MIXTRAL, [*LORA, *DDP]),
@@ -120,7 +121,7 @@ def test_the_frozen_base_is_bit_identical_after_training(runs, name):
     # ZeRO-3: each rank its partition of every one (42); TP2: the 16 split ones once per rank (the fused
     # QKV / fc1 give one piece per q, k, v, gate, up: 2 x 14 + 4 for the vocabulary) and the 5 norms once
     # (37); EP2: each rank its 2 experts' pieces (gate, up, down: 2 x 2 x 6 = 24) and 17 others once (41)
-    want = {"lora_z3": 42, "dora_z3": 42, "mixtral_z3": 42, "lora_tp2": 37, "mixtral_ep2": 41}
+    want = {"lora_z3": 42, "dora_z3": 42, "mixtral_z3": 42, "lora_tp2": 37, "lora_tp2_bf16": 37, "mixtral_ep2": 41}
     assert frozen["tensors_checked"] == want.get(name, 21)
 
 
@@ -199,8 +200,12 @@ def test_the_peft_export_loads_with_peft_and_replays_the_run(runs, name, tmp_pat
 
 def test_model_states_match_the_plan(runs):
     """Parameters (frozen base apart), gradients and optimizer moments each rank held, against the
-    planner's prediction within 5 % (ddp's replicas, ZeRO-2, ZeRO-3 with the base partitioned)."""
-    for name in ("lora_ddp", "lora_z2", "lora_z3", "dora_z3", "lora_tp2", "lora_pp2", "mixtral_z3", "mixtral_ep2"):
+    planner's prediction within 5 % (ddp's replicas, ZeRO-2, ZeRO-3 with the base partitioned, megatron's
+    TP / PP / EP shards, its fp32 gradient buffers under bf16)."""
+    for name in (
+        "lora_ddp", "lora_z2", "lora_z3", "dora_z3", "lora_tp2", "lora_tp2_bf16", "lora_pp2", "mixtral_z3",
+        "mixtral_ep2",
+    ):  # fmt: skip
         want = assert_model_states_match_plan(runs["_base"] / name)
         assert 0 < want["grads"] < want["frozen"] <= want["params"]
 

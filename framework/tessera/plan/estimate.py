@@ -367,6 +367,10 @@ def memory_per_rank(
         if expert:
             for k, v in model_state_bytes(expert, expert_dp(L), L.zero, precision).items():
                 st[k] += v
+        if f.adapters and not (hf_module or L.sharding.deepspeed or L.sharding.replicas):
+            # megatron's DDP keeps the adapters' gradients in fp32 buffers (grad_reduce_in_fp32), whole under
+            # its distributed optimizer too (measured: bf16 TP2 and dp2 equal this to the byte)
+            st["grads"] = 4 * trained
         host = 0
         if L.offload_optimizer:
             host += st["optimizer"] + 4 * math.ceil(trained / L.dp)  # + the fp32 gradient partition
