@@ -111,6 +111,11 @@ def _memory_bars(
         states = [sum(h.get(k, 0) for k in ("params", "grads", "optimizer")) for h in held]
         planned = sum(predicted.get(k, 0) for k in ("params", "grads", "optimizer")) or None
         series.append(("model states held", states, planned))
+        if any(h.get("frozen") for h in held):  # adapters: how much of it is the frozen base
+            frozen = [h.get("frozen", 0) for h in held]
+            series.append(
+                ("of which the frozen base (adapters train)", frozen, predicted.get("frozen") or None)
+            )
     if activations and all(a is not None for a in activations):
         series.append(
             ("activations, one micro-batch", activations, predicted.get("activations_per_micro_batch"))
