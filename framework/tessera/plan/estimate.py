@@ -602,7 +602,9 @@ def comm_per_step(
             ops.append(CommOp("reduce_scatter", name, grad_b, m, n, span, "bwd"))
     layers = f.num_layers // pp
     act = seq_len * b * f.hidden * e
-    if t > 1:
+    if t > 1 and f.adapter_sites and not L.caps.hf_module:
+        ops += _lora_tp_ops(f, L, seq_len=seq_len, e=e, layers=layers)
+    elif t > 1:
         if L.sequence_parallel:
             # per layer: the all-gathers into attention and MLP and the reduce-scatters out of them (2 + 2
             # forward, their transposes backward), and the backward's second all-gather of each
@@ -639,8 +641,6 @@ def comm_per_step(
         norms += 2 * layers * f.head_dim if f.qk_norm else 0
         if norms:  # megatron's gradient buffers are fp32 (grad_reduce_in_fp32)
             ops.append(CommOp("all_reduce", "tp", norms * 4, 1, t, t))
-        if f.adapter_sites and not L.caps.hf_module:
-            ops += _lora_tp_ops(f, L, seq_len=seq_len, e=e, layers=layers)
     if L.ep > 1 and f.moe:
         tokens = seq_len * b // (t if L.sequence_parallel else 1)
         ops.append(CommOp("all_to_all", "ep", tokens * f.topk * f.hidden * e, 4 * layers * m, L.ep, t * L.ep))
@@ -656,26 +656,63 @@ def comm_per_step(
 
 
 def _lora_tp_ops(f: ModelFacts, L: ParallelLayout, *, seq_len: int, e: int, layers: int) -> list[CommOp]:
-    """The TP collectives of LoRA on megatron's linears (:mod:`tessera.engines.megatron_adapters`), per
-    layer and micro-batch: a column-parallel site sums its targets' (s, b, r) inputs of B in backward (one
-    all-reduce each) and, under SP, gathers its input once more (b·s·h); a row-parallel site sums A x
-    forward (all-reduce, or reduce-scatter + the backward's all-gather under SP); with the rank r."""
-    t, m, b = L.tp, L.grad_accum, L.micro_batch
+    """Every TP collective of a step on megatron with adapters (:mod:`tessera.engines.megatron_adapters`)
+    and a frozen base, per micro-batch (measured exactly so on TP2, with and without SP):
+
+    - the base's, forward as without adapters (SP: into and out of attention and MLP, 2 + 2 per layer; no
+      SP: 2 all-reduces out of them), backward only where a gradient flows: not into the first layer's
+      attention input (the frozen embedding's output needs none), nor into its MLP input without
+      adapters in attention; no re-gather for weight gradients (the base has none); the embedding's
+      forward, the LM head's forward gather (SP) and its input gradient; the cross-entropy's 3 fp32 (b, s);
+    - the adapters': a column-parallel site (qkv, fc1) sums each target's (s, b, r) input gradient of B in
+      backward and, under SP, gathers its input once more forward; a row-parallel one (o, down) sums A x
+      forward (reduce-scatter + the backward's all-gather under SP);
+    - once a step: under SP the row-parallel sites' B gradients, summed over TP by finalize_model_grads
+      (the frozen norms have none).
+
+    Full recompute runs every layer's forward collectives once more. A MoE layer counts its attention
+    half only (its experts' collectives run over the expert-TP group with routed payloads)."""
+    t, m, b, pp = L.tp, L.grad_accum, L.micro_batch, L.pp
+    act = seq_len * b * f.hidden * e
     low = seq_len * b * f.adapter_rank * e
-    col = [n for kind, n in f.adapter_sites if kind == "col"]
-    rows = sum(1 for kind, _ in f.adapter_sites if kind == "row")
-    ops = []
-    if col:
-        ops.append(CommOp("all_reduce", "tp", low, sum(col) * layers * m, t, t, "bwd",
+    dense = [(name, split, n) for name, split, n in f.adapter_sites if not name.startswith("experts.")]
+    col_sites = sum(1 for _, split, _ in dense if split == "col")
+    col_targets = sum(n for _, split, n in dense if split == "col")
+    rows = sum(n for _, split, n in dense if split == "row")
+    attn = any(name in ("linear_qkv", "linear_proj") for name, _, _ in dense)
+    halves = 1 if f.moe else 2
+    again = 1 if L.recompute == "full" else 0
+    first = pp == 1  # the planned stage holds the first layer (pp > 1: the last stage's)
+    # backward collectives the first layer skips: its attention input; its MLP input without attention
+    pruned = (1 + (0 if attn or f.moe else 1)) if first else 0
+    ops: list[CommOp] = []
+    if L.sequence_parallel:
+        fwd_ag = (halves + col_sites) * layers
+        fwd_rs = halves * layers
+        bwd_ag = halves * layers - ((0 if attn else 1) if first else 0)  # out of attention, out of the MLP
+        bwd_rs = halves * layers - pruned  # into attention and the MLP
+        ag = (1 + again) * fwd_ag + bwd_ag + 1  # + the LM head's gather
+        rs = (1 + again) * fwd_rs + bwd_rs + (2 if first else 1)  # + the embedding's, the head's input grad
+        ops.append(CommOp("all_gather", "tp", act, ag * m, t, t))
+        ops.append(CommOp("reduce_scatter", "tp", act, rs * m, t, t))
+        if rows:
+            ops.append(CommOp("reduce_scatter", "tp", low, (1 + again) * rows * layers * m, t, t,
+                              formula="LoRA: A x of each row-parallel target, summed over TP"))  # fmt: skip
+            ops.append(CommOp("all_gather", "tp", low, rows * layers * m, t, t))
+            ops.append(CommOp("all_reduce", "tp", rows * layers * f.hidden * f.adapter_rank * 4, 1, t, t,
+                              formula="LoRA: the row-parallel B gradients under SP, summed over TP"))  # fmt: skip
+    else:
+        fwd = halves * layers
+        bwd = halves * layers - pruned
+        edge = 2 if first else 1  # the embedding's forward, the head's input gradient
+        ops.append(CommOp("all_reduce", "tp", act, ((1 + again) * fwd + bwd + edge) * m, t, t))
+        if rows:
+            ops.append(CommOp("all_reduce", "tp", low, (1 + again) * rows * layers * m, t, t,
+                              formula="LoRA: A x of each row-parallel target, summed over TP"))  # fmt: skip
+    if col_targets:
+        ops.append(CommOp("all_reduce", "tp", low, col_targets * layers * m, t, t, "bwd",
                           formula="LoRA: B's input gradient summed over TP, per column-parallel target"))  # fmt: skip
-        if L.sequence_parallel:
-            ops.append(CommOp("all_gather", "tp", seq_len * b * f.hidden * e, len(col) * layers * m, t, t,
-                              formula="LoRA: the input of each column-parallel site gathered for A"))  # fmt: skip
-    if rows and L.sequence_parallel:
-        ops.append(CommOp("reduce_scatter", "tp", low, rows * layers * m, t, t))
-        ops.append(CommOp("all_gather", "tp", low, rows * layers * m, t, t))
-    elif rows:
-        ops.append(CommOp("all_reduce", "tp", low, rows * layers * m, t, t))
+    ops.append(CommOp("all_reduce", "tp", seq_len * b * 4, 3 * m, t, t))  # the cross-entropy's (last stage)
     return ops
 
 

@@ -53,11 +53,12 @@ class ModelFacts:
     #: base); empty when every weight trains
     adapters: tuple[int, ...] = ()
     #: for each of ``adapters``: whether megatron splits it over TP (B of a column-parallel site, A of a
-    #: row-parallel one), and the megatron sites' kinds: ("col" | "row", targets) per adapted linear
+    #: row-parallel one); and per adapted megatron linear (its name, "experts." first for a routed expert's:
+    #: "linear_qkv"), its split ("col" | "row") and how many targets it holds
     adapters_tp: tuple[bool, ...] = ()
     #: for each of ``adapters``: whether it belongs to the routed experts (megatron: split over EP)
     adapters_ep: tuple[bool, ...] = ()
-    adapter_sites: tuple[tuple[str, int], ...] = ()
+    adapter_sites: tuple[tuple[str, str, int], ...] = ()
     adapter_rank: int = 0
 
     @property
@@ -192,7 +193,7 @@ def with_adapters(f: ModelFacts, hf_cfg: Any, peft: Any) -> ModelFacts:
     shapes = adapter_shapes(hf_cfg, peft)
     split: dict[str, bool] = {}
     experts: set[str] = set()
-    sites: tuple[tuple[str, int], ...] = ()
+    sites: tuple[tuple[str, str, int], ...] = ()
     if family_of(hf_cfg.model_type).adapter is not None:
         from tessera.engines.megatron_adapters import lora_rules
         from tessera.engines.megatron_adapters import sites as megatron_sites
@@ -203,7 +204,10 @@ def with_adapters(f: ModelFacts, hf_cfg: Any, peft: Any) -> ModelFacts:
             found = megatron_sites(adapter_for(hf_cfg.model_type), hf_cfg, section_dict(peft))
         except RecipeError:  # not on megatron (the engine refuses it there, naming the field)
             found = []
-        sites = tuple((s.split, len(s.targets)) for s in found)
+        sites = tuple(
+            (("experts." if s.expert else "") + s.mcore.rsplit(".", 1)[-1], s.split, len(s.targets))
+            for s in found
+        )
         for site in found:
             for rule in lora_rules(site):
                 split[str(rule.hf).replace("*", "")] = rule.split != "repl"
