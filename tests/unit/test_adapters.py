@@ -313,3 +313,29 @@ def test_expert_adapters_are_peft_packing_and_reshard_exactly():
     for n, t in state.items():
         if ".experts." in n and ".lora_" in n:
             assert torch.equal(back[n], t), n
+
+
+def test_a_resume_names_the_base_its_checkpoint_was_trained_on(tmp_path):
+    """A resume takes the base record of the checkpoint it continues (no second hash of the base), and
+    refuses a recipe whose base is another directory, or another seed for a base drawn from the config."""
+    from pathlib import Path
+
+    from tessera.train.worker import base_record
+
+    seeded = source(r=4)
+    fresh = {"initial_weights": {"from": "seed", "seed": 3, "rule": "x"}}
+    assert base_record(seeded, fresh, None, same_run=True) == fresh["initial_weights"]
+    meta = {"base": {"from": "seed", "seed": 3, "rule": "x"}}
+    assert base_record(seeded, {}, (Path("c"), meta), same_run=True) == meta["base"]
+    with pytest.raises(CheckpointError) as e:
+        base_record(ModelSource(**{**seeded.__dict__, "seed": 4}), {}, (Path("c"), meta), same_run=True)
+    assert e.value.field == "train.seed" and "seed 3" in e.value.message
+    (tmp_path / "a").mkdir()
+    pre = ModelSection(path=str(tmp_path / "a"), pretrained=True)
+    on_dir = ModelSource(section=pre, vocab_size=128, seed=3, peft=PeftSection(r=4))
+    saved = {"base": {"from": "files", "path": str(tmp_path / "a"), "sha256": "0" * 64}}
+    assert base_record(on_dir, {}, (Path("c"), saved), same_run=True) == saved["base"]
+    moved = {"base": {**saved["base"], "path": str(tmp_path / "b")}}
+    with pytest.raises(CheckpointError) as e:
+        base_record(on_dir, {}, (Path("c"), moved), same_run=True)
+    assert e.value.field == "model.path" and str(tmp_path / "b") in e.value.fix

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from tessera.checkpoint.reshard import layout_tag
 from tessera.checkpoint.sources import is_hf_dir
 from tessera.config.loader import load_run_recipe, recipe_hash
-from tessera.config.schema import Recipe
+from tessera.config.schema import Recipe, same_dir
 from tessera.device import resolve_device
 from tessera.errors import CheckpointError, RunStopped, TesseraError, TrainingDiverged
 from tessera.plan.layout import ParallelLayout
@@ -160,6 +160,38 @@ def check_resume_layout(
             + "), or without --same-layout to reshard it",
         )
     return diff
+
+
+def base_record(
+    source: Any, manifest: dict[str, Any], resume_from: tuple[Path, dict[str, Any]] | None, *, same_run: bool
+) -> dict[str, Any]:
+    """What every checkpoint of a run with adapters names as its base (meta.json ``base``): a fresh run's
+    initial weights as its manifest records them; a resume of the run, what the checkpoint it resumes
+    recorded (hashing the base again would read all of it at every resume; its path must still be the
+    recipe's, and convert / verify check the sha256); a conversion, the recipe's base, hashed now."""
+    if resume_from is None and source.weights is None:
+        return manifest["initial_weights"]
+    saved = resume_from[1].get("base") if resume_from is not None and same_run else None
+    if not saved:
+        return source.base_identity()
+    now = source.section.path if source.section.pretrained else None
+    if saved.get("from") == "files" and (now is None or not same_dir(saved["path"], now)):
+        raise CheckpointError(
+            f"the checkpoint's adapters were trained on the base in {saved['path']}; this recipe's base is "
+            f"{now or 'built from its config'}",
+            field="model.path",
+            value=now,
+            fix=f"resume with model.path={saved['path']} model.pretrained=true (the base the adapters belong to)",
+        )
+    if saved.get("from") == "seed" and (now is not None or int(saved.get("seed", -1)) != source.seed):
+        raise CheckpointError(
+            f"the checkpoint's adapters were trained on the base drawn from seed {saved.get('seed')} (the "
+            "model's config); this recipe's base is another",
+            field="train.seed" if now is None else "model.path",
+            value=source.seed if now is None else now,
+            fix=f"resume with train.seed={saved.get('seed')} and the recipe's model config (no model.path)",
+        )
+    return saved
 
 
 def check_resume_adapters(meta: dict[str, Any], recipe: Recipe, path: Path) -> None:
@@ -352,8 +384,7 @@ def setup(run_dir: RunDir, start: Start, heartbeat: Any = None) -> tuple[RunCont
         manifest, run_dir, source, resume_from[0] if resume_from and src is None else None, rank=rank
     )
     if recipe.peft is not None and rank == 0:  # checkpoints hold the adapters and name their base
-        fresh = source.weights is None and resume_from is None
-        ctx.describe["base"] = manifest["initial_weights"] if fresh else source.base_identity()
+        ctx.describe["base"] = base_record(source, manifest, resume_from, same_run=src is None)
     if hf_source:
         phase("reshard")
         import_reshard(ctx, None, src, tag=None, verify=start.verify)  # type: ignore[arg-type]
