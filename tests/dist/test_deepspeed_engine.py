@@ -147,7 +147,7 @@ def test_model_states_held_match_the_plan(zero_runs, zero):
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_dp_bytes_match_the_plan(zero_runs, zero):
-    """comm.jsonl against plan.estimate: ZeRO 0-3 at dp 2 within 2 % per op (DeepSpeed on gloo: an
+    """comm.jsonl against plan.comm_estimate: ZeRO 0-3 at dp 2 within 2 % per op (DeepSpeed on gloo: an
     all-reduce of the gradients per step / per micro-batch for 0-2, all-gathers + reduce-scatter for 3)."""
     pred = assert_comm_matches_plan(zero_runs["_base"] / f"z{zero}", "dp", 0.02)
     ops = {k.split(":")[0] for k in pred}
@@ -208,7 +208,7 @@ def test_ddp_bytes_and_model_states_match_the_plan(zero_runs):
 
     from tessera.config.loader import validate_recipe
     from tessera.models.hf import load_hf_config
-    from tessera.plan.estimate import comm_per_step
+    from tessera.plan.comm_estimate import comm_per_step
     from tessera.plan.facts import model_facts
     from tessera.plan.layout import layout_from_recipe
 

@@ -458,7 +458,7 @@ def test_nan_grad_norm_stops_megatron_and_keeps_a_finite_checkpoint(runs):
     [("tp2", "tp", 0.02), ("tp2_nosp", "tp", 0.02), ("pp2_1f1b", "pp", 0.0), ("ep2_mixtral", "ep", 0.10)],
 )
 def test_bytes_match_the_plan(runs, name, group, tol):
-    """comm.jsonl against plan.estimate: TP2 within 2 % (with SP: all-gathers and reduce-scatters in place
+    """comm.jsonl against plan.comm_estimate: TP2 within 2 % (with SP: all-gathers and reduce-scatters in place
     of the all-reduces, none left over; without: all-reduces), PP2 sends / receives exactly, EP2
     all-to-all within 10 % (the routing decides how many tokens each rank sends)."""
     predicted = assert_comm_matches_plan(runs["_base"] / name, group, tol)

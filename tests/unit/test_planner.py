@@ -18,19 +18,17 @@ from tessera.errors import LayoutError, RecipeError
 from tessera.models.hf import load_hf_config
 from tessera.models.megatron import Shard, adapter_for
 from tessera.models.weight_map import hf_to_mcore
+from tessera.plan.comm_estimate import comm_bytes_by_op, comm_per_step, minimum_wire_bytes
 from tessera.plan.estimate import (
     ZERO3_PERSISTENCE_THRESHOLD,
     GiB,
     Kernels,
     activation_bytes_per_layer,
-    comm_bytes_by_op,
-    comm_per_step,
     count_params,
     ddp_bucket_count,
     hf_tensor_numels,
     in_flight_microbatches,
     memory_per_rank,
-    minimum_wire_bytes,
     model_state_bytes,
     rank_params,
 )

@@ -13,7 +13,7 @@
                 same two rank processes, alternating step by step (ABBA).
 2. comm         per layout (ZeRO 0-3, ddp, megatron TP2, PP2, EP2): the bytes each rank sent per step
                 (counted collectives x the algorithm's wire factor) / the theoretical minimum of the
-                layout (`plan.estimate.minimum_wire_bytes`), and the share of the step in collectives.
+                layout (`plan.comm_estimate.minimum_wire_bytes`), and the share of the step in collectives.
 3. memory       the same runs: model-state bytes, one micro-batch's activation bytes and peak memory per
                 rank / the planner's figures (plan.json).
 4. checkpoint   tools/bench/checkpoint_io.py: save / load of a ~1 GB checkpoint vs a plain fsync'd write /
@@ -317,7 +317,7 @@ def _group_sizes(layout: Any) -> dict[str, int]:
 def comm_of(run_dir: Path, warmup: int) -> dict[str, Any]:
     """Measured wire bytes per step of the busiest rank vs the layout's theoretical minimum."""
     from tessera.models.hf import load_hf_config
-    from tessera.plan.estimate import minimum_wire_bytes, wire_factor
+    from tessera.plan.comm_estimate import minimum_wire_bytes, wire_factor
     from tessera.plan.facts import model_facts
     from tessera.plan.layout import layout_from_recipe
     from tessera.plan.measured import run_recipe

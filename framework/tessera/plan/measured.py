@@ -203,7 +203,7 @@ def calibrate(run_dirs: list[Path], hardware: HardwareProfile) -> tuple[Hardware
     them took beyond the rest of the prediction, per TP / EP message (median over those runs). A TP
     collective sits between two matmuls of a layer, so besides its own time it costs the ranks' skew and
     the disturbance of the computation around it; only the step as a whole measures that."""
-    from tessera.plan.estimate import wire_factor
+    from tessera.plan.comm_estimate import wire_factor
     from tessera.plan.time_estimate import DEFAULT_EFFICIENCY, grad_hook_passes
 
     samples: list[tuple[float, float, float]] = []

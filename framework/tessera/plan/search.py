@@ -18,15 +18,12 @@ from typing import Any
 
 from tessera.errors import LayoutError, RecipeError, TesseraError
 from tessera.plan.activations import kernels_for
+from tessera.plan.comm_estimate import CommOp, comm_bytes_by_op, comm_formulas, comm_per_step
 from tessera.plan.estimate import (
     RECOMPUTE,
-    CommOp,
     GiB,
     Kernels,
     MemoryEstimate,
-    comm_bytes_by_op,
-    comm_formulas,
-    comm_per_step,
     count_params,
     memory_per_rank,
 )

@@ -1,7 +1,8 @@
 """The planner's time side: FLOPs per token, the pipeline bubble, link bandwidths, step time and MFU.
 
-Built on the memory and communication estimates of :mod:`tessera.plan.estimate` and a
-:class:`~tessera.plan.hardware.HardwareProfile`; every formula is written into the result.
+Built on the memory and communication estimates (:mod:`tessera.plan.estimate`,
+:mod:`tessera.plan.comm_estimate`) and a :class:`~tessera.plan.hardware.HardwareProfile`; every formula is
+written into the result.
 """
 
 from __future__ import annotations
@@ -9,11 +10,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from tessera.plan.comm_estimate import CommOp, comm_per_step
 from tessera.plan.estimate import (
     BYTES,
-    CommOp,
     ModelFacts,
-    comm_per_step,
     expert_dp,
     hf_tensor_numels,
     largest_shard,
