@@ -245,9 +245,9 @@ def test_what_megatron_cannot_adapt_is_refused_naming_the_field(peft, field, val
     the LM head, embeddings, DoRA, dropout and modules to save are refused, naming the field and value."""
     from transformers import AutoConfig
 
-    from tessera.engines.megatron_adapters import sites
     from tessera.models.adapters import section_dict
     from tessera.models.megatron import adapter_for
+    from tessera.models.megatron_lora import sites
 
     cfg = dict(TINY)
     hf = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
@@ -270,9 +270,9 @@ def test_expert_adapters_are_peft_packing_and_reshard_exactly():
     gives the packed tensors bit for bit."""
     from transformers import AutoConfig
 
-    from tessera.engines.megatron_adapters import mcore_adapter
     from tessera.models.adapters import section_dict
     from tessera.models.megatron import Shard
+    from tessera.models.megatron_lora import mcore_adapter
     from tessera.models.weight_map import hf_to_mcore, mcore_to_hf
 
     cfg = dict(TINY, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2)

@@ -278,7 +278,8 @@ def build_model_chunks(
     on its linears, filled from ``hf_state`` by their canonical names like the rest."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    from tessera.engines.megatron_adapters import attach, mcore_adapter
+    from tessera.engines.megatron_adapters import attach
+    from tessera.models.megatron_lora import mcore_adapter
 
     family = adapter_for(hf_cfg.model_type)
     adapter = mcore_adapter(hf_cfg, peft)

@@ -37,7 +37,7 @@ from tessera.engines.base import (
     step_result,
 )
 from tessera.engines.held import ACTIVATIONS, megatron_grad_bytes, megatron_params_and_optimizer
-from tessera.engines.megatron_adapters import SUFFIX, freeze_base, mcore_adapter
+from tessera.engines.megatron_adapters import freeze_base
 from tessera.engines.megatron_build import (
     CPU_CONFIG,
     MpuAdapter,
@@ -55,6 +55,7 @@ from tessera.engines.zero import DeepSpeedRunner
 from tessera.errors import CheckpointError, RecipeError
 from tessera.hostmem import lean_construction
 from tessera.models.adapters import section_dict
+from tessera.models.megatron_lora import SUFFIX, mcore_adapter
 from tessera.models.weight_map import hf_to_mcore, mcore_to_hf_slices
 from tessera.plan.layout import ParallelLayout
 from tessera.safeload import safe_torch_load

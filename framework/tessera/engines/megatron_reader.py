@@ -84,8 +84,8 @@ def _megatron(
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    from tessera.engines.megatron_adapters import mcore_adapter
     from tessera.models.megatron import Shard
+    from tessera.models.megatron_lora import mcore_adapter
     from tessera.models.weight_map import mcore_to_hf
 
     root = ckpt / DIST_DIR

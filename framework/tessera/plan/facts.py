@@ -195,10 +195,10 @@ def with_adapters(f: ModelFacts, hf_cfg: Any, peft: Any) -> ModelFacts:
     experts: set[str] = set()
     sites: tuple[tuple[str, str, int], ...] = ()
     if family_of(hf_cfg.model_type).adapter is not None:
-        from tessera.engines.megatron_adapters import lora_rules
-        from tessera.engines.megatron_adapters import sites as megatron_sites
         from tessera.errors import RecipeError
         from tessera.models.megatron import adapter_for
+        from tessera.models.megatron_lora import lora_rules
+        from tessera.models.megatron_lora import sites as megatron_sites
 
         try:
             found = megatron_sites(adapter_for(hf_cfg.model_type), hf_cfg, section_dict(peft))

@@ -58,7 +58,7 @@ def check_model(resolved: Any, device: str) -> Any:
         hf_cfg = load_hf_config(recipe.model, vocab_size=recipe.data.vocab_size)
         adapter_shapes(hf_cfg, recipe.peft)
         if not layout.caps.hf_module:  # and have megatron linears (the family's weight rules say which)
-            from tessera.engines.megatron_adapters import mcore_adapter
+            from tessera.models.megatron_lora import mcore_adapter
 
             mcore_adapter(hf_cfg, recipe.peft).rules(hf_cfg)
     if recipe.model.moe_aux_loss_coeff:
