@@ -531,20 +531,13 @@ class Recipe(_Section):
 
     @model_validator(mode="after")
     def _adapters_on_megatron(self) -> Recipe:
-        """Adapters on megatron-core's linears (:mod:`tessera.engines.megatron_adapters`) train under
-        megatron's own data parallelism; DeepSpeed ZeRO over its modules would not sum the adapters'
-        sequence-parallel gradients over TP."""
-        from tessera.tables.engines import ENGINES
+        """An explicit ``zero_impl`` adapters cannot train under (:func:`tessera.tables.engines.adapters_refusal`;
+        ``auto`` is judged on the resolved layout, by the planner and the engine)."""
+        from tessera.tables.engines import adapters_refusal
 
-        p = self.parallel
-        if self.peft is not None and not ENGINES[p.engine].caps.hf_module and p.zero_impl == "deepspeed":
-            raise RecipeError(
-                f"adapters on engine '{p.engine}' train under megatron's own data parallelism only",
-                field="parallel.zero_impl",
-                value=p.zero_impl,
-                fix="parallel.zero_impl=megatron (ZeRO-1 is its distributed optimizer), or parallel.engine: "
-                "deepspeed for ZeRO 2-3 over the HF module",
-            )
+        refused = adapters_refusal(self.parallel.engine, self.parallel.zero_impl) if self.peft else None
+        if refused is not None:
+            raise refused
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -52,13 +52,14 @@ from tessera.engines.megatron_build import (
 )
 from tessera.engines.optim import MOMENTS, LRSchedule, materialize_adam_state, set_adam_step
 from tessera.engines.zero import DeepSpeedRunner
-from tessera.errors import CheckpointError, RecipeError
+from tessera.errors import CheckpointError
 from tessera.hostmem import lean_construction
 from tessera.models.adapters import section_dict
 from tessera.models.megatron_lora import SUFFIX, mcore_adapter
 from tessera.models.weight_map import hf_to_mcore, mcore_to_hf_slices
 from tessera.plan.layout import ParallelLayout
 from tessera.safeload import safe_torch_load
+from tessera.tables.engines import adapters_refusal
 from tessera.tensorfile import save_tensors
 
 # the construction side lives in megatron_build; importers of these names from here keep working
@@ -114,14 +115,9 @@ class MegatronEngine(Engine):
         )
         #: the recipe's adapters (dict) or None: only they train, and checkpoints hold only them
         self.peft = section_dict(source.peft)
-        if self.peft is not None and layout.uses_deepspeed:
-            raise RecipeError(
-                "adapters on the megatron engine train under megatron's own data parallelism only",
-                field="parallel.zero_impl",
-                value="deepspeed",
-                fix="parallel.zero_impl=megatron (ZeRO-1 is its distributed optimizer), or parallel.engine: "
-                "deepspeed for ZeRO 2-3 over the HF module",
-            )
+        refused = adapters_refusal(layout.engine, layout.zero_impl) if self.peft is not None else None
+        if refused is not None:
+            raise refused
         self.adapter = mcore_adapter(hf_cfg, self.peft)
         with lean_construction():
             chunks = build_model_chunks(hf_cfg, hf_state, self.config, layout, ps, self.peft)

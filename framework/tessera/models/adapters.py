@@ -321,10 +321,6 @@ def adapter_shapes(hf_cfg: Any, section: Any) -> dict[str, tuple[int, ...]]:
     return {n: s for n, s, trained in rows if trained}
 
 
-def adapter_numel(hf_cfg: Any, section: Any) -> int:
-    return sum(math.prod(s) for s in adapter_shapes(hf_cfg, section).values())
-
-
 def _seed_of(seed: int, name: str) -> int:
     digest = hashlib.sha256(f"{INIT_RULE}|{seed}|{name}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
@@ -341,10 +337,9 @@ class WithAdapters(Mapping[str, torch.Tensor]):
         shapes: Mapping[str, tuple[int, ...]],
         *,
         seed: int,
-        scaling: float,
         given: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
-        self.base, self.shapes, self.seed, self.scaling = base, dict(shapes), seed, scaling
+        self.base, self.shapes, self.seed = base, dict(shapes), seed
         self.given = given if given is not None else {}
         self._names = [n for n in base if n not in self.shapes] + list(self.shapes)
 
@@ -402,7 +397,7 @@ def adapter_source(hf_cfg: Any, section: Any, base: Mapping[str, torch.Tensor], 
     shapes = adapter_shapes(hf_cfg, s)
     given = {n: base[n] for n in shapes if n in base}
     plain = _Without(base, set(shapes)) if given else base
-    return WithAdapters(plain, shapes, seed=seed, scaling=float(s["alpha"]) / int(s["r"]), given=given)
+    return WithAdapters(plain, shapes, seed=seed, given=given)
 
 
 class _Without(Mapping[str, torch.Tensor]):
@@ -503,10 +498,6 @@ def _peft_names(cfg_json: str, peft_json: str) -> PeftNames:
 def peft_names(hf_cfg: Any, section: Any) -> PeftNames:
     """:class:`PeftNames` of the model of ``hf_cfg`` with the adapters of ``section``."""
     return _peft_names(_config_key(hf_cfg), json.dumps(section_dict(section), sort_keys=True))
-
-
-def trainable(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
-    return ((n, p) for n, p in named_parameters(model) if p.requires_grad)
 
 
 def whole_base_tensors(state: Mapping[str, list[Any]]) -> list[str]:

@@ -68,6 +68,31 @@ def sites(adapter: Adapter, hf_cfg: Any, peft: Mapping[str, Any]) -> list[Site]:
         fix="use parallel.engine: deepspeed or ddp for it (adapters of every kind on the HF module)",
     )
     wanted = list(dict.fromkeys(peft["target_modules"]))
+    found = _found(adapter, hf_cfg, wanted)
+    missing = [t for t in wanted if t not in found]
+    if missing:
+        mapped = sorted(_found(adapter, hf_cfg, _candidates(adapter, hf_cfg)))
+        raise RecipeError(
+            f"the {hf_cfg.model_type} adapter of the megatron engine has no linear of the layers for {missing[0]!r}"
+            + (" (an embedding, the LM head or a norm)" if mapped else ""),
+            field="peft.target_modules",
+            value=missing[0],
+            fix=f"target the projections it maps ({', '.join(mapped) or 'none'}), or use parallel.engine: "
+            "deepspeed or ddp (adapters on any linear of the HF module)",
+        )
+    out: dict[str, Site] = {}
+    for t in wanted:
+        s = found[t]
+        out.setdefault(s.mcore, s)
+    # only the targets asked for, in the fused order (an expert site's one target is the fused tensor's)
+    return [
+        s if s.expert else dataclasses.replace(s, targets=tuple(x for x in s.targets if x[0] in wanted))
+        for s in out.values()
+    ]
+
+
+def _found(adapter: Adapter, hf_cfg: Any, wanted: list[str]) -> dict[str, Site]:
+    """Target -> the site that adapts it, for the ``wanted`` targets the family's rules map."""
     found: dict[str, Site] = {}
     for rule in adapter.rules(hf_cfg):
         if "#" in rule.mcore:
@@ -95,26 +120,19 @@ def sites(adapter: Adapter, hf_cfg: Any, peft: Mapping[str, Any]) -> list[Site]:
                 tuple((_target_of(n), n) for n in names),
             )
             found.update((t, site) for t, _ in targets)
-    missing = [t for t in wanted if t not in found]
-    if missing:
-        mapped = sorted({t for s in _all_sites(adapter, hf_cfg) for t, _ in s.targets})
-        raise RecipeError(
-            f"the {hf_cfg.model_type} adapter of the megatron engine has no linear of the layers for {missing[0]!r}"
-            + (" (a routed expert, an embedding, the LM head or a norm)" if mapped else ""),
-            field="peft.target_modules",
-            value=missing[0],
-            fix=f"target the projections it maps ({', '.join(mapped) or 'none'}), or use parallel.engine: "
-            "deepspeed or ddp (adapters on any linear of the HF module)",
-        )
-    out: dict[str, Site] = {}
-    for t in wanted:
-        s = found[t]
-        out.setdefault(s.mcore, s)
-    # only the targets asked for, in the fused order (an expert site's one target is the fused tensor's)
-    return [
-        s if s.expert else dataclasses.replace(s, targets=tuple(x for x in s.targets if x[0] in wanted))
-        for s in out.values()
-    ]
+    return found
+
+
+def _candidates(adapter: Adapter, hf_cfg: Any) -> list[str]:
+    """Every HF target name the family's layer rules mention (what :func:`_found` may map)."""
+    names: set[str] = set()
+    for rule in adapter.rules(hf_cfg):
+        for n in rule.hf if isinstance(rule.hf, tuple) else (rule.hf,):
+            leaf = n.rsplit(".", 1)[-1]
+            names.update(
+                _EXPERT_TENSORS.get(leaf, (_target_of(n),)) if "#" in rule.mcore else (_target_of(n),)
+            )
+    return sorted(names)
 
 
 #: HF targets -> the fused expert tensor they adapt together (transformers 5 MoE layers)
@@ -144,22 +162,6 @@ def _expert_site(rule: Rule, wanted: list[str]) -> Site | None:
         )
     fuse = "gate_up_fused" if rule.fuse == "gate_up_fused" else None
     return Site(rule.mcore.removesuffix(".weight"), fuse, rule.split, ((leaf, rule.hf),), expert=True)
-
-
-def _all_sites(adapter: Adapter, hf_cfg: Any) -> list[Site]:
-    every = {"method": "lora", "dropout": 0.0, "modules_to_save": [], "target_modules": []}
-    names = set()
-    for rule in adapter.rules(hf_cfg):
-        if "#" not in rule.mcore and rule.split in (COL, ROW) and rule.mcore.startswith("decoder.layers.*."):
-            for n in rule.hf if isinstance(rule.hf, tuple) else (rule.hf,):
-                names.add(_target_of(n))
-    out: list[Site] = []
-    for t in sorted(names):
-        try:
-            out += sites(adapter, hf_cfg, {**every, "target_modules": [t]})
-        except RecipeError:
-            continue
-    return out
 
 
 def lora_rules(site: Site) -> list[Rule]:

@@ -292,11 +292,6 @@ def _frozen_bytes(layout: ParallelLayout, psi: int, precision: str, *, persisten
     return p * psi
 
 
-def adapter_numel_per_rank(f: ModelFacts, layout: ParallelLayout) -> int:
-    """The adapter elements one rank holds (:func:`adapter_split_per_rank`, dense and expert together)."""
-    return sum(adapter_split_per_rank(f, layout))
-
-
 def adapter_split_per_rank(f: ModelFacts, layout: ParallelLayout) -> tuple[int, int]:
     """(dense, expert) adapter elements one rank holds: all of them, as dense, on an HF-module engine; on
     megatron's linears a pipeline stage's layers, the TP-split ones (B of column-parallel sites, A of

@@ -37,7 +37,13 @@ from tessera.plan.time_estimate import (
     bubble_fraction,
     step_time,
 )
-from tessera.tables.engines import ENGINE_NAMES, ENGINES, ZERO_IMPLS, Capabilities, capabilities, engine_hook
+from tessera.tables.engines import (
+    ENGINE_NAMES,
+    Capabilities,
+    adapters_refusal,
+    capabilities,
+    engine_hook,
+)
 
 BUBBLE_FORMULA = (
     "(p-1)/(v*m + p-1): Narayanan et al. 2021 (p-1)/(v*m) of the ideal time, as a share of the step"
@@ -317,10 +323,10 @@ def _try_structure(
     f, hw, world_size, global_batch, precision = q.f, q.hw, q.world_size, q.global_batch, q.precision
     dp = world_size // (st["tp"] * st["pp"])
     zero_impl, sp = resolve_auto(engine, zero=st["zero"], tp=st["tp"], sp_ok=q.sp_ok)
-    if f.adapters and not ENGINES[engine].caps.hf_module and ZERO_IMPLS[zero_impl].deepspeed:
-        lay = dict(engine=engine, dp=dp, **st, zero_impl=zero_impl)
+    refused = adapters_refusal(engine, zero_impl) if f.adapters else None
+    if refused is not None:
         result.rejected.append(
-            Rejection(lay, "adapters on megatron's linears train under megatron's own data parallelism only")
+            Rejection(dict(engine=engine, dp=dp, **st, zero_impl=zero_impl), refused.message)
         )
         return
     seen: set[str] = set()

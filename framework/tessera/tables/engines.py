@@ -102,6 +102,24 @@ class CapabilityRule:
     refusal: Callable[[EngineSpec, Any], tuple[str, str]] | None = None
 
 
+def adapters_refusal(engine: str, zero_impl: str) -> Any:
+    """Why adapters cannot train under ``engine`` with ``zero_impl`` (a RecipeError to raise), or None.
+    Adapters on megatron-core's linears train under megatron's own data parallelism: DeepSpeed ZeRO over
+    its modules would not sum the adapters' sequence-parallel gradients over TP."""
+    from tessera.errors import RecipeError
+
+    impl = ZERO_IMPLS.get(zero_impl)
+    if ENGINES[engine].caps.hf_module or impl is None or not impl.deepspeed:
+        return None
+    return RecipeError(
+        f"adapters on engine '{engine}' train under megatron's own data parallelism only",
+        field="parallel.zero_impl",
+        value=zero_impl,
+        fix="parallel.zero_impl=megatron (ZeRO-1 is its distributed optimizer), or parallel.engine: "
+        "deepspeed for ZeRO 2-3 over the HF module",
+    )
+
+
 def engines_with(test: Callable[[Capabilities], bool]) -> str:
     """The engines whose capabilities pass ``test``, as "a or b" (for the fix of a refusal)."""
     return " or ".join(n for n, spec in ENGINES.items() if test(spec.caps))
