@@ -356,7 +356,7 @@ def group_namer(layout: Any, known: dict[Any, str] | None = None) -> Callable[[A
 def _axes(ranks: Iterable[int], layout: Any) -> str:
     ranks = list(ranks)
     coords = [layout.coords(r) for r in ranks]
-    varying = [ax for ax in ("tp", "dp", "pp") if len({c[ax] for c in coords}) > 1]
+    varying = [ax for ax in ("sp", "tp", "dp", "pp") if len({c[ax] for c in coords}) > 1]
     if len(varying) > 1 and len(ranks) == layout.world_size:
         return "world"
     return "+".join(varying) or "self"  # a world that is one axis (pp=2 on 2 ranks) is named by it

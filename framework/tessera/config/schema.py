@@ -251,6 +251,27 @@ class ParallelSection(_Section):
         description="engine megatron: sequence parallelism in the TP regions; auto = on when tp > 1 "
         "and megatron shards over dp",
     )
+    sp: int = Field(
+        1,
+        ge=1,
+        description="Ulysses sequence-parallel degree (engine deepspeed; DeepSpeed's ALST): every sample's "
+        "sequence split over sp ranks, attention heads split over them by all-to-all; world = dp*sp",
+    )
+    tiled_mlp: bool = Field(
+        False,
+        description="DeepSpeed's TiledMLP: each MLP computed over sequence tiles, its full-length "
+        "intermediate never held (recomputed tile by tile in backward); engine deepspeed",
+    )
+    tiled_loss: bool = Field(
+        False,
+        description="the LM head and the loss computed over sequence tiles (DeepSpeed's "
+        "sequence_tiled_compute): no full-length logits; engine deepspeed",
+    )
+    offload_activations: bool = Field(
+        False,
+        description="with recompute: full, the checkpointed layer inputs kept in host memory until "
+        "backward (DeepSpeed's checkpoint offload; CUDA only: on CPU they are in host memory already)",
+    )
     recompute: Literal["none", "selective", "full"] = Field(
         "none",
         description="activation recompute: none; selective = megatron-core's attention-core recompute "
@@ -290,6 +311,14 @@ class ParallelSection(_Section):
             raise ValueError("parallel.offload_optimizer needs parallel.zero 1, 2 or 3")
         if self.offload_params and self.zero != 3:
             raise ValueError("parallel.offload_params needs parallel.zero: 3")
+        if self.offload_activations and self.recompute != "full":
+            raise RecipeError(
+                "activation offload moves the layer inputs that full recompute checkpoints; without "
+                "recompute there are none",
+                field="parallel.offload_activations",
+                value=True,
+                fix="set parallel.recompute: full, or parallel.offload_activations: false",
+            )
         return self
 
 
@@ -526,6 +555,55 @@ class Recipe(_Section):
                 value=True,
                 fix=f"use parallel.engine: {engines_with(lambda c: c.hf_module)} (transformers' attention honours "
                 "it: sdpa, eager, flex, flash-attention), or data.document_boundaries=false",
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _ulysses_rules(self) -> Recipe:
+        """What Ulysses sequence parallelism needs of the model and the data, where the engine has it (an
+        engine without it refuses ``parallel.sp`` by the capability rules). DeepSpeed's attention wrapper
+        drops the attention mask and runs the core kernel causally over the gathered sequence: eager is
+        not a kernel it wraps, and packed documents would attend across their boundaries (silently wrong
+        losses); each sequence is cut into sp equal slices; the MoE load-balancing loss would see only a
+        rank's slice of the tokens."""
+        from tessera.tables.engines import ENGINES
+
+        sp, model, data = self.parallel.sp, self.model, self.data
+        if sp == 1 or not ENGINES[self.parallel.engine].caps.sp:
+            return self
+        if model.attn_implementation != "sdpa":
+            raise RecipeError(
+                f"Ulysses sequence parallelism (parallel.sp={sp}) wraps a fused attention kernel; DeepSpeed's "
+                f"wrapper refuses '{model.attn_implementation}'",
+                field="model.attn_implementation",
+                value=model.attn_implementation,
+                fix="set model.attn_implementation: sdpa, or parallel.sp: 1",
+            )
+        if data.document_boundaries and data.packing:
+            raise RecipeError(
+                "under Ulysses sequence parallelism attention runs causally over the whole gathered row "
+                "(DeepSpeed's wrapper drops the mask), so documents packed in a row would see each other",
+                field="data.document_boundaries",
+                value=True,
+                fix="set data.document_boundaries: false (documents packed and attending across), "
+                "data.packing: false (one document per row), or parallel.sp: 1",
+            )
+        if data.seq_len % sp:
+            fits = [k for k in range(2, sp * 2 + 1) if data.seq_len % k == 0 and k != sp][:3]
+            raise RecipeError(
+                f"data.seq_len={data.seq_len} cannot be cut into parallel.sp={sp} equal slices",
+                field="data.seq_len",
+                value=data.seq_len,
+                fix=f"use a multiple of {sp} (e.g. {(data.seq_len // sp + 1) * sp})"
+                + (f", or parallel.sp: {' or '.join(map(str, fits))}" if fits else ""),
+            )
+        if model.moe_aux_loss_coeff:
+            raise RecipeError(
+                "the router load-balancing loss would be computed on each rank's slice of the sequence, "
+                "not on the whole batch as at sp=1",
+                field="model.moe_aux_loss_coeff",
+                value=model.moe_aux_loss_coeff,
+                fix="set model.moe_aux_loss_coeff: 0, or parallel.sp: 1",
             )
         return self
 

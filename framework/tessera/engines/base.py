@@ -329,7 +329,16 @@ def summed_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     """Sum of next-token cross-entropies in fp32 (the caller divides by the global token count). The
     labels move, not the logits: position t is scored against label t+1 and the last position against
     nothing, so no shifted copy of the b·s·V logits is made."""
-    target = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    return summed_target_loss(logits, next_token_targets(labels))
+
+
+def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
+    """What position t of each row is scored against: label t+1 (the last position: nothing)."""
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def summed_target_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Sum of the fp32 cross-entropies of ``logits`` against targets already shifted (ignored: -100)."""
     return F.cross_entropy(
         logits.float().reshape(-1, logits.size(-1)),
         target.reshape(-1),

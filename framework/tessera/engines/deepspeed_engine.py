@@ -7,6 +7,7 @@ the loss normalisation (by tokens, see :mod:`tessera.engines.base`) and the LR s
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -26,10 +27,12 @@ from tessera.engines.base import (
     global_counts,
     hf_eval_loss,
     hf_recompute,
+    label_tokens,
     mean_aux_loss,
     step_result,
 )
 from tessera.engines.optim import MOMENTS
+from tessera.engines.ulysses import LongSequences
 from tessera.engines.zero import DeepSpeedRunner, build_ds_config
 from tessera.hostmem import lean_construction
 from tessera.models.adapters import named_parameters
@@ -45,6 +48,13 @@ class DeepSpeedEngine(Engine):
     def __init__(self, source: ModelSource, recipe: Recipe, layout: ParallelLayout, *, device: str) -> None:
         self.layout = layout
         self.device = torch.device(device if device == "cpu" else f"cuda:{torch.cuda.current_device()}")
+        self.objective = HFObjective.of(source)
+        #: Ulysses sp / tiled MLP and loss / checkpoint offload (DeepSpeed's ALST), or None
+        self.long: LongSequences | None = None
+        if LongSequences.wanted(layout):  # the sp groups first: every rank makes them in the same order
+            self.long = LongSequences(
+                source, layout, seq_len=recipe.data.seq_len, device=self.device, base=self.objective
+            )
         with lean_construction():
             if layout.zero == 3:  # partitioned as it is made: no rank holds the whole model
                 model = partitioned_from(
@@ -53,8 +63,11 @@ class DeepSpeedEngine(Engine):
             else:  # ZeRO 0-2 hold the whole model on every rank: made whole, in the dtype DeepSpeed trains in
                 model = source.build_hf(dtype=PARAM_DTYPE[recipe.train.precision], device=self.device)
         hf_recompute(model, layout.recompute)
-        self.objective = HFObjective.of(source)
-        self.ds = DeepSpeedRunner(model, recipe, layout, device=device)
+        if self.long is not None:
+            self.long.attach(model)
+        self.ds = DeepSpeedRunner(
+            model, recipe, layout, device=device, mpu=None if self.long is None else self.long.mpu
+        )
         self.sharding = self.ds.sharding
 
     @property
@@ -64,11 +77,16 @@ class DeepSpeedEngine(Engine):
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]], step: int) -> StepResult:
         assert len(micro_batches) == self.layout.grad_accum, "sampler and layout disagree"  # internal
         lr = self.ds.schedule.set(self.ds.engine.optimizer, step)
-        tokens, inputs = global_counts(micro_batches, self.layout, device=self.device, group=None)
+        tokens, inputs = self._counts(micro_batches)
         # DeepSpeed divides by grad_accum (scale_wrt_gas) and averages over dp: undo both so that the
-        # gradient is d(sum of token losses)/d(theta) / (tokens in the global batch).
+        # gradient is d(sum of token losses)/d(theta) / (tokens in the global batch). Under sp each rank's
+        # loss is its slice's; DeepSpeed sums the slices' gradients over the sp ranks and divides by dp,
+        # except ZeRO-3's reduce-scatter, which divides by dp*sp (deepspeed 0.19.8): sp times more there
         scale = self.layout.grad_accum * self.layout.dp / max(tokens, 1.0)
-        loss_sum, norm, aux_sum = self.ds.step(micro_batches, scale, self._loss_of)
+        if self.layout.zero == 3 and self.layout.sp > 1:
+            scale *= self.layout.sp
+        around = self.long.around if self.long is not None else contextlib.nullcontext
+        loss_sum, norm, aux_sum = self.ds.step(micro_batches, scale, self._loss_of, around=around)
         return step_result(
             float(loss_sum),
             norm,
@@ -80,10 +98,38 @@ class DeepSpeedEngine(Engine):
         )
 
     def eval_loss(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
-        """Through the DeepSpeed engine (ZeRO-3 gathers its parameters in the forward; bf16 casts)."""
-        return hf_eval_loss(self.ds.engine, micro_batches, self.layout, device=self.device)
+        """Through the DeepSpeed engine (ZeRO-3 gathers its parameters in the forward; bf16 casts); with
+        the long-sequence components, through their objective (each sp rank its slice)."""
+        if self.long is None:
+            return hf_eval_loss(self.ds.engine, micro_batches, self.layout, device=self.device)
+        engine = self.ds.engine
+        engine.eval()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        with torch.no_grad():
+            for mb in micro_batches:
+                loss_sum += self.long(engine, mb, self.device)[0]
+        if self.layout.data_ranks > 1:
+            dist.all_reduce(loss_sum)
+        return float(loss_sum), self._counts(micro_batches)[0]
+
+    def _counts(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
+        """(label tokens, input positions) of the global batch; the ranks of an sp group hold the same
+        rows, so a count summed over every rank is sp times the batch's."""
+        if self.layout.sp == 1 or getattr(micro_batches, "counts", None) is not None:
+            return global_counts(micro_batches, self.layout, device=self.device, group=None)
+        local = torch.tensor(
+            [sum(label_tokens(mb["labels"]) for mb in micro_batches),
+             sum(mb["input_ids"].numel() for mb in micro_batches)],
+            dtype=torch.float64,
+            device=self.device,
+        )  # fmt: skip
+        dist.all_reduce(local)
+        tokens, inputs = (local / self.layout.sp).tolist()
+        return tokens, inputs
 
     def _loss_of(self, engine: Any, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.long is not None:
+            return self.long(engine, mb, self.device)
         return self.objective(engine, mb, self.device)
 
     def named_groups(self) -> dict[Any, str]:
@@ -129,7 +175,11 @@ class DeepSpeedEngine(Engine):
         self.ds.load(path)
 
     def close(self) -> None:
-        """Nothing to release: the process group belongs to the worker."""
+        """The long-sequence components' process-global state (the sp groups, the attention override);
+        the process group itself belongs to the worker."""
+        if self.long is not None:
+            self.long.close()
+            self.long = None
 
 
 def partition_range(p: Any, rank: int) -> tuple[int, int]:

@@ -112,6 +112,8 @@ def recipe_sources(recipe: Recipe, layout: ParallelLayout, hidden_size: int | No
             recipe_value=layout.offload_params,
         ),
     }
+    if layout.sp > 1:  # what zero.Init sizes the batch check by (deepspeed.initialize reads the mpu's)
+        src[("sequence_parallel_size",)] = Source("parallel.sp", layout.sp)
     if hidden_size is not None:  # HF's sizes: reduce h^2, ZeRO-3 prefetch 0.9 h^2, persistence 10 h
         for path, size in HIDDEN_SIZE_KEYS.items():
             src[path] = Source("model (its hidden size)", size(hidden_size), must_match=False)
@@ -418,7 +420,18 @@ def build_ds_config(
         hidden = model_hidden_size(recipe)
     filled = fill_user_ds_config(user, recipe, layout, hidden_size=hidden, user_path=user_path)
     # the optimizer and scheduler sections have been checked against the recipe; Tessera runs its own
-    return _deep_merge(cfg, {k: v for k, v in filled.items() if k not in SECTIONS})
+    merged = _deep_merge(cfg, {k: v for k, v in filled.items() if k not in SECTIONS})
+    if layout.sp > 1 and layout.zero == 3 and not merged["zero_optimization"].get("reduce_scatter", True):
+        # deepspeed 0.19.8 averages ZeRO-3 gradients over dp*sp on its reduce-scatter path; the engine
+        # multiplies the loss scale by sp for it (engines/ulysses.py). Without reduce-scatter, buckets up to
+        # reduce_bucket_size are averaged over dp and larger ones over dp*sp: no one scale is right
+        raise RecipeError(
+            "ZeRO-3 with Ulysses sequence parallelism needs DeepSpeed's reduce-scatter of the gradients",
+            field="parallel.deepspeed_config",
+            value=f"{user_path}: zero_optimization.reduce_scatter=false",
+            fix="remove zero_optimization.reduce_scatter from the JSON (Tessera sets it true), or parallel.sp: 1",
+        )
+    return merged
 
 
 def _get(d: Any, path: tuple[str, ...]) -> Any:

@@ -8,6 +8,7 @@ megatron-core model over megatron's data-parallel group (``mpu``), for ZeRO 1-3 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -74,32 +75,36 @@ class DeepSpeedRunner:
         loss_of: Callable[[Any, dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor | None]],
         *,
         dp_group: Any = None,
+        around: Callable[[], Any] = contextlib.nullcontext,
     ) -> tuple[torch.Tensor, float | None, torch.Tensor | None]:
         """Forward / backward every micro-batch (``loss_of(engine, mb)``: its summed token loss and the
         load-balancing loss or None, added unscaled: DeepSpeed averages it over micro-batches and dp), step
         at the boundary. Returns the loss summed over the micro-batches and the data-parallel ranks
-        (``dp_group``; its all-reduce runs while the optimizer steps), the pre-clip global grad norm and
-        this rank's load-balancing loss summed over its micro-batches (None without one)."""
+        (``dp_group``, None: every rank, each sp rank's slice of the rows included; its all-reduce runs
+        while the optimizer steps), the pre-clip global grad norm and this rank's load-balancing loss
+        summed over its micro-batches (None without one). ``around``: a context each micro-batch's
+        forward and backward run in (the long-sequence components' checkpoint offload)."""
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.engine.device)
         aux_sum: torch.Tensor | None = None
         manual_norm = None
         self.engine.train()
         self.optimizer_phase = Phase()
         for i, mb in enumerate(micro_batches):
-            with ACTIVATIONS.micro_batch():
-                token_loss, aux = loss_of(self.engine, mb)
-            loss_sum += token_loss.detach()  # stays on the device: no sync per micro-batch
-            objective = token_loss * scale
-            if aux is not None:
-                objective = objective + aux
-                aux_sum = aux.detach() if aux_sum is None else aux_sum + aux.detach()
-            self.engine.backward(objective)
+            with around():
+                with ACTIVATIONS.micro_batch():
+                    token_loss, aux = loss_of(self.engine, mb)
+                loss_sum += token_loss.detach()  # stays on the device: no sync per micro-batch
+                objective = token_loss * scale
+                if aux is not None:
+                    objective = objective + aux
+                    aux_sum = aux.detach() if aux_sum is None else aux_sum + aux.detach()
+                self.engine.backward(objective)
             if i < len(micro_batches) - 1:
                 self.engine.step()  # not a boundary: DeepSpeed only counts the micro-step
                 continue
             if self._grads_held is None:  # gradients exist only here; measured once
                 self._grads_held = deepspeed_grad_bytes(self.engine, self.layout.zero)
-            if self.layout.dp > 1:  # the reported loss, summed over dp in the background
+            if self.layout.data_ranks > 1:  # the reported loss, summed over dp (and sp) in the background
                 pending = torch.distributed.all_reduce(loss_sum, group=dp_group, async_op=True)
             with self.optimizer_phase:  # the boundary: clip, (ZeRO) reduce, update, (ZeRO) gather
                 if self.layout.zero == 0:
@@ -107,7 +112,7 @@ class DeepSpeedRunner:
                     # by now (backward at the boundary), so the pre-clip norm is the same on every rank
                     manual_norm = _grad_norm(self.engine.module.parameters())
                 self.engine.step()
-            if self.layout.dp > 1:
+            if self.layout.data_ranks > 1:
                 pending.wait()
         norm = self.engine.get_global_grad_norm() if manual_norm is None else manual_norm
         return loss_sum, None if norm is None else float(norm), aux_sum

@@ -26,8 +26,8 @@ from tessera.tables.engines import (
 )
 
 #: the degrees of parallelism of a layout, in the order they are spelled everywhere (names, tags, tables)
-LAYOUT_AXES: tuple[str, ...] = ("dp", "tp", "pp", "vpp", "ep")
-#: the axes that split the model (all but dp)
+LAYOUT_AXES: tuple[str, ...] = ("dp", "tp", "pp", "vpp", "ep", "sp")
+#: the axes that split the model or the sequence (all but dp)
 MODEL_AXES: tuple[str, ...] = LAYOUT_AXES[1:]
 
 
@@ -36,8 +36,9 @@ class ParallelLayout:
     """Degrees of parallelism and batch split for one run: every axis, so that a checkpoint can store
     ``to_dict()`` and rebuild the layout with ``ParallelLayout(**d)``.
 
-    world_size = dp * tp * pp; global_batch = micro_batch * grad_accum * dp. Experts are split over
-    ep x etp ranks carved out of dp x tp. The engine's capabilities (``tables/engines.py``) are checked
+    world_size = dp * tp * pp * sp; global_batch = micro_batch * grad_accum * dp. Experts are split over
+    ep x etp ranks carved out of dp x tp. The sp (Ulysses) ranks of one group read the same samples, each a
+    slice of every sequence. The engine's capabilities (``tables/engines.py``) are checked
     on construction, so a layout its engine cannot run does not exist.
     """
 
@@ -61,6 +62,12 @@ class ParallelLayout:
     zero_impl: str = "auto"
     #: activation recompute: none | selective | full (one of the engine's ``recompute``)
     recompute: str = "none"
+    #: Ulysses sequence-parallel degree: each sequence split over sp ranks (engines with ``caps.sp``)
+    sp: int = 1
+    #: DeepSpeed's TiledMLP / the LM head and loss over sequence tiles / checkpoint offload to the host
+    tiled_mlp: bool = False
+    tiled_loss: bool = False
+    offload_activations: bool = False
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -82,13 +89,15 @@ class ParallelLayout:
                 value=self.etp,
                 fix="leave etp at its default (0 = tp)",
             )
-        if self.dp * self.tp * self.pp != self.world_size:
+        if self.dp * self.tp * self.pp * self.sp != self.world_size:
+            axes = "dp*tp*pp" + ("*sp" if self.sp > 1 else "")
+            sizes = "*".join(str(getattr(self, a)) for a in axes.split("*"))
             raise LayoutError(
-                f"dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = {self.dp * self.tp * self.pp} "
+                f"{axes} = {sizes} = {self.dp * self.tp * self.pp * self.sp} "
                 f"is not run.world_size = {self.world_size}",
                 field="parallel.dp",
                 value=self.dp,
-                fix="set parallel.dp: auto, or make dp*tp*pp equal run.world_size",
+                fix=f"set parallel.dp: auto, or make {axes} equal run.world_size",
             )
         if self.micro_batch * self.grad_accum * self.dp != self.global_batch:
             raise LayoutError(
@@ -119,6 +128,12 @@ class ParallelLayout:
         return self.sharding.deepspeed
 
     @property
+    def data_ranks(self) -> int:
+        """Ranks that shard the data-parallel state and reduce the gradients: dp, times sp under Ulysses
+        (DeepSpeed's sequence-data-parallel group holds the sp ranks too, dividing the sum by dp)."""
+        return self.dp * self.sp
+
+    @property
     def caps(self) -> Capabilities:
         """What this layout's engine can run (its entry in the capability table)."""
         return capabilities(self.engine)
@@ -136,9 +151,16 @@ class ParallelLayout:
         return self.pp > 1
 
     def coords(self, rank: int) -> dict[str, int]:
-        """Position of global ``rank`` in the grid. Order (fastest first) tp, dp, pp: megatron-core's
-        default "tp-cp-ep-dp-pp" without context parallelism (ep groups are carved out of dp x tp)."""
-        return {"tp": rank % self.tp, "dp": (rank // self.tp) % self.dp, "pp": rank // (self.tp * self.dp)}
+        """Position of global ``rank`` in the grid. Order (fastest first) sp, tp, dp, pp: megatron-core's
+        default "tp-cp-ep-dp-pp" without context parallelism (ep groups are carved out of dp x tp), under
+        DeepSpeed's Ulysses groups of consecutive ranks (``parallel_state_sp``: sp rank = rank % sp)."""
+        r = rank // self.sp
+        return {
+            "sp": rank % self.sp,
+            "tp": r % self.tp,
+            "dp": (r // self.tp) % self.dp,
+            "pp": r // (self.tp * self.dp),
+        }
 
     def dp_rank(self, rank: int) -> int:
         """The data-parallel rank of global ``rank``: which slice of the global batch it reads."""
@@ -153,14 +175,19 @@ class ParallelLayout:
         split."""
         caps = self.caps
         axes = [*LAYOUT_AXES, *(["etp"] if caps.ep else []), "zero"]
+        axes = [a for a in axes if a != "sp" or caps.sp]
         axes += (["zero_impl"] if len(caps.zero_impls) > 1 else []) + (
             ["sequence_parallel"] if caps.tp else []
         )
         text = f"engine={self.engine} world={self.world_size} "
-        text += " ".join(f"{'sp' if a == 'sequence_parallel' else a}={getattr(self, a)}" for a in axes)
-        offload = [k for k in ("optimizer", "params") if getattr(self, f"offload_{k}")]
+        text += " ".join(
+            f"{'seq_parallel' if a == 'sequence_parallel' else a}={getattr(self, a)}" for a in axes
+        )
+        offload = [k for k in ("optimizer", "params", "activations") if getattr(self, f"offload_{k}")]
         text += f" offload={'+'.join(offload)}" if offload else ""
         text += f" recompute={self.recompute}" if self.recompute != "none" else ""
+        tiled = [k for k in ("mlp", "loss") if getattr(self, f"tiled_{k}")]
+        text += f" tiled={'+'.join(tiled)}" if tiled else ""
         return (
             text
             + f" micro_batch={self.micro_batch} grad_accum={self.grad_accum} global_batch={self.global_batch}"
@@ -193,10 +220,11 @@ def batch_split(recipe: Recipe) -> tuple[int, int, int, int]:
             value=p.vpp,
             fix="set parallel.vpp: 1 or parallel.pp > 1",
         )
-    model_par = p.tp * p.pp
+    model_par = p.tp * p.pp * p.sp
     if ws % model_par:
+        axes = "tp*pp" + ("*sp" if p.sp > 1 else "")
         raise LayoutError(
-            f"run.world_size={ws} is not divisible by tp*pp={model_par}",
+            f"run.world_size={ws} is not divisible by {axes}={model_par}",
             field="run.world_size",
             value=ws,
             fix=f"use a multiple of {model_par} ranks",
@@ -260,10 +288,51 @@ def layout_from_recipe(recipe: Recipe) -> ParallelLayout:
         sequence_parallel=bool(sp),
         zero_impl=zero_impl,
         recompute=p.recompute,
+        sp=p.sp,
+        tiled_mlp=p.tiled_mlp,
+        tiled_loss=p.tiled_loss,
+        offload_activations=p.offload_activations,
     )
     if checks is not None:
         checks(recipe, layout, shape=shape)
+    if layout.sp > 1:
+        from tessera.models.hf import load_hf_config
+        from tessera.plan.facts import model_facts
+
+        f = model_facts(load_hf_config(recipe.model, vocab_size=recipe.data.vocab_size))
+        check_ulysses(layout, num_heads=f.num_heads, num_kv_heads=f.num_kv_heads)
     return layout
+
+
+def check_ulysses(layout: ParallelLayout, *, num_heads: int, num_kv_heads: int) -> None:
+    """What Ulysses sequence parallelism needs of the model (DeepSpeed's ``UlyssesSPAttentionHF``): the
+    attention heads split evenly over the sp ranks, and the KV heads too, or replicated evenly (sp a
+    multiple of them). The layout and the planner call it; the recipe's own rules (sdpa, no packed
+    document boundaries, a sequence cut into sp equal slices) are the schema's."""
+    sp = layout.sp
+    if sp == 1:
+        return
+    fits = [k for k in range(2, num_heads + 1) if _ulysses_ok(k, num_heads, num_kv_heads)]
+    hint = f"parallel.sp: {' or '.join(map(str, fits[:4]))}" if fits else "parallel.sp: 1"
+    if num_heads % sp:
+        raise LayoutError(
+            f"{num_heads} attention heads cannot be split over parallel.sp={sp} ranks",
+            field="parallel.sp",
+            value=sp,
+            fix=f"use {hint} (with run.world_size a multiple of it)",
+        )
+    if not _ulysses_ok(sp, num_heads, num_kv_heads):
+        raise LayoutError(
+            f"{num_kv_heads} KV heads can neither be split over parallel.sp={sp} ranks nor replicated evenly "
+            "(sp a multiple of them)",
+            field="parallel.sp",
+            value=sp,
+            fix=f"use {hint} (with run.world_size a multiple of it)",
+        )
+
+
+def _ulysses_ok(sp: int, heads: int, kv: int) -> bool:
+    return heads % sp == 0 and (kv % sp == 0 or sp % kv == 0)
 
 
 def recipe_uses_deepspeed(recipe: Recipe) -> bool:

@@ -82,6 +82,9 @@ class Capabilities:
     #: opposed to megatron-core's GPTModel built from the HF config (fused QKV / gate-up, dense vs expert)
     hf_module: bool = True
     recompute: tuple[str, ...] = ("none",)  # activation recompute granularities the engine runs
+    #: Ulysses sequence parallelism, tiled MLP / loss and checkpoint offload on the HF module (DeepSpeed's
+    #: ALST components: the heads split over the sp group by all-to-all, every token's work otherwise local)
+    sp: bool = False
 
     @property
     def runs_deepspeed(self) -> bool:
@@ -172,6 +175,34 @@ def _recompute_refusal(s: EngineSpec, recompute: Any) -> tuple[str, str]:
     )
 
 
+def _sp_refusal(s: EngineSpec, sp: Any) -> tuple[str, str]:
+    where = engines_with(lambda c: c.sp)
+    if s.caps.tp:  # megatron-core splits long sequences its own way
+        return (
+            f"engine '{s.name}' has no Ulysses sequence parallelism ({s.summary})",
+            f"set parallel.sp: 1 and split the sequence with megatron's own sequence parallelism "
+            f"(parallel.tp: {sp} with parallel.sequence_parallel: true), or use parallel.engine: {where} "
+            f"with parallel.sp: {sp}",
+        )
+    return (
+        f"engine '{s.name}' has no Ulysses sequence parallelism ({s.summary})",
+        f"set parallel.sp: 1, or use parallel.engine: {where} (e.g. parallel.zero: 2 with parallel.sp: {sp})",
+    )
+
+
+def _alst_rule(key: str, what: str) -> CapabilityRule:
+    """A switch of DeepSpeed's long-sequence components (tiled MLP / loss, checkpoint offload)."""
+    return CapabilityRule(
+        key=key,
+        allows=lambda c, v: c.sp or not v,
+        default=lambda c: False,
+        refusal=lambda s, v: (
+            f"engine '{s.name}' has no {what} (DeepSpeed's long-sequence components on the HF module)",
+            f"set parallel.{key}: false, or use parallel.engine: {engines_with(lambda c: c.sp)}",
+        ),
+    )
+
+
 #: the one capability -> recipe-field rule set, in the order the layout rules check them
 CAPABILITY_RULES: tuple[CapabilityRule, ...] = (
     _axis_rule("tp"),
@@ -200,6 +231,10 @@ CAPABILITY_RULES: tuple[CapabilityRule, ...] = (
         default=lambda c: "none",
         refusal=_recompute_refusal,
     ),
+    CapabilityRule(key="sp", allows=lambda c, v: c.sp or v <= 1, default=lambda c: 1, refusal=_sp_refusal),
+    _alst_rule("tiled_mlp", "tiled MLP"),
+    _alst_rule("tiled_loss", "tiled loss"),
+    _alst_rule("offload_activations", "activation checkpoint offload"),
     CapabilityRule(
         key="zero_impl",
         allows=lambda c, v: v == "auto" or v in c.zero_impls,
@@ -249,9 +284,14 @@ ENGINES: dict[str, EngineSpec] = {
             module="tessera.engines.deepspeed_engine",
             cls="DeepSpeedEngine",
             caps=Capabilities(
-                zero=(0, 1, 2, 3), offload=True, zero_impls=("deepspeed",), recompute=("none", "full")
+                zero=(0, 1, 2, 3),
+                offload=True,
+                zero_impls=("deepspeed",),
+                recompute=("none", "full"),
+                sp=True,
             ),
-            summary="the HF module under DeepSpeed ZeRO 0-3 data parallelism, with CPU offload",
+            summary="the HF module under DeepSpeed ZeRO 0-3 data parallelism, with CPU offload and Ulysses "
+            "sequence parallelism",
             libraries="DeepSpeed",
             reader="tessera.engines.zero_reader:READER",
             prelaunch="tessera.engines.ds_config:check_before_launch",
