@@ -24,7 +24,6 @@ attention override, the sp groups, DeepSpeed's global mpu), since a process may 
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -34,17 +33,11 @@ import torch.nn.functional as F
 
 from tessera.engines.base import IGNORE_INDEX, ModelSource
 from tessera.errors import RecipeError
+from tessera.plan.activations import tiles_of
 from tessera.plan.layout import ParallelLayout
 
 #: the attention kernel DeepSpeed's wrapper runs on the gathered sequences (the schema requires it at sp > 1)
 CORE_ATTENTION = "sdpa"
-
-
-def tiles_of(tokens: int, hidden: int) -> int:
-    """Tiles of a sequence of ``tokens`` for the tiled MLP and loss: tiles of ``hidden`` tokens, the rule of
-    DeepSpeed's TiledMLP documentation (a tile's MLP intermediate is then ~ffn/hidden x hidden^2 elements).
-    Static, from the layout alone: every rank of a ZeRO-3 group must run the same number of tiles."""
-    return max(1, math.ceil(tokens / hidden))
 
 
 class Ulysses:

@@ -9,6 +9,7 @@ by measuring with saved-tensor hooks (``tessera.engines.held.SavedActivations``)
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,6 +93,11 @@ class ActivationShape:
     sequence_parallel: bool = False
     precision: str = "bf16"
     kernels: Kernels = PAPER
+    #: Ulysses: each rank holds seq_len / sp positions outside attention, a/sp heads of all inside
+    sp: int = 1
+    #: DeepSpeed's TiledMLP (the MLP keeps its input only) / the loss over tiles (no logits kept)
+    tiled_mlp: bool = False
+    tiled_loss: bool = False
 
 
 def activation_bytes_per_layer(f: ModelFacts, recompute: str = "none", **shape: Any) -> int:
@@ -114,7 +120,7 @@ def activation_bytes_per_layer(f: ModelFacts, recompute: str = "none", **shape: 
     """
     a = ActivationShape(**shape)
     k = a.kernels
-    s, b, h, e, tp = a.seq_len, a.micro_batch, f.hidden, BYTES[a.precision], a.tp
+    s, b, h, e, tp = a.seq_len // a.sp, a.micro_batch, f.hidden, BYTES[a.precision], a.tp
     sbh, sb = s * b * h, s * b
     sp_div = tp if a.sequence_parallel else 1
     if recompute == "full":
@@ -128,7 +134,7 @@ def activation_bytes_per_layer(f: ModelFacts, recompute: str = "none", **shape: 
         norm_e = (4 + e) if k.composite_rmsnorm else e
         inside += norm_e * sb * (qo + kvo) + 4 * sb * (f.num_heads + f.num_kv_heads)
     dense = k.mlp if k.mlp is not None else (4 if f.gated_mlp else 2)
-    mlp = dense * e * sb * f.ffn
+    mlp = 0 if a.tiled_mlp else dense * e * sb * f.ffn  # tiled: the input (counted outside) only
     if f.moe:
         outside += 4 * sb * f.num_experts + f.topk * e * sbh * (2 if k.expert_outputs else 1)
         mlp = (k.expert_mlp if k.expert_mlp is not None else dense) * e * sb * f.ffn * f.topk
@@ -140,19 +146,35 @@ def activation_bytes_per_layer(f: ModelFacts, recompute: str = "none", **shape: 
         else:
             scores = heads * s * s * b
             inside += e * scores + ((scores + e * scores) if f.attn_dropout else 0)
+    if a.sp > 1:
+        # Ulysses (measured with saved-tensor hooks): the all-to-all's output into the output projection is
+        # a storage of its own (at sp = 1 it is a view of the kernel's output); KV heads fewer than sp are
+        # replicated to one per rank over the whole sequence
+        inside += e * sb * qo
+        if f.num_kv_heads < a.sp:
+            inside += 2 * e * b * f.head_dim * (s * a.sp - s * f.num_kv_heads)
     return outside // sp_div + inside // tp
 
 
 def head_activation_bytes(f: ModelFacts, **shape: Any) -> int:
     """Bytes the last stage keeps for backward after its layers: the final norm (as a layer's norm), the
-    LM-head input e·sbh, and the loss's fp32 log-probabilities (softmax) 4·s·b·V/t; ``shape``: the
-    fields of :class:`ActivationShape`."""
+    LM-head input e·sbh, and the loss's fp32 log-probabilities (softmax) 4·s·b·V/t (none with the tiled
+    loss: each tile's are recomputed in backward); ``shape``: the fields of :class:`ActivationShape`
+    (under Ulysses s is the rank's slice)."""
     a = ActivationShape(**shape)
-    s, b, e, tp = a.seq_len, a.micro_batch, BYTES[a.precision], a.tp
+    s, b, e, tp = a.seq_len // a.sp, a.micro_batch, BYTES[a.precision], a.tp
     sbh, sb = s * b * f.hidden, s * b
     stats = 8 if f.norm == "LayerNorm" else 4
     outside = _norm_input_bytes(f, a.kernels, e, sbh) + stats * sb + e * sbh
-    return outside // (tp if a.sequence_parallel else 1) + 4 * sb * (padded_vocab(f.vocab_size, tp) // tp)
+    logprobs = 0 if a.tiled_loss else 4 * sb * (padded_vocab(f.vocab_size, tp) // tp)
+    return outside // (tp if a.sequence_parallel else 1) + logprobs
+
+
+def tiles_of(tokens: int, hidden: int) -> int:
+    """Tiles of a sequence of ``tokens`` for the tiled MLP and loss: tiles of ``hidden`` tokens, the rule of
+    DeepSpeed's TiledMLP documentation (a tile's MLP intermediate is then ~ffn/hidden x hidden^2 elements).
+    Static, from the layout alone: every rank of a ZeRO-3 group must run the same number of tiles."""
+    return max(1, math.ceil(tokens / hidden))
 
 
 def activation_formula(recompute: str, kernels: Kernels = PAPER) -> str:

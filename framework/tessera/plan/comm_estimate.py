@@ -7,7 +7,7 @@ in a run, and the tests compare the two op by op.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tessera.models.megatron import padded_vocab
 from tessera.plan.activations import BYTES
@@ -46,6 +46,9 @@ class CommOp:
     overlap: str = "none"
     messages: int = 1
     formula: str = ""
+    #: a data-parallel reduction or gather (ZeRO's, DDP's): overlaps the compute as ``overlap`` says; the
+    #: others (TP, SP, EP) sit on the critical path
+    data_parallel: bool = False
 
     @property
     def key(self) -> str:
@@ -99,9 +102,13 @@ def comm_per_step(
     ops: list[CommOp] = []
     hf_module = L.caps.hf_module
     rp = largest_shard(f, L)
-    groups = [("dp", rp.total if hf_module else rp.dense, dp, t * dp)]
+    # under Ulysses DeepSpeed shards and reduces over every rank (its sequence-data-parallel group), named
+    # as the comm accounting names it: by the axes its ranks differ in
+    dp_name = "dp" if L.sp == 1 else ("sp" if dp == 1 else "world")
+    groups = [(dp_name, rp.total if hf_module else rp.dense, L.data_ranks, t * L.data_ranks)]
     if not hf_module and rp.expert:
         groups.append(("edp", rp.expert, expert_dp(L), t * dp))
+    dp_ops_from = len(ops)
     for name, psi, n, span in groups:
         if n == 1 or psi == 0:
             continue
@@ -111,7 +118,9 @@ def comm_per_step(
             psi = adapter_split_per_rank(f, L)[0 if name == "dp" else 1]
             if psi == 0:
                 continue
-        grad_b, param_b = e * psi, e * psi
+        # with sp > 1 DeepSpeed reduces the gradients in fp32 (seq_parallel_communication_data_type, and
+        # stage 1-2's all-reduce forces it), whatever the compute dtype
+        grad_b, param_b = (4 if L.sp > 1 else e) * psi, e * psi
         deepspeed_dp = L.sharding.deepspeed
         if L.sharding.replicas:
             # fp32 gradients (fp32 params under autocast), reduced once per step: no_sync on the others
@@ -149,6 +158,9 @@ def comm_per_step(
                 ops.append(CommOp("all_gather", name, big_b, m, n, span, "fwd"))
                 ops.append(CommOp("all_gather", name, big_b, m, n, span, "bwd"))
             ops.append(CommOp("reduce_scatter", name, grad_b, m, n, span, "bwd"))
+    ops[dp_ops_from:] = [replace(o, data_parallel=True) for o in ops[dp_ops_from:]]
+    if L.sp > 1:
+        ops += ulysses_ops(f, L, seq_len=seq_len, e=e)
     layers = f.num_layers // pp
     act = seq_len * b * f.hidden * e
     if t > 1 and f.adapter_sites and not L.caps.hf_module:
@@ -202,6 +214,29 @@ def comm_per_step(
             emb = padded_vocab(f.vocab_size, t) // t * f.hidden * e
             ops.append(CommOp("all_reduce", "embd", emb, 1, 2, L.world_size))
     return ops
+
+
+def ulysses_ops(f: ModelFacts, L: ParallelLayout, *, seq_len: int, e: int) -> list[CommOp]:
+    """DeepSpeed's Ulysses attention per layer and micro-batch (``UlyssesSPAttentionHF``, measured exactly
+    so on sp2): forward 4 all-to-alls, each rank's send buffer its slice of q, k, v (into attention) and of
+    the output (out of it): q and out e·b·(s/sp)·a·d, k and v e·b·(s/sp)·max(g, sp)·d (KV heads replicated
+    up to sp when there are fewer); backward the same 4 again; full recompute runs the forward ones once
+    more. Each forward also all-gathers the int64 position ids of the sequence (b·s·8 bytes gathered)."""
+    b, m, sp = L.micro_batch, L.grad_accum, L.sp
+    local = seq_len // sp
+    q = e * b * local * f.num_heads * f.head_dim
+    kv = e * b * local * max(f.num_kv_heads, sp) * f.head_dim
+    passes = 3 if L.recompute == "full" else 2  # forward, backward (+ the recompute's forward)
+    forwards = 2 if L.recompute == "full" else 1
+    calls = f.num_layers * m
+    why = "Ulysses: q and the attention output, e·b·(s/sp)·a·d each, forward and backward (+ recompute)"
+    return [
+        CommOp("all_to_all", "sp", q, 2 * passes * calls, sp, sp, formula=why),
+        CommOp("all_to_all", "sp", kv, 2 * passes * calls, sp, sp,
+               formula="Ulysses: k and v, e·b·(s/sp)·max(g,sp)·d each, forward and backward (+ recompute)"),
+        CommOp("all_gather", "sp", b * seq_len * 8, forwards * calls, sp, sp,
+               formula="Ulysses: the int64 position ids of the whole sequence, per layer and forward"),
+    ]  # fmt: skip
 
 
 def _lora_tp_ops(f: ModelFacts, L: ParallelLayout, *, seq_len: int, e: int, layers: int) -> list[CommOp]:
@@ -282,7 +317,7 @@ def minimum_wire_bytes(
     m, t = L.grad_accum, L.tp
     rp = largest_shard(f, L)
     total, parts = 0.0, []
-    dp_groups = [(rp.total if L.caps.hf_module else rp.dense, L.dp, "Ψ")]
+    dp_groups = [(rp.total if L.caps.hf_module else rp.dense, L.data_ranks, "Ψ")]
     if not L.caps.hf_module and rp.expert:
         dp_groups.append((rp.expert, expert_dp(L), "Ψ_experts"))
     for psi, n, name in dp_groups:
@@ -312,6 +347,11 @@ def minimum_wire_bytes(
     if L.ep > 1 and f.moe:
         total += 4 * layers * m * f.topk * act * (L.ep - 1) / L.ep
         parts.append("4·L/p·m·k·(ep-1)/ep·s·b·h·e")
+    if L.sp > 1:  # Ulysses: q, k, v in and the output out, forward and backward, (sp-1)/sp of each
+        a2a = sum(o.payload_bytes for o in ulysses_ops(f, replace(L, recompute="none"), seq_len=seq_len, e=e)
+                  if o.op == "all_to_all")  # fmt: skip
+        total += a2a * (L.sp - 1) / L.sp
+        parts.append("2·L·m·(2·a + 2·max(g,sp))·d·b·(s/sp)·e·(sp-1)/sp")
     if L.pp > 1:
         total += pp_sends_per_rank(L.pp, L.vpp, m) * act / (t if L.sequence_parallel else 1)
         parts.append("sends·s·b·h·e (each chunk boundary once forward, once backward)")

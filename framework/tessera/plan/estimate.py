@@ -39,6 +39,7 @@ from tessera.plan.activations import (
     activation_formula,
     head_activation_bytes,
     in_flight_microbatches,
+    tiles_of,
 )
 from tessera.plan.facts import ModelFacts, layer_numels, meta_shard_numels
 from tessera.plan.layout import ParallelLayout
@@ -276,7 +277,7 @@ def _state_bytes(layout: ParallelLayout, psi: int, precision: str, *, persistent
     if layout.sharding.replicas:
         return ddp_state_bytes(psi)
     if layout.sharding.deepspeed:
-        return deepspeed_state_bytes(psi, layout.dp, layout.zero, precision, persistent=persistent)
+        return deepspeed_state_bytes(psi, layout.data_ranks, layout.zero, precision, persistent=persistent)
     return model_state_bytes(psi, layout.dp, layout.zero, precision)
 
 
@@ -288,7 +289,7 @@ def _frozen_bytes(layout: ParallelLayout, psi: int, precision: str, *, persisten
         return 4 * psi
     p = BYTES[precision]
     if layout.zero >= 3:
-        return p * math.ceil(psi / layout.dp) + p * persistent
+        return p * math.ceil(psi / layout.data_ranks) + p * persistent
     return p * psi
 
 
@@ -341,8 +342,12 @@ def memory_per_rank(
         sequence_parallel=L.sequence_parallel,
         precision=precision,
         kernels=kernels,
+        sp=L.sp,
+        tiled_mlp=L.tiled_mlp,
+        tiled_loss=L.tiled_loss,
     )
     per_layer = activation_bytes_per_layer(f, recompute, **shape)
+    local = seq_len // L.sp  # the positions a rank holds (Ulysses: its slice of each sequence)
     best: MemoryEstimate | None = None
     for name, first, last in stages:
         rp = rank_params(f, tp=t, pp=L.pp, ep=L.ep, etp=L.etp, first=first, last=last)
@@ -369,7 +374,7 @@ def memory_per_rank(
             st["grads"] = 4 * trained
         host = 0
         if L.offload_optimizer:
-            host += st["optimizer"] + 4 * math.ceil(trained / L.dp)  # + the fp32 gradient partition
+            host += st["optimizer"] + 4 * math.ceil(trained / L.data_ranks)  # + the fp32 gradient partition
             st["optimizer"] = 0
         if L.offload_params:
             host += st["params"]
@@ -379,6 +384,8 @@ def memory_per_rank(
         act = int(per_layer * layers * in_flight_microbatches(L.pp, L.vpp, m, rank))
         if recompute == "full":  # the layer being recomputed holds its full activations meanwhile
             act += activation_bytes_per_layer(f, **shape)
+        if L.tiled_mlp:  # the MLP tile being recomputed in backward: its intermediates, one tile's worth
+            act += 4 * e * L.micro_batch * math.ceil(local / tiles_of(local, f.hidden)) * f.ffn
         # what one micro-batch's forward saves on this stage, per model chunk (what SavedActivations measures)
         per_micro_batch = per_layer * layers // L.vpp
         if recompute == "full" and kernels.checkpoint_keeps_mask:
@@ -388,14 +395,18 @@ def memory_per_rank(
         if last:
             head = head_activation_bytes(f, **shape)
             act += head
-            per_micro_batch += head
-            # besides the saved fp32 softmax, the loss holds the logits in e and (e < 4) their fp32 copy
-            logits = seq_len * L.micro_batch * (padded_vocab(f.vocab_size, t) // t)
+            # the tiled loss keeps the LM head's input on its autograd context, which saved-tensor hooks
+            # do not see: held, but not in what SavedActivations measures
+            per_micro_batch += head - (e * local * L.micro_batch * f.hidden // t if L.tiled_loss else 0)
+            # besides the saved fp32 softmax, the loss holds the logits in e and (e < 4) their fp32 copy;
+            # the tiled loss one tile's at a time
+            tokens = math.ceil(local / tiles_of(local, f.hidden)) if L.tiled_loss else local
+            logits = tokens * L.micro_batch * (padded_vocab(f.vocab_size, t) // t)
             buffers += logits * (e + (4 if e < 4 else 0))
         if L.sharding.replicas:
             states = f"{DDP_FORMULA}, Ψ={trained:,}, whole on each of the {L.dp} ranks"
         else:
-            states = zero_formula(L.zero, precision, trained, L.dp) + (
+            states = zero_formula(L.zero, precision, trained, L.data_ranks) + (
                 f"; experts: {zero_formula(L.zero, precision, expert, expert_dp(L))}" if expert else ""
             )
         if f.adapters:
@@ -408,7 +419,7 @@ def memory_per_rank(
         if L.zero >= 3:
             # gathered full (dp-unsharded) params: the largest module in use + the prefetched layer
             buffers += p * (max(rp.per_layer, rp.embedding) + rp.per_layer)
-        elif L.sharding.deepspeed and L.dp > 1:
+        elif L.sharding.deepspeed and L.data_ranks > 1:
             buffers += p * min(trained, DS_REDUCE_BUCKET)
         elif L.sharding.replicas:
             # DDP's reducer allocates its buckets whatever the world size (for the trained parameters)

@@ -19,9 +19,18 @@ if TYPE_CHECKING:
 
 
 def offload_text(c: Candidate) -> str:
-    """What the layout keeps on the host: "opt+params", "opt" or "-"."""
+    """What the layout keeps on the host: "opt+params", "opt" or "-" (+ "act": checkpointed activations)."""
     lay = c.layout
-    return "opt+params" if lay.offload_params else ("opt" if lay.offload_optimizer else "-")
+    text = "opt+params" if lay.offload_params else ("opt" if lay.offload_optimizer else "")
+    if lay.offload_activations:
+        text = f"{text}+act" if text else "act"
+    return text or "-"
+
+
+def tiled_text(c: Candidate) -> str:
+    """What runs over sequence tiles: "mlp+loss", "mlp", "loss" or "-"."""
+    tiled = [k for k in ("mlp", "loss") if getattr(c.layout, f"tiled_{k}")]
+    return "+".join(tiled) or "-"
 
 
 @dataclass(frozen=True)
@@ -43,9 +52,11 @@ COLUMNS: tuple[Column, ...] = (
     Column("#", "right", lambda i, c: str(i + 1)),
     Column("engine", "left", lambda i, c: c.layout.engine),
     *(_axis(a) for a in (*LAYOUT_AXES, "zero")),
-    Column("sp", "right", lambda i, c: "on" if c.layout.sequence_parallel else "-"),
+    # megatron's sequence parallelism in the TP regions (the "sp" column is Ulysses' degree)
+    Column("seq par", "right", lambda i, c: "on" if c.layout.sequence_parallel else "-"),
     Column("offload", "left", lambda i, c: offload_text(c)),
     Column("recompute", "left", lambda i, c: "-" if c.recompute == "none" else c.recompute),
+    Column("tiled", "left", lambda i, c: tiled_text(c), optional=True),
     Column("mb", "right", lambda i, c: str(c.layout.micro_batch)),
     Column("accum", "right", lambda i, c: str(c.layout.grad_accum)),
     Column("mem GiB/rank", "right", lambda i, c: f"{c.memory.total / GiB:.1f}"),

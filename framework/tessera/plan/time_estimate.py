@@ -226,7 +226,8 @@ def step_time(
     def secs(o: CommOp) -> float:
         return op_seconds(o, hw)
 
-    tp_ep = sum(secs(o) for o in ops if o.group in ("tp", "ep"))
+    # TP, EP and Ulysses' all-to-alls sit on the critical path; the data-parallel ops overlap
+    tp_ep = sum(secs(o) for o in ops if o.group in ("tp", "ep", "sp") and not o.data_parallel)
     pp_s = sum(secs(o) for o in ops if o.group in ("pp", "embd"))
     mb = compute / m  # one micro-batch: forward 1/3, backward 2/3 of its compute
     windows = {"fwd": mb / 3, "bwd": 2 * mb / 3}
@@ -234,7 +235,7 @@ def step_time(
     exposed = 0.0
     last_bwd = 0.0
     for o in ops:
-        if o.group not in ("dp", "edp"):
+        if not o.data_parallel:
             continue
         if not hw.comm_overlap:  # nothing runs beside the backward: every second counts
             exposed += secs(o)
@@ -251,7 +252,7 @@ def step_time(
     if L.zero == 0:
         shard = dense + expert
     else:
-        shard = math.ceil(dense / L.dp) + (math.ceil(expert / expert_dp(L)) if expert else 0)
+        shard = math.ceil(dense / L.data_ranks) + (math.ceil(expert / expert_dp(L)) if expert else 0)
     off = offload_seconds(L, shard, precision=precision, hardware=hw)
     per_mb["fwd"] += off.params_per_pass
     per_mb["bwd"] += off.params_per_pass
