@@ -589,7 +589,8 @@ class Recipe(_Section):
                 "data.packing: false (one document per row), or parallel.sp: 1",
             )
         if data.seq_len % sp:
-            fits = [k for k in range(2, sp * 2 + 1) if data.seq_len % k == 0 and k != sp][:3]
+            ws = self.run.world_size
+            fits = [k for k in range(2, ws + 1) if ws % k == 0 and data.seq_len % k == 0 and k != sp][:3]
             raise RecipeError(
                 f"data.seq_len={data.seq_len} cannot be cut into parallel.sp={sp} equal slices",
                 field="data.seq_len",

@@ -384,6 +384,11 @@ def memory_per_rank(
         act = int(per_layer * layers * in_flight_microbatches(L.pp, L.vpp, m, rank))
         if recompute == "full":  # the layer being recomputed holds its full activations meanwhile
             act += activation_bytes_per_layer(f, **shape)
+        if L.offload_activations and recompute == "full":
+            # DeepSpeed's checkpoint offload keeps the last layer's input on the device, the others' on the host
+            moved = int(per_layer * max(layers - 1, 0) * in_flight_microbatches(L.pp, L.vpp, m, rank))
+            act -= moved
+            host += moved
         if L.tiled_mlp:  # the MLP tile being recomputed in backward: its intermediates, one tile's worth
             act += 4 * e * L.micro_batch * math.ceil(local / tiles_of(local, f.hidden)) * f.ffn
         # what one micro-batch's forward saves on this stage, per model chunk (what SavedActivations measures)

@@ -29,7 +29,7 @@ from tessera.plan.estimate import (
 )
 from tessera.plan.facts import ModelFacts, model_facts, with_adapters
 from tessera.plan.hardware import HardwareProfile
-from tessera.plan.layout import LAYOUT_AXES, ParallelLayout, resolve_auto
+from tessera.plan.layout import LAYOUT_AXES, ParallelLayout, check_ulysses, resolve_auto
 from tessera.plan.time_estimate import (
     DEFAULT_EFFICIENCY,
     FLOPS_FORMULA,
@@ -57,6 +57,8 @@ def layout_json(layout: ParallelLayout, recompute: str) -> dict[str, Any]:
     out.update(
         recompute=recompute,
         sequence_parallel=layout.sequence_parallel,
+        tiled_mlp=layout.tiled_mlp,
+        tiled_loss=layout.tiled_loss,
         zero_impl=layout.zero_impl,
         offload_optimizer=layout.offload_optimizer,
         offload_params=layout.offload_params,
@@ -172,13 +174,15 @@ def _powers_of_two(limit: int) -> list[int]:
 
 
 def _structures(
-    f: ModelFacts, caps: Capabilities, world_size: int, hw: HardwareProfile
+    f: ModelFacts, caps: Capabilities, world_size: int, hw: HardwareProfile, *, ulysses: bool = False
 ) -> Iterator[dict[str, Any]]:
     """The layouts to try, without the batch split, inside what the engine can run (``caps``). Bounded:
     tp a power of two up to the head count, pp a divisor of what tp leaves, vpp in {1, 2, 4}, ep a power
     of two up to the expert count, the engine's ZeRO stages, CPU offload of the optimizer (ZeRO >= 1) and
-    of the parameters (ZeRO-3) where the engine and the hardware have it; the rules (not this enumeration)
-    reject what the engine cannot run with this model."""
+    of the parameters (ZeRO-3) where the engine and the hardware have it; Ulysses (``ulysses``: the
+    attention kernel is one DeepSpeed wraps) sp a power of two above 1 up to the head count, with the MLP
+    and the loss tiled or not, for the engines that have it (tp = pp = 1); the rules (not this
+    enumeration) reject what the engine cannot run with this model."""
     tps = [t for t in _powers_of_two(min(world_size, f.num_heads)) if world_size % t == 0] if caps.tp else [1]
     offload = caps.offload and hw.can_offload
     for tp in tps:
@@ -189,12 +193,24 @@ def _structures(
             for vpp in (1,) if pp == 1 else (1, 2, 4):
                 for ep in (e for e in eps if e <= world_size // pp):
                     for zero in caps.zero:
-                        base = dict(tp=tp, pp=pp, vpp=vpp, ep=ep, zero=zero)
-                        yield base
-                        if offload and zero >= 1:
-                            yield dict(base, offload_optimizer=True)
-                        if offload and zero == 3:
-                            yield dict(base, offload_optimizer=True, offload_params=True)
+                        for extra in _ulysses_options(f, caps, world_size, ulysses and tp * pp == 1):
+                            base = dict(tp=tp, pp=pp, vpp=vpp, ep=ep, zero=zero, **extra)
+                            yield base
+                            if offload and zero >= 1:
+                                yield dict(base, offload_optimizer=True)
+                            if offload and zero == 3:
+                                yield dict(base, offload_optimizer=True, offload_params=True)
+
+
+def _ulysses_options(f: ModelFacts, caps: Capabilities, world_size: int, on: bool) -> list[dict[str, Any]]:
+    """No sequence parallelism, then each Ulysses degree (a power of two above 1 dividing the world, up to
+    the head count) with the MLP and loss tiled and not."""
+    out: list[dict[str, Any]] = [{}]
+    if not (on and caps.sp):
+        return out
+    for sp in (s for s in _powers_of_two(min(world_size, f.num_heads)) if s > 1 and world_size % s == 0):
+        out += [dict(sp=sp), dict(sp=sp, tiled_mlp=not f.moe, tiled_loss=True)]
+    return out
 
 
 def plan(
@@ -262,7 +278,8 @@ def plan(
         if not options:
             continue
         checks = engine_hook(engine, "layout_checks")  # the engine's rules that need the model, if any
-        for st in _structures(f, caps, world_size, hardware):
+        ulysses = attn_implementation == "sdpa"
+        for st in _structures(f, caps, world_size, hardware, ulysses=ulysses):
             _try_structure(result, q, engine, st, options, kernels, checks)
     result.candidates.sort(key=rank_key)
     result.chosen = result.candidates[0] if result.candidates else None
@@ -321,7 +338,7 @@ def _try_structure(
     micro-batch size with the same reason is listed once (with the first size). ``checks``: the engine's
     ``layout_checks`` (None: the capability rules are all), given the model's shape the query has."""
     f, hw, world_size, global_batch, precision = q.f, q.hw, q.world_size, q.global_batch, q.precision
-    dp = world_size // (st["tp"] * st["pp"])
+    dp = world_size // (st["tp"] * st["pp"] * st.get("sp", 1))
     zero_impl, sp = resolve_auto(engine, zero=st["zero"], tp=st["tp"], sp_ok=q.sp_ok)
     refused = adapters_refusal(engine, zero_impl) if f.adapters else None
     if refused is not None:
@@ -344,6 +361,15 @@ def _try_structure(
             )
             if checks is not None:
                 checks(None, layout, shape=f.shape)
+            if layout.sp > 1:
+                check_ulysses(layout, num_heads=f.num_heads, num_kv_heads=f.num_kv_heads)
+                if q.seq_len % layout.sp:
+                    raise LayoutError(
+                        f"data.seq_len={q.seq_len} cannot be cut into sp={layout.sp} equal slices",
+                        field="parallel.sp",
+                        value=layout.sp,
+                        fix="a sequence length divisible by sp",
+                    )
         except LayoutError as e:
             reason = _one_line(e)
             if reason not in seen:
@@ -443,6 +469,8 @@ def apply_plan(recipe: Any, result: PlanResult) -> Any:
     chosen.update(
         global_batch=lay.global_batch,
         sequence_parallel=lay.sequence_parallel,
+        tiled_mlp=lay.tiled_mlp,
+        tiled_loss=lay.tiled_loss,
         offload_optimizer=lay.offload_optimizer,
         offload_params=lay.offload_params,
         recompute=result.chosen.recompute,
