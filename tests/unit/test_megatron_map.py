@@ -237,10 +237,10 @@ def test_auto_choices():
     assert (lay.zero_impl, lay.sequence_parallel) == ("megatron", True)  # tp 2: SP (SequenceParallelNorm)
     lay = layout_from_recipe(load_recipe(REPO / "recipes" / "tiny-llama-cpu4-mcore-tp2-pp2.yaml").recipe)
     assert [lay.coords(r) for r in (0, 1, 2, 3)] == [
-        {"tp": 0, "dp": 0, "pp": 0},
-        {"tp": 1, "dp": 0, "pp": 0},
-        {"tp": 0, "dp": 0, "pp": 1},
-        {"tp": 1, "dp": 0, "pp": 1},
+        {"sp": 0, "tp": 0, "dp": 0, "pp": 0},
+        {"sp": 0, "tp": 1, "dp": 0, "pp": 0},
+        {"sp": 0, "tp": 0, "dp": 0, "pp": 1},
+        {"sp": 0, "tp": 1, "dp": 0, "pp": 1},
     ]
 
 

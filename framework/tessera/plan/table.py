@@ -40,12 +40,14 @@ class Column:
     header: str
     justify: str
     cell: Callable[[int, Candidate], str]
-    #: shown only where some row has a value (not "-"): a column of one kind of run
+    #: shown only where some row has a value (not ``blank``): a column of one kind of run
     optional: bool = False
+    blank: str = "-"
 
 
 def _axis(name: str) -> Column:
-    return Column(name, "right", lambda i, c: str(getattr(c.layout, name)))
+    # Ulysses' degree only where some row has it (a column of one kind of run, like the others below)
+    return Column(name, "right", lambda i, c: str(getattr(c.layout, name)), optional=name == "sp", blank="1")
 
 
 COLUMNS: tuple[Column, ...] = (
@@ -53,7 +55,7 @@ COLUMNS: tuple[Column, ...] = (
     Column("engine", "left", lambda i, c: c.layout.engine),
     *(_axis(a) for a in (*LAYOUT_AXES, "zero")),
     # megatron's sequence parallelism in the TP regions (the "sp" column is Ulysses' degree)
-    Column("seq par", "right", lambda i, c: "on" if c.layout.sequence_parallel else "-"),
+    Column("seq par", "right", lambda i, c: "on" if c.layout.sequence_parallel else "-", optional=True),
     Column("offload", "left", lambda i, c: offload_text(c)),
     Column("recompute", "left", lambda i, c: "-" if c.recompute == "none" else c.recompute),
     Column("tiled", "left", lambda i, c: tiled_text(c), optional=True),
@@ -80,7 +82,7 @@ def columns_for(candidates: Sequence[Candidate]) -> list[Column]:
     return [
         col
         for col in COLUMNS
-        if not col.optional or any(col.cell(i, c) != "-" for i, c in enumerate(candidates))
+        if not col.optional or any(col.cell(i, c) != col.blank for i, c in enumerate(candidates))
     ]
 
 
