@@ -19,7 +19,7 @@ import contextlib
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -336,7 +336,7 @@ def group_namer(layout: Any, known: dict[Any, str] | None = None) -> Callable[[A
     differ on (``dp``, ``tp``, ``pp``, or combinations like ``tp+dp``); the default group is ``world``."""
     cache: dict[int, str] = {id(g): n for g, n in (known or {}).items() if g is not None}
 
-    world = _axes(range(layout.world_size), layout)  # "dp" under pure data parallelism, and so on
+    world = layout.axes_of(range(layout.world_size))  # "dp" under pure data parallelism, and so on
 
     def name(group: Any) -> str:
         if group is None or group is dist.GroupMember.WORLD:
@@ -347,16 +347,7 @@ def group_namer(layout: Any, known: dict[Any, str] | None = None) -> Callable[[A
                 ranks = dist.get_process_group_ranks(group)
             except (ValueError, RuntimeError):
                 return "unknown"
-            cache[key] = _axes(ranks, layout)
+            cache[key] = layout.axes_of(ranks)
         return cache[key]
 
     return name
-
-
-def _axes(ranks: Iterable[int], layout: Any) -> str:
-    ranks = list(ranks)
-    coords = [layout.coords(r) for r in ranks]
-    varying = [ax for ax in ("sp", "tp", "dp", "pp") if len({c[ax] for c in coords}) > 1]
-    if len(varying) > 1 and len(ranks) == layout.world_size:
-        return "world"
-    return "+".join(varying) or "self"  # a world that is one axis (pp=2 on 2 ranks) is named by it

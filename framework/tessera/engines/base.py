@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -348,8 +348,9 @@ def summed_target_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tens
 
 
 def dp_sum(t: torch.Tensor, layout: ParallelLayout, group: Any = None) -> torch.Tensor:
-    """Sum ``t`` in place over the data-parallel group (``None``: the whole world)."""
-    if layout.dp > 1:
+    """Sum ``t`` in place over the data-parallel group (``None``: the whole world; under Ulysses its sp
+    ranks too, each with its slice of the same rows)."""
+    if layout.data_ranks > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t
 
@@ -368,14 +369,16 @@ def global_counts(
     micro_batches: list[dict[str, torch.Tensor]], layout: ParallelLayout, *, device: torch.device, group: Any
 ) -> tuple[float, float]:
     """(label tokens, input positions) of the global batch: known beforehand (:class:`MicroBatches`), or
-    this rank's counts summed over dp."""
+    this rank's counts summed over dp (under Ulysses the sp ranks of a group hold the same whole rows:
+    summed over them too, then divided by sp)."""
     if isinstance(micro_batches, MicroBatches) and micro_batches.counts is not None:
         return micro_batches.counts
     local = [
         float(sum(label_tokens(mb["labels"]) for mb in micro_batches)),
         float(sum(mb["input_ids"].numel() for mb in micro_batches)),
     ]
-    tokens, inputs = dp_sum(torch.tensor(local, dtype=torch.float64, device=device), layout, group).tolist()
+    summed = dp_sum(torch.tensor(local, dtype=torch.float64, device=device), layout, group) / layout.sp
+    tokens, inputs = summed.tolist()
     return tokens, inputs
 
 
@@ -448,16 +451,38 @@ class HFObjective:
         self, model: Any, mb: dict[str, torch.Tensor], device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(summed token loss, load-balancing loss or None) of one micro-batch through ``model``."""
-        ids = mb["input_ids"].to(device, non_blocking=True)
-        labels = mb["labels"].to(device, non_blocking=True)
-        extra = {"output_router_logits": True} if self.aux_coeff else {}
-        extra |= position_ids(mb, device)
+        return self.run(model, self.inputs(mb, device), device)
+
+    @staticmethod
+    def inputs(mb: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+        """A micro-batch as the model takes it: input ids, next-token targets, position ids where given."""
+        return {
+            "input_ids": mb["input_ids"].to(device, non_blocking=True),
+            "target": next_token_targets(mb["labels"].to(device, non_blocking=True)),
+            **position_ids(mb, device),
+        }
+
+    def run(
+        self,
+        model: Any,
+        x: dict[str, torch.Tensor],
+        device: torch.device,
+        *,
+        loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`__call__` on inputs already made (:meth:`inputs`, or a Ulysses slice). ``loss``: the
+        summed token loss of the targets computed apart (the tiled loss); the forward then makes no logits."""
+        extra: dict[str, Any] = {"output_router_logits": True} if self.aux_coeff else {}
+        if "position_ids" in x:
+            extra["position_ids"] = x["position_ids"]
+        if loss is not None:
+            extra["logits_to_keep"] = torch.zeros(0, dtype=torch.long, device=device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.autocast_bf16):
-            out = model(input_ids=ids, use_cache=False, **extra)
-        loss = summed_token_loss(out.logits, labels)
+            out = model(input_ids=x["input_ids"], use_cache=False, **extra)
+        token_loss = summed_target_loss(out.logits, x["target"]) if loss is None else loss(x["target"])
         if not self.aux_coeff:
-            return loss, None
-        return loss, router_balance_loss(out.router_logits, topk=self.topk, coeff=self.aux_coeff)
+            return token_loss, None
+        return token_loss, router_balance_loss(out.router_logits, topk=self.topk, coeff=self.aux_coeff)
 
 
 def position_ids(mb: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -476,13 +501,18 @@ def hf_eval_loss(
     device: torch.device,
     autocast_bf16: bool = False,
     group: Any = None,
+    loss_of: Callable[[Any, dict[str, torch.Tensor]], torch.Tensor] | None = None,
 ) -> tuple[float, float]:
     """(summed token loss, label tokens) of a held-out global batch through an HF causal LM (or a
-    DeepSpeed engine around one), summed over data parallelism; no gradients, eval mode."""
+    DeepSpeed engine around one), summed over data parallelism; no gradients, eval mode. ``loss_of``:
+    a micro-batch's summed token loss another way (the long-sequence objective: this rank's slice)."""
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     with torch.no_grad():
         for mb in micro_batches:
+            if loss_of is not None:
+                loss_sum += loss_of(model, mb)
+                continue
             ids = mb["input_ids"].to(device, non_blocking=True)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast_bf16):
                 logits = model(input_ids=ids, use_cache=False, **position_ids(mb, device)).logits

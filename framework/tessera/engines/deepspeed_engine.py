@@ -27,7 +27,6 @@ from tessera.engines.base import (
     global_counts,
     hf_eval_loss,
     hf_recompute,
-    label_tokens,
     mean_aux_loss,
     step_result,
 )
@@ -51,7 +50,7 @@ class DeepSpeedEngine(Engine):
         self.objective = HFObjective.of(source)
         #: Ulysses sp / tiled MLP and loss / checkpoint offload (DeepSpeed's ALST), or None
         self.long: LongSequences | None = None
-        if LongSequences.wanted(layout):  # the sp groups first: every rank makes them in the same order
+        if layout.long_sequences:  # the sp groups first: every rank makes them in the same order
             self.long = LongSequences(
                 source, layout, seq_len=recipe.data.seq_len, device=self.device, base=self.objective
             )
@@ -77,7 +76,7 @@ class DeepSpeedEngine(Engine):
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]], step: int) -> StepResult:
         assert len(micro_batches) == self.layout.grad_accum, "sampler and layout disagree"  # internal
         lr = self.ds.schedule.set(self.ds.engine.optimizer, step)
-        tokens, inputs = self._counts(micro_batches)
+        tokens, inputs = global_counts(micro_batches, self.layout, device=self.device, group=None)
         # DeepSpeed divides by grad_accum (scale_wrt_gas) and averages over dp: undo both so that the
         # gradient is d(sum of token losses)/d(theta) / (tokens in the global batch). Under sp each rank's
         # loss is its slice's; DeepSpeed sums the slices' gradients over the sp ranks and divides by dp,
@@ -100,32 +99,9 @@ class DeepSpeedEngine(Engine):
     def eval_loss(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
         """Through the DeepSpeed engine (ZeRO-3 gathers its parameters in the forward; bf16 casts); with
         the long-sequence components, through their objective (each sp rank its slice)."""
-        if self.long is None:
-            return hf_eval_loss(self.ds.engine, micro_batches, self.layout, device=self.device)
-        engine = self.ds.engine
-        engine.eval()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        with torch.no_grad():
-            for mb in micro_batches:
-                loss_sum += self.long(engine, mb, self.device)[0]
-        if self.layout.data_ranks > 1:
-            dist.all_reduce(loss_sum)
-        return float(loss_sum), self._counts(micro_batches)[0]
-
-    def _counts(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
-        """(label tokens, input positions) of the global batch; the ranks of an sp group hold the same
-        rows, so a count summed over every rank is sp times the batch's."""
-        if self.layout.sp == 1 or getattr(micro_batches, "counts", None) is not None:
-            return global_counts(micro_batches, self.layout, device=self.device, group=None)
-        local = torch.tensor(
-            [sum(label_tokens(mb["labels"]) for mb in micro_batches),
-             sum(mb["input_ids"].numel() for mb in micro_batches)],
-            dtype=torch.float64,
-            device=self.device,
-        )  # fmt: skip
-        dist.all_reduce(local)
-        tokens, inputs = (local / self.layout.sp).tolist()
-        return tokens, inputs
+        long = self.long
+        loss_of = None if long is None else (lambda model, mb: long(model, mb, self.device)[0])
+        return hf_eval_loss(self.ds.engine, micro_batches, self.layout, device=self.device, loss_of=loss_of)
 
     def _loss_of(self, engine: Any, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.long is not None:

@@ -122,10 +122,10 @@ class Ulysses:
                     dist.destroy_process_group(g)
 
 
-def tile_mlps(model: torch.nn.Module, *, tokens: int, hidden: int) -> int:
+def tile_mlps(model: torch.nn.Module, *, tokens: int, hidden: int) -> None:
     """Every decoder layer's MLP through DeepSpeed's ``TiledMLP``: forward tile by tile without keeping
     the intermediates, backward recomputing one tile at a time (ZeRO told when the last tile's gradients
-    are ready). Any token-wise MLP module: its own forward is what runs on each tile. Returns the tiles."""
+    are ready). Any token-wise MLP module: its own forward is what runs on each tile."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
     from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -140,7 +140,6 @@ def tile_mlps(model: torch.nn.Module, *, tokens: int, hidden: int) -> int:
             return TiledMLP.apply(lambda module, tile: _own(tile), _mlp, x, n, _p)
 
         mlp.forward = tiled
-    return n
 
 
 def refuse_tiling(source: ModelSource, layout: ParallelLayout) -> None:
@@ -241,7 +240,7 @@ class LongSequences:
         self, source: ModelSource, layout: ParallelLayout, *, seq_len: int, device: torch.device, base: Any
     ) -> None:
         refuse_tiling(source, layout)
-        self.layout, self.device, self.base = layout, device, base
+        self.layout, self.base = layout, base
         self.seq_len = seq_len
         self.ulysses = Ulysses(source, layout, seq_len=seq_len) if layout.sp > 1 else None
         #: each micro-batch's forward and backward run inside it (checkpoint offload, or nothing)
@@ -249,10 +248,6 @@ class LongSequences:
         self._hidden: LastHidden | None = None
         self._head: torch.nn.Module | None = None
         self.hidden_size = int(source.hf_config().get_text_config().hidden_size)
-
-    @staticmethod
-    def wanted(layout: ParallelLayout) -> bool:
-        return layout.sp > 1 or layout.tiled_mlp or layout.tiled_loss or layout.offload_activations
 
     @property
     def mpu(self) -> Any:
@@ -270,31 +265,14 @@ class LongSequences:
     def __call__(
         self, model: Any, mb: dict[str, torch.Tensor], device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        from tessera.engines.base import next_token_targets, router_balance_loss, summed_target_loss
-
-        if self.ulysses is not None:
-            x = self.ulysses.shard(mb, device)
-        else:
-            x = {
-                "input_ids": mb["input_ids"].to(device),
-                "target": next_token_targets(mb["labels"]).to(device),
-            }
-            if mb.get("position_ids") is not None:
-                x["position_ids"] = mb["position_ids"].to(device)
-        kw: dict[str, Any] = {"output_router_logits": True} if self.base.aux_coeff else {}
-        if "position_ids" in x:
-            kw["position_ids"] = x["position_ids"]
-        if self._hidden is not None:
-            assert self._head is not None
-            none = torch.zeros(0, dtype=torch.long, device=device)  # the forward computes no logits
-            out = model(input_ids=x["input_ids"], use_cache=False, logits_to_keep=none, **kw)
-            loss = tiled_token_loss(self._head, self._hidden.take(), x["target"])
-        else:
-            out = model(input_ids=x["input_ids"], use_cache=False, **kw)
-            loss = summed_target_loss(out.logits, x["target"])
-        if not self.base.aux_coeff:
-            return loss, None
-        return loss, router_balance_loss(out.router_logits, topk=self.base.topk, coeff=self.base.aux_coeff)
+        x = self.base.inputs(mb, device) if self.ulysses is None else self.ulysses.shard(mb, device)
+        if self._hidden is None:
+            return self.base.run(model, x, device)
+        hidden, head = self._hidden, self._head
+        assert head is not None
+        return self.base.run(
+            model, x, device, loss=lambda target: tiled_token_loss(head, hidden.take(), target)
+        )
 
     def close(self) -> None:
         if self.ulysses is not None:

@@ -104,7 +104,7 @@ def comm_per_step(
     rp = largest_shard(f, L)
     # under Ulysses DeepSpeed shards and reduces over every rank (its sequence-data-parallel group), named
     # as the comm accounting names it: by the axes its ranks differ in
-    dp_name = "dp" if L.sp == 1 else ("sp" if dp == 1 else "world")
+    dp_name = "dp" if L.sp == 1 else L.axes_of(range(L.world_size))
     groups = [(dp_name, rp.total if hf_module else rp.dense, L.data_ranks, t * L.data_ranks)]
     if not hf_module and rp.expert:
         groups.append(("edp", rp.expert, expert_dp(L), t * dp))

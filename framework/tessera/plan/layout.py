@@ -9,6 +9,7 @@ layers, experts per rank) in the module its registry entry names (``layout_check
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -132,6 +133,23 @@ class ParallelLayout:
         """Ranks that shard the data-parallel state and reduce the gradients: dp, times sp under Ulysses
         (DeepSpeed's sequence-data-parallel group holds the sp ranks too, dividing the sum by dp)."""
         return self.dp * self.sp
+
+    @property
+    def long_sequences(self) -> bool:
+        """One of DeepSpeed's long-sequence components runs: Ulysses, a tiled MLP or loss, checkpoint
+        offload (the deepspeed engine's objective is then :class:`tessera.engines.ulysses.LongSequences`)."""
+        return self.sp > 1 or self.tiled_mlp or self.tiled_loss or self.offload_activations
+
+    def axes_of(self, ranks: Iterable[int]) -> str:
+        """The name of a group of ``ranks``: the axes its members differ on (``dp``, ``tp``, ``sp``, or
+        combinations like ``tp+dp``); ``world`` for all ranks varying on more than one axis, ``self`` for
+        one rank. What the comm accounting names a group by, and the planner its collectives."""
+        ranks = list(ranks)
+        coords = [self.coords(r) for r in ranks]
+        varying = [ax for ax in ("sp", "tp", "dp", "pp") if len({c[ax] for c in coords}) > 1]
+        if len(varying) > 1 and len(ranks) == self.world_size:
+            return "world"
+        return "+".join(varying) or "self"  # a world that is one axis (pp=2 on 2 ranks) is named by it
 
     @property
     def caps(self) -> Capabilities:
