@@ -1,6 +1,8 @@
 """The ``tessera`` command.
 
     tessera run R.yaml [key=value ...] [--resume [--same-layout] [--strict] [--accept-data-change]] [--dry-run]
+                [--node-rank K [--nnodes N] [--rdzv-endpoint HOST:PORT]]
+    tessera slurm R.yaml [key=value ...] --nodes N [--partition P] [--time T] [...] [--dry-run]
     tessera compare R.yaml [key=value ...] [--baseline ddp|B.yaml] [--seeds K] [--scaling] [--out DIR]
     tessera compare --runs CANDIDATE BASELINE [...] [--acceptance FILE] [--out DIR]
     tessera plan R.yaml [key=value ...] --world-size N [--hardware X] [--json]
@@ -54,8 +56,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         dry_run=args.dry_run,
         resume_from=args.resume_from,
         accept_data_change=args.accept_data_change,
+        node_rank=args.node_rank,
+        nnodes=args.nnodes,
+        rdzv_endpoint=args.rdzv_endpoint,
     )
-    if rc != 0 or args.dry_run:
+    if rc != 0 or args.dry_run or (args.node_rank or 0) > 0:
         return rc
     s = rd.read_json_if_present(RunDir.SUMMARY)
     if s is not None:
@@ -494,6 +499,12 @@ class _IntermixedParser(argparse.ArgumentParser):
             self._intermixing = False
 
 
+def cmd_slurm(args: argparse.Namespace) -> int:
+    from tessera.launch.slurm import slurm_command
+
+    return slurm_command(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from tessera.tables.engines import BASELINE_ENGINE, ENGINE_NAMES
 
@@ -532,7 +543,40 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--verbose", action="store_true", help="launcher INFO lines and library warnings on the console too"
     )
+    r.add_argument(
+        "--node-rank",
+        type=int,
+        default=None,
+        metavar="K",
+        help="multi-node: this node's rank, one `tessera run` per node (deepspeed --no_ssh with run.hostfile, "
+        "or torchrun with --nnodes); node 0 supervises. Under SLURM it comes from SLURM_NODEID",
+    )
+    r.add_argument("--nnodes", type=int, default=None, metavar="N", help="torchrun across nodes: how many")
+    r.add_argument(
+        "--rdzv-endpoint",
+        default=None,
+        metavar="HOST:PORT",
+        help="torchrun's c10d rendezvous (default run.master_addr:run.master_port)",
+    )
     r.set_defaults(fn=cmd_run)
+    sl = sub.add_parser("slurm", help="write (and submit) the sbatch script of a multi-node run")
+    sl.add_argument("recipe")
+    sl.add_argument("overrides", nargs="*", help="dotted overrides, passed to every node's tessera run")
+    sl.add_argument(
+        "--nodes", type=int, required=True, help="nodes to allocate (run.world_size / nodes each)"
+    )
+    sl.add_argument("--partition", default=None)
+    sl.add_argument("--time", default=None, help="time limit, e.g. 04:00:00")
+    sl.add_argument("--account", default=None)
+    sl.add_argument("--qos", default=None)
+    sl.add_argument(
+        "--gpus-per-node", type=int, default=None, help="default: ranks per node on cuda, none on cpu"
+    )
+    sl.add_argument("--cpus-per-task", type=int, default=None)
+    sl.add_argument("--job-name", default=None, help="default run.name or the recipe's file name")
+    sl.add_argument("--resume", action="store_true", help="every node's tessera run gets --resume")
+    sl.add_argument("--dry-run", action="store_true", help="print the script; write and submit nothing")
+    sl.set_defaults(fn=cmd_slurm)
     cp = sub.add_parser(
         "compare", help="the recipe against the naive data-parallel baseline, under pre-registered thresholds"
     )

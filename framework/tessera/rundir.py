@@ -17,7 +17,9 @@ Layout of ``runs/<name>/`` (one per run)::
     reshard-<ckpt>.json   tessera verify's report of a resharded checkpoint against its source
     tessera_conversion.json  the record of a `tessera convert --to ENGINE` run directory
     logs/rank_NNNNN.{log,pid,exit,heartbeat}, logs/.rank_NNNNN.exit.reserve (room for the exit file),
-                          logs/launcher.log (the launcher's own lines)
+                          logs/launcher.log (the launcher's own lines; node K's: launcher.nodeK.log)
+    tessera.sbatch        the script `tessera slurm` wrote and submitted
+    nodes/                a multi-node run's agents: node_K.json, control.json (tessera.launch.agent)
     wandb/, wandb_id      the W&B mirror
 
 Nothing else in Tessera (nor its tests and tools) spells these names. Every file here is written through
@@ -108,6 +110,9 @@ class RunDir:
     PLOTS = ("loss.png", "step_time.png", "memory.png")
     #: in logs/: the launcher's own INFO / WARNING lines (:mod:`tessera.launch.launcher`)
     LAUNCHER_LOG = "launcher.log"
+    SBATCH = "tessera.sbatch"  # tessera slurm's script
+    NODES = "nodes"  # a multi-node run's agents: nodes/node_K.json (each agent's), nodes/control.json
+    # (node 0's word to the others), nodes/hostfile (a SLURM run's, for deepspeed)
     #: ``tessera convert``'s record: in the run directory of a ``--to ENGINE`` conversion (and, under the
     #: same name, in the HF directory a ``--to hf`` conversion writes)
     CONVERSION = "tessera_conversion.json"
@@ -175,6 +180,14 @@ class RunDir:
     @property
     def launcher_log(self) -> Path:
         return self.logs / self.LAUNCHER_LOG
+
+    def launcher_log_of(self, node: int) -> Path:
+        """The launcher's own lines of node ``node`` (node 0's is ``launcher.log``)."""
+        return self.launcher_log if node == 0 else self.logs / f"launcher.node{node}.log"
+
+    @property
+    def nodes(self) -> Path:
+        return self.path / self.NODES
 
     @classmethod
     def of_checkpoint(cls, ckpt: str | Path) -> RunDir:
@@ -305,12 +318,16 @@ class RunDir:
     def _exit_reserve(self, rank: int) -> Path:
         return self.logs / f".rank_{rank:05d}.exit.reserve"
 
-    def mark_rank_started(self, rank: int, pid: int) -> None:
-        """``rank_N.pid``, and a block of disk for the rank's exit file, taken now: a rank that ends
-        because the disk filled up can still say how it ended (:meth:`mark_rank_exited`)."""
+    def mark_rank_started(self, rank: int, pid: int, node: int | None = None) -> None:
+        """``rank_N.pid`` (``pid``, or ``pid node host`` on a multi-node run: which node's agent watches
+        it), and a block of disk for the rank's exit file, taken now: a rank that ends because the disk
+        filled up can still say how it ended (:meth:`mark_rank_exited`)."""
+        import socket
+
         self.logs.mkdir(parents=True, exist_ok=True)
         self.rank_file(rank, "exit").unlink(missing_ok=True)
-        write_text_atomic(self.rank_file(rank, "pid"), f"{pid}\n")
+        where = "" if node is None else f" {node} {socket.gethostname()}"
+        write_text_atomic(self.rank_file(rank, "pid"), f"{pid}{where}\n")
         write_text_atomic(self._exit_reserve(rank), "room for this rank's exit code\n")
 
     def mark_rank_exited(self, rank: int, code: int) -> None:
@@ -336,6 +353,14 @@ class RunDir:
 
     def rank_pid(self, rank: int) -> int | None:
         return _read_int(self.rank_file(rank, "pid"))
+
+    def rank_node(self, rank: int) -> tuple[int, str] | None:
+        """(node rank, host) of a rank of a multi-node run, from its pid file; None before it started."""
+        try:
+            _, node, host = self.rank_file(rank, "pid").read_text().split()
+            return int(node), host
+        except (OSError, ValueError):
+            return None
 
     def rank_exit(self, rank: int) -> int | None:
         return _read_int(self.rank_file(rank, "exit"))
@@ -495,7 +520,8 @@ def read_jsonl(path: Path, *, keys: tuple[str, ...] = ()) -> list[dict[str, Any]
 
 
 def _read_int(path: Path) -> int | None:
+    """The first number of a status file (a pid file may go on with the node and host)."""
     try:
-        return int(path.read_text().strip())
-    except (OSError, ValueError):
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
         return None

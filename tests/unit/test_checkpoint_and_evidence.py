@@ -337,7 +337,7 @@ def test_lr_schedule_warmup_cosine():
 
 
 def test_hostfile_parsing(tmp_path):
-    from tessera.launch.launcher import parse_hostfile
+    from tessera.launch.modes import parse_hostfile
 
     hf = tmp_path / "h"
     hf.write_text("# nodes\nnode1 slots=8\nnode2 slots=8  # second\n\n")

@@ -107,7 +107,7 @@ def test_one_run_per_directory(tmp_path):
 
 def test_rendezvous_port(tmp_path):
     from tessera.config.loader import load_recipe
-    from tessera.launch.launcher import rendezvous_port
+    from tessera.launch.modes import rendezvous_port
 
     recipe = load_recipe("recipes/tiny-llama-cpu.yaml", []).recipe
     assert recipe.run.master_port == "auto"

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tessera.atomic import fsync_dir, sha256_file, write_json_atomic, write_text_atomic
+from tessera.atomic import fsync_dir, sha256_file, sync_filesystem, write_json_atomic, write_text_atomic
 from tessera.checkpoint.index import (
     FIX,
     FORMAT,
@@ -136,6 +136,9 @@ class CheckpointManager(CheckpointIndex):
         save_tensors(tmp / rng_file_name(self.rank), tensors, rng_meta)
         if self.rank == 0:
             write_json_atomic(tmp / MANIFEST, manifest)
+        local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")  # torchrun's, deepspeed's
+        if local is not None and int(local) < self.world_size:
+            sync_filesystem(tmp)  # ranks on several nodes: each node's part is on disk before the hashes
         barrier()
         files = checkpoint_files(tmp)
         # each rank hashes and fsyncs its share (balanced by bytes): the data is on disk before the rename

@@ -108,6 +108,42 @@ def _memory_bytes() -> int | None:
         return None
 
 
+def _smi_gpus() -> list[dict[str, Any]]:
+    """The node's GPUs from ``nvidia-smi`` (a node agent does not import torch)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    gpus = []
+    for line in out.splitlines():
+        name, _, mib = line.rpartition(",")
+        if name and mib.strip().isdigit():
+            gpus.append({"name": name.strip(), "memory_bytes": int(mib) * 2**20})
+    return gpus
+
+
+def host_facts(gpus: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """This machine: host name, CPU, cores, memory, GPUs (``gpus`` given, else from nvidia-smi)."""
+    return {
+        "hostname": platform.node(),
+        "cpu_model": _cpu_model(),
+        "cpu_cores": os.cpu_count(),
+        "memory_bytes": _memory_bytes(),
+        "gpus": _smi_gpus() if gpus is None else gpus,
+        "platform": platform.platform(),
+    }
+
+
 def hardware() -> dict[str, Any]:
     import torch
 
@@ -116,24 +152,18 @@ def hardware() -> dict[str, Any]:
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
             gpus.append({"name": p.name, "memory_bytes": p.total_memory})
-    return {
-        "hostname": platform.node(),
-        "cpu_model": _cpu_model(),
-        "cpu_cores": os.cpu_count(),
-        "memory_bytes": _memory_bytes(),
-        "gpus": gpus,
-        "platform": platform.platform(),
-    }
+    return host_facts(gpus)
 
 
-def topology(world_size: int, hostfile: str | None) -> dict[str, Any]:
-    """Nodes, devices per node and the interconnect where it is known (a hostfile's slots; NCCL's
-    transport choice is not visible before the first collective, so GPU runs say "nccl")."""
+def topology(world_size: int, hostfile: str | None, nodes: int | None = None) -> dict[str, Any]:
+    """Nodes (``nodes``: known from the launch, else a hostfile's lines), devices per node and the
+    interconnect where it is known (NCCL's transport choice is not visible before the first
+    collective, so GPU runs say "nccl")."""
     import torch
 
-    nodes = 1
-    if hostfile and Path(hostfile).is_file():
+    if nodes is None and hostfile and Path(hostfile).is_file():
         nodes = sum(1 for ln in Path(hostfile).read_text().splitlines() if ln.split("#", 1)[0].strip())
+    nodes = nodes or 1
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return {
         "nodes": nodes,
@@ -245,7 +275,7 @@ GROUPS = {
     "git": "code", "versions": "environment", "packages": "environment", "environment": "environment",
     "recipe": "config", "recipe_hash": "config", "layout": "config", "seed": "config", "world_size": "config",
     "data": "data", "tokenizer_hash": "data", "tokenizer": "data", "hardware": "hardware", "topology": "hardware",
-    "device": "hardware", "hostfile": "hardware", "manifest_version": "code", "initial_weights": "data",
+    "device": "hardware", "hostfile": "hardware", "nodes": "hardware", "launch_mode": "hardware", "manifest_version": "code", "initial_weights": "data",
     "preregistration_sha256": "config",
 }  # fmt: skip
 

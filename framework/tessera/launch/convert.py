@@ -44,7 +44,7 @@ def convert_to_layout(
     from tessera.checkpoint.convert import check_out, layout_overrides, source_recipe, write_conversion_record
     from tessera.checkpoint.index import verify_or_raise
     from tessera.checkpoint.sources import is_hf_dir, resolve_source
-    from tessera.launch.launcher import build_command
+    from tessera.launch.modes import build_command
     from tessera.train.prepare import plan_record, prepare_run_dir
 
     out = Path(out).resolve()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,168 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from tessera.comm.shm import release_shared_memory
-from tessera.config.schema import Recipe
-from tessera.errors import LayoutError, RecipeError
 from tessera.rundir import ExitCode, RunDir
 
 GRACE_S = 10.0  # after a rank fails: time the launcher gets to stop the others itself
 POLL_S = 0.25
 
 
-def venv_bin(name: str) -> str:
-    """The console script next to this interpreter (the venv's), else whatever PATH has."""
-    cand = Path(sys.executable).parent / name
-    return str(cand) if cand.exists() else (shutil.which(name) or name)
-
-
-def parse_hostfile(path: str) -> list[tuple[str, int]]:
-    """``host slots=N`` lines (DeepSpeed's format); comments and blank lines ignored."""
-    from tessera.config.loader import read_config_file  # regular file, size-bounded
-
-    p = Path(path)
-    if not p.exists():  # a FIFO or a device exists: read_config_file names it
-        raise RecipeError(
-            "hostfile not found",
-            field="run.hostfile",
-            value=path,
-            fix="give a file of lines like 'node1 slots=8'",
-        )
-    hosts: list[tuple[str, int]] = []
-    for i, line in enumerate(read_config_file(p, field="run.hostfile", what="host").splitlines(), 1):
-        line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        parts = line.split()
-        slots = [x for x in parts[1:] if x.startswith("slots=")]
-        if len(parts) < 2 or not slots or not slots[0][6:].isdigit():
-            raise RecipeError(
-                f"line {i} is not 'host slots=N': {line!r}",
-                field="run.hostfile",
-                value=path,
-                fix="write one 'hostname slots=N' per line",
-            )
-        hosts.append((parts[0], int(slots[0][6:])))
-    if not hosts:
-        raise RecipeError(
-            "hostfile lists no hosts",
-            field="run.hostfile",
-            value=path,
-            fix="add lines like 'localhost slots=2'",
-        )
-    return hosts
-
-
-DEFAULT_PORT = 29500
 VERBOSE_ENV = "TESSERA_VERBOSE"  # set by --verbose: launcher INFO lines and library warnings on the console
-
-
-def _bindable(addr: str, port: int) -> bool:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((addr, port))
-        except OSError:
-            return False
-    return True
-
-
-def rendezvous_port(recipe: Recipe) -> int:
-    """``run.master_port``: ``auto`` picks a free port on this machine (a hostfile run, whose rendezvous
-    host may be another machine, gets 29500); an explicit port that is taken here is refused before
-    anything starts."""
-    r = recipe.run
-    local = not r.hostfile and r.master_addr in ("127.0.0.1", "localhost", "0.0.0.0")
-    if r.master_port == "auto":
-        if not local:
-            return DEFAULT_PORT
-        import socket
-
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((r.master_addr, 0))
-            return int(s.getsockname()[1])
-    port = int(r.master_port)
-    if local and not _bindable(r.master_addr, port):
-        raise RecipeError(
-            f"port {port} on {r.master_addr} is in use (another run, or another program)",
-            field="run.master_port",
-            value=port,
-            fix="set run.master_port: auto (the default) or another free port",
-        )
-    return port
-
-
-def build_command(
-    recipe: Recipe,
-    run_dir: Path,
-    *,
-    resume: bool,
-    device: str,
-    worker_args: tuple[str, ...] = (),
-    port: int | None = None,
-) -> tuple[list[str], dict[str, str]]:
-    """The exact launcher command and the environment additions for this run (``worker_args``: more
-    flags for the worker, e.g. ``--same-layout`` or ``--convert-from SRC``; ``port``: the rendezvous
-    port, by default :func:`rendezvous_port`)."""
-    r = recipe.run
-    port = rendezvous_port(recipe) if port is None else port
-    env: dict[str, str] = {}
-    worker = ["tessera.train.worker", "--run-dir", str(run_dir)] + (["--resume"] if resume else [])
-    worker += list(worker_args)
-    if device == "cpu":
-        env["DS_ACCELERATOR"] = "cpu"
-    if r.launcher == "torchrun":
-        if r.hostfile:
-            raise RecipeError(
-                "torchrun runs are single-node here; multi-node goes through the deepspeed launcher",
-                field="run.launcher",
-                value=r.launcher,
-                fix="set run.launcher: deepspeed to use run.hostfile",
-            )
-        cmd = [
-            venv_bin("torchrun"),
-            f"--nproc_per_node={r.world_size}",
-            f"--master_addr={r.master_addr}",
-            f"--master_port={port}",
-            "-m",
-            *worker,
-        ]
-        if device == "cpu":
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // r.world_size))
-        return cmd, env
-    cmd = [venv_bin("deepspeed")]
-    if r.hostfile:
-        hosts = parse_hostfile(r.hostfile)
-        slots = sum(n for _, n in hosts)
-        if slots != r.world_size:
-            raise LayoutError(
-                f"the hostfile has {slots} slots in all",
-                field="run.world_size",
-                value=r.world_size,
-                fix=f"set run.world_size: {slots} or edit {r.hostfile}",
-            )
-        cmd += ["--hostfile", r.hostfile, "--no_ssh_check"]
-    else:
-        cmd += ["--num_gpus", str(r.world_size)]
-    if device == "cpu" and r.bind_cores_to_rank:
-        if shutil.which("numactl") is None:
-            raise RecipeError(
-                "deepspeed --bind_cores_to_rank needs numactl, which is not installed",
-                field="run.bind_cores_to_rank",
-                value=True,
-                fix="apt-get install numactl (make setup does), or set run.bind_cores_to_rank: false",
-            )
-        if (os.cpu_count() or 1) < r.world_size:
-            raise LayoutError(
-                f"cannot bind {r.world_size} ranks to {os.cpu_count()} cores",
-                field="run.bind_cores_to_rank",
-                value=True,
-                fix="set run.bind_cores_to_rank: false or use fewer ranks",
-            )
-        cmd.append("--bind_cores_to_rank")
-    cmd += ["--master_addr", r.master_addr, "--master_port", str(port), "--module", *worker]
-    return cmd, env
 
 
 @dataclass
@@ -192,11 +36,17 @@ class RankFailure:
     log_tail: list[str]
     code: int | None = None  # the rank's exit code, when it wrote one
     who: str | None = None  # e.g. "the launcher deepspeed.launcher.launch (pid 4242)"
+    where: str | None = None  # a multi-node run: "node 1, host gpu07"
+    final: bool = False  # decided by the supervisor (a hang, a node lost): not re-scanned when settling
+    restartable: bool = True  # False: a node is gone, nothing could start its ranks again
 
     @property
     def culprit(self) -> str:
-        """What failed, for the diagnosis: "rank 1", or the launcher process."""
-        return self.who or f"rank {self.rank}"
+        """What failed, for the diagnosis: "rank 1" (on a multi-node run "rank 1 on node 1, host h"), or
+        the launcher process."""
+        if self.who:
+            return self.who
+        return f"rank {self.rank}" + (f" (on {self.where})" if self.where else "")
 
 
 _PR_SET_CHILD_SUBREAPER, _PR_GET_CHILD_SUBREAPER = 36, 37
@@ -265,7 +115,9 @@ class _Ranks:
     """What the supervisor knows of the rank processes: pid, the process that started each (its per-node
     launcher), when each was first seen dead, and which ones this process reaped as orphans."""
 
-    def __init__(self) -> None:
+    def __init__(self, node: int | None = None) -> None:
+        self.node = node  # a multi-node run's agent: the node whose ranks these are
+        self.where: str | None = None  # "node 1, host h": named in this node's failures
         self.pids: dict[int, int] = {}
         self.parents: dict[int, tuple[int, str]] = {}
         self.dead_seen: dict[int, float] = {}
@@ -275,11 +127,17 @@ class _Ranks:
 def _scan(rd: RunDir, world: int, ranks: _Ranks) -> RankFailure | None:
     """The rank that failed first: a vanished process beats a non-zero exit, which beats a rank that was
     only terminated because another one failed. Ranks that all vanished as orphans (reaped here, not by
-    their launcher) died with their launcher, which is named instead."""
+    their launcher) died with their launcher, which is named instead. On a multi-node run only this
+    node's ranks are looked at (their pid files name the node); the others are their agents' business."""
     pids, dead_seen = ranks.pids, ranks.dead_seen
     vanished: list[tuple[float, int]] = []
     exited: list[tuple[int, float, int, int]] = []
     for rank in range(world):
+        if ranks.node is not None and rank not in pids:
+            where = rd.rank_node(rank)
+            if where is None or where[0] != ranks.node:
+                continue  # not started yet, or another node's
+            ranks.where = f"node {where[0]}, host {where[1]}"
         if rank not in pids:
             pid = rd.rank_pid(rank)
             if pid is not None:
@@ -307,9 +165,9 @@ def _scan(rd: RunDir, world: int, ranks: _Ranks) -> RankFailure | None:
             None,
             f"died (killed by a signal?) and its rank{'s' if len(lost) > 1 else ''} "
             f"{', '.join(map(str, lost))} with it",
-            _launcher_tail(rd),
+            _launcher_tail(rd, ranks.node),
             code=ExitCode.RANK_LOST,
-            who=f"the launcher {name} (pid {ppid})",
+            who=f"the launcher {name} (pid {ppid})" + (f" on {ranks.where}" if ranks.where else ""),
         )
     if vanished:
         rank = min(vanished)[1]
@@ -318,11 +176,12 @@ def _scan(rd: RunDir, world: int, ranks: _Ranks) -> RankFailure | None:
             "died without exiting (killed by a signal, e.g. SIGKILL or the OOM killer)",
             rd.log_tail(rank),
             code=ExitCode.RANK_LOST,
+            where=ranks.where,
         )
     if exited:
         _, _, rank, code = min(exited)
         how = "was terminated" if code == ExitCode.TERMINATED else f"exited with code {code}"
-        return RankFailure(rank, how, rd.log_tail(rank), code=code)
+        return RankFailure(rank, how, rd.log_tail(rank), code=code, where=ranks.where)
     return None
 
 
@@ -441,9 +300,9 @@ def release_closed_console() -> None:
             os.close(devnull)
 
 
-def _launcher_tail(rd: RunDir, n: int = 15) -> list[str]:
+def _launcher_tail(rd: RunDir, node: int | None = None, n: int = 15) -> list[str]:
     try:
-        return rd.launcher_log.read_text(errors="replace").splitlines()[-n:]
+        return rd.launcher_log_of(node or 0).read_text(errors="replace").splitlines()[-n:]
     except OSError:
         return []
 
@@ -507,13 +366,17 @@ def run_and_monitor(
     *,
     grace_s: float = 120.0,
     watchdog: object | None = None,
+    node: int | None = None,
 ) -> tuple[int, RankFailure | None]:
     """Run the launcher; returns (exit code, the failed rank if one failed). ``grace_s``: how long a
-    preemption may take before the ranks are stopped; ``watchdog``: a hang watchdog whose ``check()``
-    returns a :class:`RankFailure` (code HUNG) when a rank stopped making progress. Afterwards the run's
-    shared-memory segments are released, however it ended."""
+    preemption may take before the ranks are stopped; ``watchdog``: an object whose ``check()`` returns
+    a :class:`RankFailure` when the ranks must be stopped from outside (a hang; on a multi-node run also
+    a node lost or the supervisor's word), None otherwise; ``node``: this node's rank when the run spans
+    nodes (only its ranks are watched here, its launcher's lines go to its own log, and the run's status
+    files were reset by node 0 before the launch). Afterwards the run's shared-memory segments are
+    released, however it ended."""
     try:
-        return _run_and_monitor(cmd, env_add, run_dir, world, grace_s=grace_s, watchdog=watchdog)
+        return _run_and_monitor(cmd, env_add, run_dir, world, grace_s=grace_s, watchdog=watchdog, node=node)
     finally:
         where = rendezvous_of(cmd)
         if where is not None:
@@ -528,21 +391,21 @@ def _run_and_monitor(
     *,
     grace_s: float,
     watchdog: object | None,
+    node: int | None,
 ) -> tuple[int, RankFailure | None]:
     from tessera.train.guard import SUPERVISOR_ENV, supervisor_token
 
     rd = RunDir(run_dir)
-    rd.clear_rank_status()
-    for stale in (RunDir.PREEMPT, RunDir.PREPARED):
-        (rd / stale).unlink(missing_ok=True)
-    rd.drop_torn_tails()  # an earlier launch that crashed mid-line: the ranks append on a line of their own
+    if node is None:
+        fresh_launch(rd)
     from tessera.atomic import open_append
 
-    launcher_log = open_append(rd.launcher_log, binary=True)  # a link there: refused before launch
+    # a link there: refused before launch
+    launcher_log = open_append(rd.launcher_log_of(node or 0), binary=True)
     env = {**os.environ, **env_add, SUPERVISOR_ENV: supervisor_token()}
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE)
     sorter = _LauncherLines(proc.stdout, launcher_log)
-    ranks = _Ranks()
+    ranks = _Ranks(node)
     pids = ranks.pids
     reaper_was = _child_subreaper(True)
     failure: RankFailure | None = None
@@ -566,7 +429,8 @@ def _run_and_monitor(
                 failure = _scan(rd, world, ranks)
                 if failure is None and watchdog is not None and rc is None:
                     failure = watchdog.check()  # type: ignore[attr-defined]
-                    if failure is not None:  # a hang: nothing will exit by itself
+                    if failure is not None:  # a hang, a node lost: nothing will exit by itself
+                        failure.final = True
                         _stop_group(proc, ranks.pids)
                         break
                 if failure is not None:
@@ -593,6 +457,15 @@ def _run_and_monitor(
             _reap(pid)  # orphans reparented here while we were their reaper: no zombies left behind
 
 
+def fresh_launch(rd: RunDir) -> None:
+    """Before the ranks start: no status files, preemption request or preparation mark of an earlier
+    launch (a multi-node run: node 0 does this once for every node, before any node launches)."""
+    rd.clear_rank_status()
+    for stale in (RunDir.PREEMPT, RunDir.PREPARED):
+        (rd / stale).unlink(missing_ok=True)
+    rd.drop_torn_tails()  # an earlier launch that crashed mid-line: the ranks append on a line of their own
+
+
 def _settle(
     proc: subprocess.Popen, rd: RunDir, world: int, ranks: _Ranks, failure: RankFailure | None
 ) -> tuple[int, RankFailure | None]:
@@ -604,17 +477,19 @@ def _settle(
             except OSError:
                 pass
     rc = proc.returncode if proc.returncode is not None else ExitCode.FAILED
-    if failure is not None and failure.code == ExitCode.HUNG:
-        return ExitCode.HUNG, failure
+    if failure is not None and failure.final:  # a hang, a node lost: the ranks were stopped for it
+        return int(failure.code or ExitCode.FAILED), failure
     if rc < 0 and failure is None:  # the launcher itself was killed (its ranks then by us, just above)
         return ExitCode.RANK_LOST, RankFailure(
             None,
             f"was killed by {signal.Signals(-rc).name}",
-            _launcher_tail(rd),
+            _launcher_tail(rd, ranks.node),
             code=ExitCode.RANK_LOST,
             who=f"the launcher {os.path.basename(proc.args[0])} (pid {proc.pid})",  # type: ignore[index]
+            where=ranks.where,
         )
-    if rc != 0 or any(rd.rank_exit(r) != ExitCode.OK for r in range(world)):
+    mine = sorted(ranks.pids) if ranks.node is not None else range(world)
+    if rc != 0 or any(rd.rank_exit(r) != ExitCode.OK for r in mine):
         # re-scan with everything settled: a vanished rank beats the first exit we saw (the deepspeed
         # runner exits 0 when its per-node launcher was killed: the ranks' status tells). A rank first
         # seen dead now needs a second look half a second later to count as vanished.

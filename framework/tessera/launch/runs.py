@@ -101,6 +101,11 @@ def supervise_ranks(
     from tessera.launch.launcher import run_and_monitor
 
     rc, failure = run_and_monitor(cmd, env, rd.path, world, grace_s=grace_s, watchdog=watchdog)
+    return judge(rc, failure, rd, what=what, verdict=verdict)
+
+
+def judge(rc: int, failure: Any, rd: RunDir, *, what: str, verdict: bool = True) -> tuple[int, Any]:
+    """After every rank ended (on every node): the exit code and what to print (:func:`supervise_ranks`)."""
     rd.remove_partial_checkpoints()  # every rank has ended: a failed save's room is given back now
     if failure is not None and _orderly(failure):
         code = ExitCode(failure.code)
@@ -237,6 +242,9 @@ def start_run(
     launch_record: dict[str, Any] | None = None,
     resume_from: str | None = None,
     accept_data_change: bool = False,
+    node_rank: int | None = None,
+    nnodes: int | None = None,
+    rdzv_endpoint: str | None = None,
 ) -> tuple[int, RunDir]:
     """``tessera run``: check the recipe, start the ranks and wait. This process runs the checks that need
     no model library (:func:`check_recipe`, the run directory, the checksums of the checkpoint a resume
@@ -245,16 +253,23 @@ def start_run(
     torch and transformers are imported by the ranks only. A dry run does every check here.
     ``launch_record``: extra keys of launch.json (``tessera compare`` records its pre-registration hash
     there, which the manifest copies). ``accept_data_change``: resume although the data or tokenizer
-    hash differs from the checkpoint's (:func:`check_resume_inputs`). Returns the exit code and the run
-    dir."""
+    hash differs from the checkpoint's (:func:`check_resume_inputs`). ``node_rank`` / ``nnodes`` /
+    ``rdzv_endpoint``: this node of a multi-node launch (:mod:`tessera.launch.modes`; under SLURM they
+    come from its variables): node 0 does all of the above and supervises, another node's ``tessera
+    run`` checks the recipe and then starts its ranks when node 0 says (:mod:`tessera.launch.agent`).
+    Returns the exit code and the run dir."""
     from tessera.checkpoint.index import CheckpointIndex
     from tessera.config.loader import write_recipe
-    from tessera.launch.launcher import build_command
+    from tessera.launch.modes import build_command, rendezvous_port, resolve_cluster
 
     resolved, device = check_recipe(recipe_path, overrides)
     recipe = resolved.recipe
+    cluster = resolve_cluster(recipe, node_rank=node_rank, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint)
     run_dir = run_dir_of(recipe, recipe_path).resolve()
     rd = RunDir(run_dir)
+    from tessera.launch.agent import slurm_hostfile
+
+    hostfile = slurm_hostfile(rd, recipe, cluster)
     for note in resolved.notes:
         print(f"tessera: note: {note}", file=sys.stderr)
     if resume_from is not None:
@@ -272,8 +287,9 @@ def start_run(
 
         layout = check_model(resolved, device)  # for parallel: auto, resolved.recipe is the planned one
         cmd, env = build_command(
-            resolved.recipe, run_dir, resume=resume, device=device, worker_args=(*flags, PREPARE_FLAG)
-        )
+            resolved.recipe, run_dir, resume=resume, device=device, worker_args=(*flags, PREPARE_FLAG),
+            cluster=cluster, hostfile=hostfile,
+        )  # fmt: skip
         # the first records of each file through the ranks' reader: a wrong text_field fails now;
         # data.sources: each found, an indexed dataset's header checked against its files
         if recipe.data.sources:
@@ -289,6 +305,8 @@ def start_run(
         con.print(f"[bold]device[/]  {device}")
         con.print(f"[bold]data[/]    {_describe_sample(recipe.data, sample)}", soft_wrap=True)
         con.print(f"[bold]run dir[/] {run_dir}")
+        if cluster.nnodes > 1:
+            con.print(f"[bold]nodes[/]   {describe_cluster(cluster)}", soft_wrap=True)
         con.print("[bold]run it with[/] (these checks, then the launch below):")
         print(shlex.join(again))  # plain prints: one copy-pasteable line each
         con.print(
@@ -300,10 +318,6 @@ def start_run(
         )
         print(_printable(cmd, env))
         return 0, rd
-    cmd, env = build_command(
-        recipe, run_dir, resume=resume, device=device, worker_args=(*flags, PREPARE_FLAG)
-    )
-    printable = _printable(cmd, env)
     if run_dir.exists() and not run_dir.is_dir():
         raise TesseraError(
             "the run directory is an existing file",
@@ -312,6 +326,16 @@ def start_run(
             fix="point run.out_dir at a directory (new or an earlier run of this recipe)",
         )
     _check_writable(run_dir)
+    if cluster.agents and cluster.node_rank > 0:  # another node: node 0 checks, records and decides
+        from tessera.launch.agent import follow
+
+        return follow(recipe, rd, cluster, device), rd
+    port = rendezvous_port(recipe, cluster)
+    cmd, env = build_command(
+        recipe, run_dir, resume=resume, device=device, worker_args=(*flags, PREPARE_FLAG), port=port,
+        cluster=cluster, hostfile=hostfile,
+    )  # fmt: skip
+    printable = _printable(cmd, env)
     with rd.locked() as stale:
         if stale:
             print(f"tessera: warning: {stale}", file=sys.stderr)
@@ -333,9 +357,27 @@ def start_run(
             )
         write_recipe(recipe, rd)
         launch = {"command": printable, "argv": sys.argv, "resume": resume, **(launch_record or {})}
+        if cluster.nnodes > 1:
+            launch["cluster"] = cluster.to_dict()
         rd.write_json(RunDir.LAUNCH, launch)
+        if cluster.nnodes > 1:
+            con.print(f"[bold]nodes[/]  {describe_cluster(cluster)}", soft_wrap=True)
         con.print(f"[bold]launch[/] {printable}", soft_wrap=True)  # one line: copy-pasteable
-        return _supervise(recipe, rd, cmd, env, device=device, flags=flags, launch=launch), rd
+        from tessera.launch.supervise import supervise_run
+
+        return supervise_run(
+            recipe, rd, device=device, flags=flags, launch=launch, resume=resume, cluster=cluster, port=port
+        ), rd
+
+
+def describe_cluster(cluster: Any) -> str:
+    """One line on a multi-node launch: mode, nodes, this node."""
+    hosts = f" ({', '.join(cluster.hosts)})" if cluster.hosts else ""
+    return (
+        f"{cluster.nnodes} nodes{hosts}, {'/'.join(map(str, cluster.slots))} ranks per node, mode "
+        f"{cluster.mode}; this is node {cluster.node_rank}"
+        + (" (it supervises the others)" if cluster.agents and cluster.node_rank == 0 else "")
+    )
 
 
 def _port_picked_at_launch(recipe: Any) -> bool:
@@ -350,7 +392,7 @@ def _tessera_command() -> list[str]:
     """How to call ``tessera`` from a shell here: the console script on PATH, else this interpreter's."""
     import shutil
 
-    from tessera.launch.launcher import venv_bin
+    from tessera.launch.modes import venv_bin
 
     script = venv_bin("tessera")
     on_path = shutil.which("tessera")
@@ -395,109 +437,6 @@ def release_killed_run(rd: RunDir) -> None:
         release_shared_memory(*where)
 
 
-def _supervise(
-    recipe: Any,
-    rd: RunDir,
-    cmd: list[str],
-    env: dict[str, str],
-    *,
-    device: str,
-    flags: tuple[str, ...],
-    launch: dict[str, Any],
-) -> int:
-    """Run the ranks under the hang watchdog; after a fault (a rank lost, crashed or hung; not bad input,
-    not a stop rule or preemption) restart from the latest complete, verified checkpoint, at most
-    ``run.restarts`` times, recording each restart (reason, failed rank, step, checkpoint, time lost).
-    Every launch's rank 0 prepares the run dir again (the data and the model checks are cached or cheap
-    by then), so a restart after a failure while preparing starts from the same point."""
-    import time
-
-    from tessera.checkpoint.index import CheckpointIndex
-    from tessera.errors import CheckpointError
-    from tessera.launch.launcher import build_command
-    from tessera.launch.watchdog import HangWatchdog
-    from tessera.rundir import NOT_RESTARTED
-
-    world = recipe.run.world_size
-
-    def once(c: list[str], e: dict[str, str]) -> tuple[int, Any]:
-        # after a rank's first step stop.hang_timeout_s, before it stop.startup_timeout_s per phase
-        timeout, startup = recipe.stop.hang_timeout_s, recipe.stop.startup_timeout_s
-        local = not recipe.run.hostfile  # a multi-node run's remote heartbeats may never show here
-        dog = HangWatchdog(rd, world, timeout, startup_timeout_s=startup, local=local)
-        grace = recipe.run.preempt_grace_s
-        # no verdict there: a failure that is restarted is named once, by the restart line below
-        return supervise_ranks(c, e, rd, world, what="run", grace_s=grace, watchdog=dog, verdict=False)
-
-    code, failure = once(cmd, env)
-    ckpts = CheckpointIndex(rd.checkpoints, world_size=world)
-    for attempt in range(1, recipe.run.restarts + 1):
-        if code == 0 or code in NOT_RESTARTED:
-            break
-        records = rd.read_metrics() if rd.metrics.is_file() else []
-        latest = ckpts.latest()
-        if latest is not None:
-            try:
-                meta = ckpts.verify(latest, any_world=False)
-            except CheckpointError as e:
-                print(
-                    f"tessera: no restart: the latest checkpoint is not usable ({e.message})", file=sys.stderr
-                )
-                break
-            step = int(meta["step"])
-        else:
-            step = 0
-        saved = next((r.get("wall_time") for r in records if r["step"] == step), None)
-        record = {
-            "attempt": attempt,
-            "reason": ExitCode(code).name if code in tuple(ExitCode) else f"exit {code}",
-            "detail": _detail(failure),
-            "failed_rank": failure.rank if failure is not None else None,
-            "failed_at_step": records[-1]["step"] if records else 0,
-            "checkpoint": latest.name if latest is not None else None,
-            "time_lost_s": round(time.time() - saved, 3) if saved else None,
-        }
-        where = f"resuming from {latest.name}" if latest is not None else "starting over (no checkpoint yet)"
-        lost = f", {record['time_lost_s']:.1f} s of training lost" if record["time_lost_s"] else ""
-        _console().print(
-            f"[bold yellow]restart {attempt}/{recipe.run.restarts}[/]: "
-            + (f"{describe_failure(failure)} " if failure is not None else "")
-            + f"({record['reason']} after step {record['failed_at_step']}); {where}{lost}",
-            soft_wrap=True,
-        )
-        resume = latest is not None
-        rd.write_json(RunDir.LAUNCH, {**launch, "resume": resume, "restart": record})
-        again = (*_without_resume_from(flags), PREPARE_FLAG)  # from the latest, not a chosen step
-        cmd, env = build_command(recipe, rd.path, resume=resume, device=device, worker_args=again)
-        code, failure = once(cmd, env)
-    if failure is not None and not _orderly(failure):  # not restarted (again): the verdict, once
-        say_failed("run", failure, code)
-    if failure is not None and code not in NOT_RESTARTED:  # the ranks wrote no summary: say why here
-        summary = rd.read_json_if_present(RunDir.SUMMARY) or {}
-        summary["failed"] = {
-            "exit_code": int(code),
-            "reason": ExitCode(code).name if code in tuple(ExitCode) else f"exit {code}",
-            "rank": failure.rank,
-            "detail": _detail(failure),
-        }
-        from tessera.atomic import DiskFull
-
-        try:
-            rd.write_json(RunDir.SUMMARY, summary)
-        except DiskFull as e:  # the run's own exit code says more than this record would
-            print(
-                f"tessera: warning: the failure is not recorded in summary.json: {e.message}", file=sys.stderr
-            )
-    return code
-
-
-def _detail(failure: Any) -> str | None:
-    """A failure's diagnosis for the records; one that is not a rank's (the launcher) names what failed."""
-    if failure is None:
-        return None
-    return failure.how if failure.who is None else f"{failure.culprit} {failure.how}"
-
-
 def _check_writable(run_dir: Path) -> None:
     """The run directory can be created and written, checked before anything starts."""
     import os
@@ -516,16 +455,3 @@ def _check_writable(run_dir: Path) -> None:
             value=str(run_dir),
             fix="point run.out_dir (or run.name under runs/) at a writable directory",
         ) from None
-
-
-def _without_resume_from(flags: tuple[str, ...]) -> tuple[str, ...]:
-    out: list[str] = []
-    skip = False
-    for f in flags:
-        if skip:
-            skip = False
-        elif f == "--resume-from":
-            skip = True
-        else:
-            out.append(f)
-    return tuple(out)

@@ -66,9 +66,9 @@ def _detail(hb: dict[str, Any] | None) -> str:
 
 class HangWatchdog:
     """``timeout_s``: ``stop.hang_timeout_s`` (None: armed ranks are not judged); ``startup_timeout_s``:
-    ``stop.startup_timeout_s`` (None: start-up is not judged); ``local``: every rank runs on this
-    machine, so one that never writes a heartbeat is stuck in its launch (a multi-node run's run
-    directory need not be shared)."""
+    ``stop.startup_timeout_s`` (None: start-up is not judged); ``local``: every rank's heartbeat shows
+    here (one machine, or a multi-node run with an agent per node and a shared run directory), so one
+    that never writes a heartbeat is stuck in its launch; ``nodes``: name each rank's node and host."""
 
     def __init__(
         self,
@@ -78,10 +78,16 @@ class HangWatchdog:
         *,
         startup_timeout_s: float | None = None,
         local: bool = True,
+        nodes: bool = False,
     ) -> None:
         self.rd, self.world, self.timeout = rd, world, timeout_s
-        self.startup, self.local = startup_timeout_s, local
+        self.startup, self.local, self.nodes = startup_timeout_s, local, nodes
         self.seen: dict[int, tuple[tuple[Any, ...], float]] = {}
+
+    def _name(self, rank: int) -> str:
+        """``rank 1``; on a multi-node run ``rank 1 (node 1, host gpu07)``, from its pid file."""
+        where = self.rd.rank_node(rank) if self.nodes else None
+        return f"rank {rank}" + (f" (node {where[0]}, host {where[1]})" if where else "")
 
     def _read(self, rank: int) -> dict[str, Any] | None:
         try:
@@ -129,14 +135,14 @@ class HangWatchdog:
                 if frozen
                 else f"has been {_where(hb)} at step {hb['step']}"
             )
-            diagnosis = f"rank {rank} {what} for {for_s:.0f} s"
+            diagnosis = f"{self._name(rank)} {what} for {for_s:.0f} s"
             setting = f"stop.hang_timeout_s={self.timeout:g}"
         else:
             phase = LAUNCH if hb is None else hb["phase"]
             if hb is not None and hb["step"]:
                 phase += f" (step {hb['step']}, this process's first)"
             state = "stopped writing its heartbeat (process frozen?)" if frozen else "stuck"
-            diagnosis = f"rank {rank} {state} in phase {phase} for {for_s:.0f} s ({_detail(hb)})"
+            diagnosis = f"{self._name(rank)} {state} in phase {phase} for {for_s:.0f} s ({_detail(hb)})"
             setting = f"stop.startup_timeout_s={self.startup:g}"
         others: dict[str, list[int]] = {}
         for r, other in sorted(beats.items()):

@@ -3,6 +3,7 @@
 A comma-separated list of faults, each ``kind[:key=value...]``:
 
     kill:rank=1:step=7          rank 1 SIGKILLs itself at the start of step 7 (a lost rank)
+    kill:node=1:step=4          every rank of node 1 of a multi-node run does (a node's ranks lost)
     hang:rank=1:step=5          rank 1 stops inside step 5 and never returns (the hang watchdog's case)
     hang:rank=0:phase=checkpoint_load
                                 rank 0 stops when it enters that start-up phase (heartbeat.STARTUP_PHASES,
@@ -17,7 +18,7 @@ A comma-separated list of faults, each ``kind[:key=value...]``:
     sigterm:step=8              at the end of step 8, SIGTERM to the ``tessera run`` that started the
                                 ranks (a preemption; without one, the preemption request is written)
 
-``rank`` defaults to every rank. The older ``TESSERA_FAULT=nan_grad@N`` / ``nan_param@N`` still works.
+``rank`` defaults to every rank; ``node`` (a multi-node run's node rank) picks every rank of that node. The older ``TESSERA_FAULT=nan_grad@N`` / ``nan_param@N`` still works.
 Read once when a rank starts; each fault fires once per run directory (it is marked in
 ``faults.fired/`` before it acts, so a restarted run does not meet it again). Unset, nothing here runs;
 set, the manifest records it, so a faulted run is never mistaken for a real one.
@@ -49,10 +50,12 @@ class Fault:
     step: int | None = None
     factor: float = 1.0
     phase: str | None = None  # a start-up phase (hang only)
+    node: int | None = None  # every rank of this node of a multi-node run
 
     @property
     def spec(self) -> str:
         parts = [self.kind] + [f"rank={self.rank}"] * (self.rank is not None)
+        parts += [f"node={self.node}"] * (self.node is not None)
         parts += [f"step={self.step}"] * (self.step is not None)
         if self.phase is not None:
             parts.append(f"phase={self.phase.replace(' ', '_')}")
@@ -60,6 +63,11 @@ class Fault:
         return ":".join(parts)
 
     def here(self, rank: int, step: int | None = None) -> bool:
+        if self.node is not None:
+            from tessera.launch.modes import NODE_ENV
+
+            if os.environ.get(NODE_ENV) != str(self.node):
+                return False
         return (self.rank is None or self.rank == rank) and (step is None or self.step == step)
 
 
@@ -68,7 +76,7 @@ def _bad(spec: str, why: str) -> RecipeError:
         f"cannot read the fault {spec!r}: {why}",
         field=ENV,
         value=spec,
-        fix="write kind[:rank=R][:step=S][:factor=F][:phase=P], kind one of " + ", ".join(KINDS),
+        fix="write kind[:rank=R|node=N][:step=S][:factor=F][:phase=P], kind one of " + ", ".join(KINDS),
     )
 
 
@@ -89,7 +97,7 @@ def parse_faults(text: str) -> list[Fault]:
         for item in kv:
             key, _, val = item.partition("=")
             try:
-                if key in ("rank", "step"):
+                if key in ("rank", "step", "node"):
                     args[key] = int(val)
                 elif key == "factor":
                     args[key] = float(val)
@@ -121,14 +129,16 @@ def fault_from_env() -> FaultInjection | None:
     return FaultInjection(faults) if faults else None
 
 
-def _marker(run_dir: Any, f: Fault) -> Path:
-    return run_dir / run_dir.FAULTS_FIRED / f.spec.replace(":", "_").replace("=", "-")
+def _marker(run_dir: Any, f: Fault, rank: int) -> Path:
+    """The fault's mark; a node's fault fires on each of its ranks, so it is marked per rank."""
+    name = f.spec.replace(":", "_").replace("=", "-") + (f"_rank-{rank}" if f.node is not None else "")
+    return run_dir / run_dir.FAULTS_FIRED / name
 
 
 def _fire(run_dir: Any, f: Fault, rank: int, where: str) -> None:
     from tessera.atomic import write_text_atomic
 
-    write_text_atomic(_marker(run_dir, f), f"rank {rank} {where}\n")  # never through a link
+    write_text_atomic(_marker(run_dir, f, rank), f"rank {rank} {where}\n")  # never through a link
     print(f"[tessera] fault injection: {f.spec} fires on rank {rank}", flush=True)
 
 
@@ -141,14 +151,14 @@ class FaultInjection(Callback):
 
     # ---- once per run directory ---------------------------------------------------------------------
     def _marker(self, ctx: RunContext, f: Fault) -> Path:
-        return _marker(ctx.run_dir, f)
+        return _marker(ctx.run_dir, f, ctx.rank)
 
     def _due(self, ctx: RunContext, f: Fault, kind: str, step: int | None = None) -> bool:
         return (
             f.kind == kind
             and f.phase is None
             and f.here(ctx.rank, step)
-            and not _marker(ctx.run_dir, f).exists()
+            and not _marker(ctx.run_dir, f, ctx.rank).exists()
         )
 
     def _fire(self, ctx: RunContext, f: Fault) -> None:
@@ -157,7 +167,12 @@ class FaultInjection(Callback):
     def on_phase(self, run_dir: Any, rank: int, phase: str) -> None:
         """A rank entering a start-up phase (before any RunContext exists): a ``hang`` there stops it."""
         for f in self.faults:
-            if f.kind == "hang" and f.phase == phase and f.here(rank) and not _marker(run_dir, f).exists():
+            if (
+                f.kind == "hang"
+                and f.phase == phase
+                and f.here(rank)
+                and not _marker(run_dir, f, rank).exists()
+            ):
                 _fire(run_dir, f, rank, f"in phase {phase}")
                 while True:  # outside any collective; the heartbeat thread keeps beating
                     time.sleep(3600)

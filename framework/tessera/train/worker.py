@@ -250,6 +250,14 @@ def _manifest(
     plan = run_dir.read_json_if_present(RunDir.PLAN)
     if plan is not None:  # what the layout should cost (tessera run writes it)
         manifest["plan"] = plan.get("chosen")
+    if launch.get("cluster"):  # a multi-node run: the mode, and every node with its ranks and hardware
+        from tessera.launch.agent import nodes_record
+
+        manifest["launch_mode"] = launch["cluster"]["mode"]
+        manifest["nodes"] = nodes_record(run_dir, layout.world_size)
+        from tessera.evidence.manifest import topology
+
+        manifest["topology"] = topology(layout.world_size, None, nodes=launch["cluster"]["nnodes"])
     if launch.get("preregistration_sha256"):  # a run of `tessera compare`: the thresholds it is judged by
         manifest["preregistration_sha256"] = launch["preregistration_sha256"]
     return manifest
@@ -562,10 +570,13 @@ def run_rank(run_dir: str | Path, start: Start = Start(), *, keep_process_group:
     harness runs several layouts per set of ranks) when this one ended in step with the other ranks;
     DeepSpeed caches its groups, so a process group once destroyed cannot serve a later
     ``deepspeed.initialize``."""
+    from tessera.launch.modes import NODE_ENV
+
     rd = RunDir(run_dir)
     rank, _, _ = _rank_env()
     try:  # a full disk, or a link planted where a rank file goes: one line, no log to write it to
-        rd.mark_rank_started(rank, os.getpid())
+        node = os.environ.get(NODE_ENV)  # set by the node's agent on a multi-node run
+        rd.mark_rank_started(rank, os.getpid(), None if node is None else int(node))
         log = rd.open_rank_log(rank)
     except TesseraError as e:
         sys.stderr.write(f"[rank {rank}] error: {e.render()}\n")
