@@ -60,7 +60,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         nnodes=args.nnodes,
         rdzv_endpoint=args.rdzv_endpoint,
     )
-    if rc != 0 or args.dry_run or (args.node_rank or 0) > 0:
+    if rc != 0 or args.dry_run or rd is None:  # rd None: another node than 0, which reports the run
         return rc
     s = rd.read_json_if_present(RunDir.SUMMARY)
     if s is not None:

@@ -9,66 +9,27 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
-import psutil
 import pytest
-import torch
 
 from helpers import REPO, read_metrics
+from launches import (
+    COMMON,
+    FAULTS,
+    HANG_TIMEOUT,
+    RECIPES,
+    TESSERA,
+    alive,
+    assert_bit_identical,
+    tessera,
+    tree,
+)
 from tessera.checkpoint.index import step_dir_name
 from tessera.checkpoint.manager import CheckpointManager
-from tessera.checkpoint.reader import read_hf_moment, read_hf_state
 from tessera.rundir import ExitCode, RunDir
 
 pytestmark = pytest.mark.slow
-
-TESSERA = [sys.executable, "-m", "tessera.cli"]
-STEPS = 10
-COMMON = [f"train.steps={STEPS}", "checkpoint.every=2", "checkpoint.keep=5", "tracking.wandb.mode=disabled"]
-RECIPES = {"zero2": "recipes/tiny-llama-cpu.yaml", "tp2": "recipes/tiny-llama-cpu-mcore-tp2.yaml"}
-# a rank killed at the start of step 4; rank 0 dying inside step 6's save; rank 1 hanging in step 8
-FAULTS = "kill:rank=1:step=4,crash_in_save:rank=0:step=6,hang:rank=1:step=8"
-HANG_TIMEOUT = 5
-
-
-def tessera(*args: str, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [*TESSERA, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env
-    )
-
-
-def final_state(run_dir: Path) -> dict[str, torch.Tensor]:
-    """Weights and both Adam moments of the run's last checkpoint, by HF name."""
-    ckpt = CheckpointManager(RunDir(run_dir).checkpoints, keep=5, rank=0, world_size=2).latest()
-    assert ckpt is not None and ckpt.name == step_dir_name(STEPS)
-    state, meta = read_hf_state(ckpt)
-    out = {f"w/{k}": v for k, v in state.items()}
-    for kind in ("exp_avg", "exp_avg_sq"):
-        out.update({f"{kind}/{k}": v for k, v in (read_hf_moment(ckpt, meta, kind) or {}).items()})
-    return out
-
-
-def assert_bit_identical(a: Path, b: Path) -> None:
-    sa, sb = final_state(a), final_state(b)
-    assert sa.keys() == sb.keys() and any(k.startswith("exp_avg/") for k in sa)
-    different = [k for k in sa if not torch.equal(sa[k], sb[k])]
-    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
-    ma, mb = read_metrics(a), read_metrics(b)
-    assert [r["step"] for r in ma] == list(range(1, STEPS + 1))
-    assert [r["loss"] for r in ma] == [r["loss"] for r in mb]
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The uninterrupted runs the recovered ones must equal."""
-    base = tmp_path_factory.mktemp("ref")
-    for name, recipe in RECIPES.items():
-        p = tessera("run", recipe, *COMMON, f"run.out_dir={base / name}")
-        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return base
 
 
 @pytest.mark.parametrize("name", list(RECIPES))
@@ -128,24 +89,6 @@ def test_sigterm_preempts_with_a_checkpoint_and_resumes_bit_exactly(reference, t
     assert_bit_identical(out, reference / name)
 
 
-def _tree(pid: int) -> list[int]:
-    try:
-        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
-
-
-def _alive(pids: list[int]) -> list[int]:
-    out = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
 def test_sigkill_of_tessera_run_leaves_no_rank_behind(tmp_path):
     out = tmp_path / "orphans"
     proc = subprocess.Popen(
@@ -156,15 +99,15 @@ def test_sigkill_of_tessera_run_leaves_no_rank_behind(tmp_path):
     while time.time() < deadline and not (RunDir(out).metrics.is_file() and read_metrics(out)):
         time.sleep(0.5)
     assert read_metrics(out), "the run never reached its first step"
-    family = _tree(proc.pid)
+    family = tree(proc.pid)
     ranks = [RunDir(out).rank_pid(r) for r in range(2)]
     assert all(r in family for r in ranks) and len(family) >= 3  # launcher(s) + 2 ranks
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     deadline = time.monotonic() + 10
-    while _alive(family) and time.monotonic() < deadline:
+    while alive(family) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _alive(family) == [], f"alive 10 s after SIGKILL of tessera run: {_alive(family)}"
+    assert alive(family) == [], f"alive 10 s after SIGKILL of tessera run: {alive(family)}"
     # the directory's lock died with its holder: the next run takes it over, with a warning
     p = tessera("run", RECIPES["zero2"], "train.steps=3", "tracking.wandb.mode=disabled", f"run.out_dir={out}",
                 "--resume")  # fmt: skip
@@ -316,14 +259,14 @@ def test_a_second_sigint_stops_at_once(tmp_path):
     deadline = time.time() + 120
     while time.time() < deadline and not (RunDir(out).metrics.is_file() and len(read_metrics(out)) >= 3):
         time.sleep(0.3)
-    family = _tree(proc.pid)
+    family = tree(proc.pid)
     proc.send_signal(signal.SIGINT)
     time.sleep(0.5)  # two signals sent at once coalesce into one pending signal (a person presses twice)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == ExitCode.INTERRUPTED, err[-2000:]
     time.sleep(2)
-    assert _alive(family) == []
+    assert alive(family) == []
     latest = CheckpointManager(RunDir(out).checkpoints, keep=5, rank=0, world_size=2).latest()
     assert latest is not None
     CheckpointManager(RunDir(out).checkpoints, keep=5, rank=0, world_size=2).verify(latest)

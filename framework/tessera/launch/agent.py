@@ -228,7 +228,7 @@ class Supervisor:
                 return
             waited = time.monotonic() - start
             missing = [k for k in others if str(k) not in self.members]
-            if waited - told > 15 or not told:
+            if waited > 3 and (not told or waited - told > 15):
                 told = waited or 1e-9
                 print(
                     f"tessera: waiting for node{'s' if len(missing) > 1 else ''} "
@@ -356,7 +356,8 @@ def _first(results: dict[int, tuple[int, RankFailure | None]]) -> tuple[int, Ran
     if not failed:
         bad = [c for c, _ in results.values() if c != 0]
         return (bad[0], None) if bad else (0, None)
-    code, failure = min(failed, key=lambda cf: _priority(cf[0], cf[1]))  # type: ignore[arg-type]
+    # the rank's own code (a launcher's exit status says less: 1 whichever rank failed how)
+    code, failure = min(failed, key=lambda cf: _priority(cf[1].code or cf[0], cf[1]))  # type: ignore[union-attr]
     return int(failure.code or code), failure  # type: ignore[union-attr]
 
 

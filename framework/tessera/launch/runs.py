@@ -113,7 +113,8 @@ def judge(rc: int, failure: Any, rd: RunDir, *, what: str, verdict: bool = True)
         print(f"tessera: {what} stopped: {code.name}{hint}", file=sys.stderr)
         return int(code), failure
     if failure is not None:
-        if not (failure.rank == 0 and failure.code == ExitCode.USER_ERROR):  # rank 0's error is on screen
+        # rank 0's error is on screen; a node lost left no log
+        if failure.log_tail and not (failure.rank == 0 and failure.code == ExitCode.USER_ERROR):
             log = rd.launcher_log if failure.rank is None else rd.rank_file(failure.rank, "log")
             # the heading names no rank: the verdict below names the one that failed first, once
             _console().print(f"[bold red]last log lines[/] ({log}):", soft_wrap=True)
@@ -245,7 +246,7 @@ def start_run(
     node_rank: int | None = None,
     nnodes: int | None = None,
     rdzv_endpoint: str | None = None,
-) -> tuple[int, RunDir]:
+) -> tuple[int, RunDir | None]:
     """``tessera run``: check the recipe, start the ranks and wait. This process runs the checks that need
     no model library (:func:`check_recipe`, the run directory, the checksums of the checkpoint a resume
     reads), writes the recipe and the launch record, and starts the launcher; rank 0 checks the model and
@@ -257,7 +258,7 @@ def start_run(
     ``rdzv_endpoint``: this node of a multi-node launch (:mod:`tessera.launch.modes`; under SLURM they
     come from its variables): node 0 does all of the above and supervises, another node's ``tessera
     run`` checks the recipe and then starts its ranks when node 0 says (:mod:`tessera.launch.agent`).
-    Returns the exit code and the run dir."""
+    Returns the exit code and the run dir (None on a node other than 0: node 0 reports the run)."""
     from tessera.checkpoint.index import CheckpointIndex
     from tessera.config.loader import write_recipe
     from tessera.launch.modes import build_command, rendezvous_port, resolve_cluster
@@ -329,7 +330,7 @@ def start_run(
     if cluster.agents and cluster.node_rank > 0:  # another node: node 0 checks, records and decides
         from tessera.launch.agent import follow
 
-        return follow(recipe, rd, cluster, device), rd
+        return follow(recipe, rd, cluster, device), None
     port = rendezvous_port(recipe, cluster)
     cmd, env = build_command(
         recipe, run_dir, resume=resume, device=device, worker_args=(*flags, PREPARE_FLAG), port=port,
