@@ -20,11 +20,13 @@ def _console():
     return Console()
 
 
-def check_recipe(path: str, overrides: list[str]):
+def check_recipe(path: str, overrides: list[str], *, here: bool = True):
     """The checks that need no model library (torch, transformers): the recipe's schema and overrides,
     the device, the precision, the engine of a DeepSpeed JSON and the layout's arithmetic (world size,
     batch). ``tessera run`` launches the ranks after these; its rank 0 checks the model
-    (:mod:`tessera.train.prepare`). Returns (resolved, device)."""
+    (:mod:`tessera.train.prepare`). ``here``: False for a run on other machines (``tessera slurm`` on a
+    login node without GPUs): ``run.device`` is taken as written, ``auto`` as cuda. Returns (resolved,
+    device)."""
     from tessera.config.loader import load_recipe
     from tessera.device import resolve_device
     from tessera.plan.layout import batch_split
@@ -35,7 +37,7 @@ def check_recipe(path: str, overrides: list[str]):
     from tessera.data.tokenizer import check_tokenizer_dir
 
     check_tokenizer_dir(recipe.data, root=Path.cwd())  # a pretrained model.path without its tokenizer
-    device = resolve_device(recipe.run.device)
+    device = resolve_device(recipe.run.device) if here else recipe.run.device.replace("auto", "cuda")
     if recipe.train.precision == "fp16" and device == "cpu":
         raise RecipeError(
             "fp16 does not exist on the CPU",

@@ -92,7 +92,7 @@ def slurm_command(args: argparse.Namespace) -> int:
     """``tessera slurm``: check the recipe, write ``<run dir>/tessera.sbatch``, submit it with sbatch."""
     from tessera.launch.runs import _tessera_command, check_recipe, run_dir_of
 
-    resolved, _ = check_recipe(args.recipe, args.overrides)
+    resolved, _ = check_recipe(args.recipe, args.overrides, here=False)  # the login node has no GPU
     recipe = resolved.recipe
     run_dir = run_dir_of(recipe, args.recipe).resolve()
     script = sbatch_script(
