@@ -2,14 +2,15 @@
 sharing the run directory, on gloo. Every launch mode (deepspeed --no_ssh with a two-line hostfile, torchrun
 c10d rendezvous, SLURM's variables with either launcher) gives the single-node 2-rank run's losses, weights
 and Adam moments bit for bit (the session's ``reference`` runs, shared with test_recovery.py); a node's
-ranks killed are restarted on both nodes; a node's `tessera run` killed leaves no rank on either node; a
-hang on node 1 is named with its node."""
+ranks killed, a crash in a save and a hang on node 1 are restarted on both nodes (the hang named with its
+node, within the timeout); a node's `tessera run` killed leaves no rank on either node."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -17,14 +18,16 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO, read_metrics
-from launches import COMMON, RECIPES, STEPS, TESSERA, alive, assert_bit_identical
+from launches import COMMON, HANG_TIMEOUT, RECIPES, TESSERA, alive, assert_bit_identical
+from tessera.checkpoint.index import step_dir_name
 from tessera.rundir import ExitCode, RunDir
 
 pytestmark = pytest.mark.slow
 
 # both "nodes" on 2 cores: one OMP thread per rank, as the reference's bound ranks have
 NODE_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-NOT_BOUND = "run.bind_cores_to_rank=false"  # deepspeed would bind each "node"'s rank to both cores
+NOT_BOUND = "run.bind_cores_to_rank=false"
+HOST = socket.gethostname()  # deepspeed would bind each "node"'s rank to both cores
 
 
 def hostfile(tmp_path: Path) -> Path:
@@ -66,23 +69,45 @@ def assert_two_nodes(out: Path, mode: str) -> dict:
     return m
 
 
-def test_no_ssh_zero2_with_node1_killed_is_restarted_to_the_single_node_run(reference, tmp_path):
-    """deepspeed --no_ssh, one `tessera run --node-rank K` per node; every rank of node 1 killed at step 4,
-    run.restarts=2: both nodes restart from step 2's checkpoint and end bit-identical to the 1-node run."""
+def test_no_ssh_zero2_with_killed_crashed_and_hung_ranks_is_restarted_to_the_single_node_run(
+    reference, tmp_path
+):
+    """deepspeed --no_ssh, one `tessera run --node-rank K` per node, run.restarts=3 and three faults (those
+    test_recovery.py gives its single-node TP2 run): every rank of node 1 killed in step 4, rank 0 (node 0)
+    dying inside step 6's save, rank 1 (node 1) hanging in step 8. Each restart runs on both nodes from the
+    last complete checkpoint, names the rank with its node, and the run ends bit-identical to the 1-node run."""
     out, hosts = tmp_path / "ds", hostfile(tmp_path)
     flags = [["--node-rank", "0"], ["--node-rank", "1"]]
-    extra = [f"run.hostfile={hosts}", NOT_BOUND, "run.restarts=2"]
-    (rc0, log0), (rc1, log1) = two_nodes(
-        RECIPES["zero2"], out, flags, extra, {"TESSERA_FAULTS": "kill:node=1:step=4"}
-    )
+    extra = [f"run.hostfile={hosts}", NOT_BOUND, "run.restarts=3", f"stop.hang_timeout_s={HANG_TIMEOUT}"]
+    faults = "kill:node=1:step=4,crash_in_save:rank=0:step=6,hang:rank=1:step=8"
+    (rc0, log0), (rc1, log1) = two_nodes(RECIPES["zero2"], out, flags, extra, {"TESSERA_FAULTS": faults})
     assert rc0 == 0 and rc1 == 0, log0[-4000:] + log1[-3000:]
-    assert "restart 1/2: rank 1 (on node 1, host" in log0 and "died without exiting" in log0
-    assert "RANK_LOST after step 3); resuming from step_000002" in log0
     assert_bit_identical(out, reference / "zero2")
+    restarts = RunDir(out).read_summary()["restarts"]
+    assert [r["reason"] for r in restarts] == ["RANK_LOST", "RANK_LOST", "HUNG"]
+    assert [r["failed_rank"] for r in restarts] == [1, 0, 1]
+    # killed in step 4 (step 2 saved), crashed saving step 6 (step 4 is the last complete), hung in 8
+    assert [r["checkpoint"] for r in restarts] == [step_dir_name(2), step_dir_name(4), step_dir_name(6)]
+    assert [r["failed_at_step"] for r in restarts] == [3, 6, 7]
+    lines = [ln for ln in log0.splitlines() if ln.startswith("restart ")]
+    died = "died without exiting (killed by a signal, e.g. SIGKILL or the OOM killer)"
+    assert [ln.split(" (RANK_LOST")[0] for ln in lines[:2]] == [
+        f"restart 1/3: rank 1 (on node 1, host {HOST}) {died}", f"restart 2/3: rank 0 (on node 0, host {HOST}) {died}"
+    ], log0[-4000:]  # fmt: skip
+    assert lines[2].startswith(
+        f"restart 3/3: hung: rank 1 (node 1, host {HOST}) has been in step (no collective"
+    )
+    assert "at step 8" in lines[2] and "rank 0 is waiting in" in lines[2] and "on group" in lines[2]
+    assert "(HUNG after step 7); resuming from step_000006" in lines[2]
+    assert "sigkill_handler" not in log0 and "run failed" not in log0
+    hung_at = (RunDir(out) / RunDir.FAULTS_FIRED / "hang_rank-1_step-8").stat().st_mtime
+    launch = RunDir(out).read_json(RunDir.LAUNCH)
+    assert launch["restart"]["reason"] == "HUNG"
+    assert RunDir(out).launch.stat().st_mtime - hung_at < HANG_TIMEOUT + 30  # diagnosed and restarted
     m = assert_two_nodes(out, "no_ssh")
     assert [n["ranks"] for n in m["nodes"]] == [[0], [1]]  # deepspeed numbers the ranks by node rank
-    assert [r["attempt"] for r in m["restarts"]] == [1] and m["restarts"][0]["failed_rank"] == 1
-    launch = RunDir(out).read_json(RunDir.LAUNCH)
+    assert [(r["attempt"], r["from"]) for r in m["restarts"]] == [(1, step_dir_name(2)), (2, step_dir_name(4)),
+                                                                  (3, step_dir_name(6))]  # fmt: skip
     assert "--no_ssh --node_rank 0" in launch["command"] and launch["cluster"]["hosts"] == [
         "127.0.0.1",
         "localhost",
@@ -166,19 +191,3 @@ def test_sigkill_of_node1s_tessera_run_leaves_no_rank_on_either_node(tmp_path):
     assert "node 1 (host" in log0 and "was lost: its tessera run (pid" in log0
     summary = json.loads(RunDir(out).summary.read_text())
     assert summary["failed"]["reason"] == "RANK_LOST" and "node 1" in summary["failed"]["detail"]
-
-
-def test_a_hang_on_node1_is_named_with_its_node(tmp_path):
-    out, hosts = tmp_path / "hang", hostfile(tmp_path)
-    timeout = 5
-    extra = [f"run.hostfile={hosts}", NOT_BOUND, f"stop.hang_timeout_s={timeout}", f"train.steps={STEPS}"]
-    flags = [["--node-rank", "0"], ["--node-rank", "1"]]
-    (rc0, log0), (rc1, _) = two_nodes(
-        RECIPES["zero2"], out, flags, extra, {"TESSERA_FAULTS": "hang:rank=1:step=4"}
-    )
-    assert rc0 == ExitCode.HUNG and rc1 == ExitCode.HUNG, log0[-3000:]
-    assert "hung: rank 1 (node 1, host" in log0 and "at step 4" in log0 and "rank 0 is waiting in" in log0
-    assert RunDir(out).read_json(RunDir.SUMMARY)["failed"]["reason"] == "HUNG"
-    # diagnosed (and every rank stopped: summary.json is written after) within hang_timeout + 30 s of the hang
-    (fired,) = (out / RunDir.FAULTS_FIRED).iterdir()
-    assert RunDir(out).summary.stat().st_mtime - fired.stat().st_mtime < timeout + 30

@@ -32,7 +32,8 @@ from tessera.rundir import ExitCode, RunDir
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("name", list(RECIPES))
+# ZeRO-2 meets the same three faults across two nodes in test_multinode.py (the same restart loop)
+@pytest.mark.parametrize("name", ["tp2"])
 def test_killed_crashed_and_hung_ranks_are_restarted_to_the_same_weights(reference, tmp_path, name):
     out = tmp_path / name
     env = {**os.environ, "TESSERA_FAULTS": FAULTS}

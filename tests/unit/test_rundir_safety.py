@@ -221,9 +221,9 @@ def test_linked_preempt_request_fault_marker_and_wandb_id_are_replaced(tmp_path,
     assert replaced(rd / RunDir.PREEMPT, outside)
     # a fault's fired marker
     fault = Fault("kill", rank=1, step=4)
-    plant(_marker(rd, fault), outside)
+    plant(_marker(rd, fault, 1), outside)
     _fire(rd, fault, 1, "at step 4")
-    assert replaced(_marker(rd, fault), outside)
+    assert replaced(_marker(rd, fault, 1), outside)
     # the W&B id (W&B itself not started)
     plant(rd.wandb_id, outside)
     monkeypatch.setattr(wt, "start_wandb", lambda *a, **k: None)
