@@ -165,7 +165,8 @@ def _flag_error(what: str, value: Any, fix: str, field: str) -> RecipeError:
     return RecipeError(what, field=field, value=value, fix=fix)
 
 
-def _per_node(world: int, nnodes: int, field: str) -> tuple[int, ...]:
+def ranks_per_node(world: int, nnodes: int, field: str) -> tuple[int, ...]:
+    """``world`` ranks spread evenly over ``nnodes`` nodes (``field``: what sets the node count)."""
     if world % nnodes:
         raise LayoutError(
             f"{world} ranks cannot be split evenly over {nnodes} nodes",
@@ -210,7 +211,7 @@ def _slurm(recipe: Recipe, env: Mapping[str, str]) -> Cluster:
         nnodes=nnodes,
         node_rank=int(env.get("SLURM_NODEID", 0)),
         hosts=tuple(hosts),
-        slots=_per_node(recipe.run.world_size, nnodes, "the allocation's --nodes"),
+        slots=ranks_per_node(recipe.run.world_size, nnodes, "the allocation's --nodes"),
         master_addr=hosts[0],
         job_id=env.get("SLURM_JOB_ID"),
     )
@@ -307,7 +308,7 @@ def resolve_cluster(
             mode="torchrun",
             nnodes=nnodes,
             node_rank=node_rank,
-            slots=_per_node(r.world_size, nnodes, "--nnodes"),
+            slots=ranks_per_node(r.world_size, nnodes, "--nnodes"),
             rdzv_endpoint=rdzv_endpoint,
         )
     if not 0 <= node_rank < cluster.nnodes:

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from tessera.errors import RecipeError
+from tessera.launch.modes import ranks_per_node
 from tessera.rundir import RunDir
 
 
@@ -49,14 +50,7 @@ def sbatch_script(
             value=nodes,
             fix="--nodes 2 or more (one node: srun tessera run R.yaml, or tessera run inside salloc)",
         )
-    if r.world_size % nodes:
-        raise RecipeError(
-            f"{r.world_size} ranks cannot be split evenly over {nodes} nodes",
-            field="run.world_size",
-            value=r.world_size,
-            fix=f"set run.world_size to a multiple of {nodes}, or change --nodes",
-        )
-    per_node = r.world_size // nodes
+    per_node = ranks_per_node(r.world_size, nodes, "--nodes")[0]
     if gpus_per_node is None and r.device != "cpu":
         gpus_per_node = per_node
     grace = int(r.preempt_grace_s) + 60
