@@ -3,7 +3,8 @@
 Two mechanisms, both on Linux: the kernel's parent-death signal (``PR_SET_PDEATHSIG``: SIGKILL when the
 rank's parent, the launcher's per-node agent, dies) and a watch thread on the supervisor itself, the
 ``tessera run`` process named in ``TESSERA_SUPERVISOR`` as ``pid:start-time@host`` (the start time tells a
-recycled pid apart; ranks on other hosts of a multi-node run rely on the parent-death signal alone). Killing ``tessera run`` with any signal, SIGKILL included, therefore ends every rank
+recycled pid apart; with one ``tessera run`` per node each rank watches its own node's; in DeepSpeed's
+ssh mode ranks on other hosts rely on the parent-death signal alone). Killing ``tessera run`` with any signal, SIGKILL included, therefore ends every rank
 within about a second, and the launcher's processes, whose children are gone, follow.
 """
 
