@@ -82,6 +82,10 @@ ORDERLY_EXITS = (
 NOT_RESTARTED = (ExitCode.USER_ERROR, *ORDERLY_EXITS[1:], ExitCode.INTERRUPTED)
 
 
+#: the node rank a rank runs on, set for its launcher by the node's agent on a multi-node run (the rank
+#: writes it into its pid file)
+NODE_ENV = "TESSERA_NODE"
+
 #: the worker's flag for a ``tessera run`` launch: rank 0 prepares the run dir (model checks, data, plan),
 #: the other ranks wait for ``RunDir.PREPARED`` (:mod:`tessera.train.prepare`)
 PREPARE_FLAG = "--prepare"
@@ -188,6 +192,15 @@ class RunDir:
     @property
     def nodes(self) -> Path:
         return self.path / self.NODES
+
+    def node_file(self, node: int) -> Path:
+        """``nodes/node_K.json``: agent K's state (:mod:`tessera.launch.agent`)."""
+        return self.nodes / f"node_{node}.json"
+
+    @property
+    def control(self) -> Path:
+        """``nodes/control.json``: node 0's word to the other nodes' agents."""
+        return self.nodes / "control.json"
 
     @classmethod
     def of_checkpoint(cls, ckpt: str | Path) -> RunDir:

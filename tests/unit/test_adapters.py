@@ -173,7 +173,7 @@ def test_resuming_with_other_adapters_is_refused():
     from pathlib import Path
 
     from tessera.models.adapters import section_dict
-    from tessera.train.worker import check_resume_adapters
+    from tessera.train.resume import check_resume_adapters
 
     recipe = load_recipe(DEFAULT, ["peft.r=8"]).recipe
     meta = {"peft": section_dict(recipe.peft)}
@@ -320,7 +320,7 @@ def test_a_resume_names_the_base_its_checkpoint_was_trained_on(tmp_path):
     refuses a recipe whose base is another directory, or another seed for a base drawn from the config."""
     from pathlib import Path
 
-    from tessera.train.worker import base_record
+    from tessera.train.resume import base_record
 
     seeded = source(r=4)
     fresh = {"initial_weights": {"from": "seed", "seed": 3, "rule": "x"}}

@@ -14,7 +14,7 @@ from helpers import REPO
 from tessera.cli import main
 from tessera.config.loader import load_recipe, recipe_hash
 from tessera.errors import RecipeError
-from tessera.launch.agent import CONTROL, Follower, _first
+from tessera.launch.agent import Follower, _first
 from tessera.launch.launcher import RankFailure
 from tessera.launch.modes import build_command, expand_hostlist, resolve_cluster
 from tessera.rundir import ExitCode, RunDir
@@ -164,7 +164,7 @@ def test_a_node_with_another_recipe_or_a_busy_port_is_refused_before_launch(tmp_
     rd = RunDir(tmp_path / "run")
     r = recipe(f"run.hostfile={hosts(tmp_path)}")
     cluster = resolve_cluster(r, node_rank=1)
-    agent = Follower(r, rd, cluster, "cpu", recipe_hash(r), None)
+    agent = Follower(r, rd, cluster, "cpu", recipe_hash(r))
     try:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -180,7 +180,7 @@ def test_a_node_with_another_recipe_or_a_busy_port_is_refused_before_launch(tmp_
         assert "its recipe differs from node 0's" in agent.me.state["error"]
         agent._check({"generation": 3, "port": busy, "recipe_hash": recipe_hash(r)})
         assert agent.me.state["status"] == "ready"
-        assert not (rd.nodes / CONTROL).exists()  # a node never writes node 0's word
+        assert not rd.control.exists()  # a node never writes node 0's word
     finally:
         agent.me.close()
 

@@ -219,6 +219,35 @@ def tokenizer_record(recipe: dict[str, Any], tokenizer_dir: str, tokenizer_hash:
     return {"source": source, "path": tokenizer_dir, "sha256": tokenizer_hash}
 
 
+def nodes_record(rd: Any, world: int) -> list[dict[str, Any]] | None:
+    """The manifest's ``nodes``: each node of a multi-node run (``rd``: its RunDir), its host, hardware
+    and ranks, from the node agents' files and the ranks' pid files; None on one node."""
+    import json
+
+    def read(path: Path) -> dict[str, Any]:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    control = read(rd.control)
+    if not control.get("members") or not rd.rank_node(0):
+        return None
+    ranks: dict[int, list[int]] = {}
+    for r in range(world):
+        where = rd.rank_node(r)
+        if where is not None:
+            ranks.setdefault(where[0], []).append(r)
+    out = []
+    for k, member in sorted((int(k), v) for k, v in control["members"].items()):
+        state = read(rd.node_file(k))
+        if state.get("id") == member:  # the agent of this run, not a file of an earlier one
+            out.append({"node": k, "host": state.get("host"), "ranks": ranks.get(k, []),
+                        "hardware": state.get("hardware")})  # fmt: skip
+    return out
+
+
 def capture_manifest(
     *,
     recipe: dict[str, Any],

@@ -48,11 +48,6 @@ BEAT_S = 0.5  # an agent rewrites its node file this often
 LOST_S = 4.0  # an agent whose beat has not moved for this long (by the reader's clock) is lost
 POLL_S = 0.2
 STOP_WAIT_S = 30.0  # after "stop": how long a live agent may take to report before it counts as lost
-CONTROL = "control.json"
-
-
-def node_file(rd: RunDir, node: int) -> Path:
-    return rd.nodes / f"node_{node}.json"
 
 
 def _read(path: Path) -> dict[str, Any] | None:
@@ -63,10 +58,6 @@ def _read(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def read_control(rd: RunDir) -> dict[str, Any] | None:
-    return _read(rd.nodes / CONTROL)
-
-
 class NodeState:
     """This agent's ``nodes/node_K.json``, rewritten every ``BEAT_S`` by a thread (a busy main loop
     never makes a live node look lost) and at once on every change of status."""
@@ -74,14 +65,15 @@ class NodeState:
     def __init__(self, rd: RunDir, node: int, recipe_hash: str) -> None:
         from tessera.evidence.manifest import host_facts
 
-        self.path = node_file(rd, node)
+        self.path = rd.node_file(node)
         self.id = uuid.uuid4().hex
+        facts = host_facts()
         self.state: dict[str, Any] = {
             "node": node,
             "id": self.id,
-            "host": host_facts()["hostname"],
+            "host": facts["hostname"],
             "pid": os.getpid(),
-            "hardware": host_facts(),
+            "hardware": facts,
             "recipe_hash": recipe_hash,
             "status": "joined",
             "generation": 0,
@@ -124,7 +116,7 @@ class Peers:
         self.seen: dict[int, tuple[Any, float]] = {}
 
     def read(self, node: int) -> dict[str, Any] | None:
-        state = _read(node_file(self.rd, node))
+        state = _read(self.rd.node_file(node))
         now = time.monotonic()
         key = None if state is None else (state.get("id"), state.get("beat"))
         if node not in self.seen or self.seen[node][0] != key:
@@ -192,23 +184,53 @@ class _Watch:
         return self.owner.outside(self.generation, self.dog)
 
 
-class Supervisor:
+class _Agent:
+    """What every node's agent has: the run, its own node file, its view of the other agents, and the
+    launch of its node's ranks."""
+
+    def __init__(self, recipe: Any, rd: RunDir, cluster: Cluster, device: str, recipe_hash: str) -> None:
+        self.recipe, self.rd, self.cluster, self.device = recipe, rd, cluster, device
+        self.hash = recipe_hash
+        self.me = NodeState(rd, cluster.node_rank, recipe_hash)
+        self.peers = Peers(rd)
+        self.control: dict[str, Any] = {}
+
+    def launch(self, g: int, control: dict[str, Any], dog: Any) -> tuple[int, RankFailure | None]:
+        """Start this node's ranks for generation ``g`` and watch them (and, through the agent's own
+        ``outside``, the rest of the job) until they end."""
+        recipe = self.recipe
+        cmd, env = build_command(
+            recipe,
+            self.rd.path,
+            resume=bool(control["resume"]),
+            device=self.device,
+            worker_args=tuple(control["worker_args"]),
+            port=int(control["port"]),
+            cluster=self.cluster,
+            hostfile=control.get("hostfile"),
+            rdzv_id=control.get("rdzv_id"),
+        )
+        grace = recipe.run.preempt_grace_s
+        return run_and_monitor(
+            cmd, env, self.rd.path, recipe.run.world_size, grace_s=grace, watchdog=_Watch(self, g, dog),
+            node=self.cluster.node_rank,
+        )  # fmt: skip
+
+
+class Supervisor(_Agent):
     """Node 0's agent: gathers the nodes, runs each generation on all of them, names what failed."""
 
     def __init__(
         self, recipe: Any, rd: RunDir, cluster: Cluster, device: str, recipe_hash: str, hostfile: str | None
     ) -> None:
-        self.recipe, self.rd, self.cluster, self.device = recipe, rd, cluster, device
-        self.hash, self.hostfile = recipe_hash, hostfile
-        self.me = NodeState(rd, 0, recipe_hash)
-        self.peers = Peers(rd)
+        super().__init__(recipe, rd, cluster, device, recipe_hash)
+        self.hostfile = hostfile  # a SLURM run's deepspeed hostfile, written here for every node
         self.members: dict[str, str] = {}
         self.session = uuid.uuid4().hex[:12]
-        self.control: dict[str, Any] = {}
 
     def _say(self, **control: Any) -> None:
         self.control = {"session": self.session, "members": self.members, "recipe_hash": self.hash, **control}
-        write_json_atomic(self.rd.nodes / CONTROL, self.control)
+        write_json_atomic(self.rd.control, self.control)
 
     def join(self, timeout_s: float | None) -> None:
         """Wait until every node's agent beats (started with the same recipe, run dir and node count)."""
@@ -269,7 +291,7 @@ class Supervisor:
             return int(failure.code or ExitCode.FAILED), failure
         self._say(action="launch", **common)
         self.me.update(status="running", generation=g, result=None)
-        code, failure = _launch_here(self, g, common, dog)
+        code, failure = self.launch(g, common, dog)
         self.me.update(status="ended", result={"code": code, "failure": _to_record(failure)})
         if code != 0:
             self._say(action="stop", **common)
@@ -361,42 +383,11 @@ def _first(results: dict[int, tuple[int, RankFailure | None]]) -> tuple[int, Ran
     return int(failure.code or code), failure  # type: ignore[union-attr]
 
 
-def _launch_here(owner: Any, g: int, control: dict[str, Any], dog: Any) -> tuple[int, RankFailure | None]:
-    """Start this node's ranks for generation ``g`` and watch them (and, through ``owner.outside``, the
-    rest of the job) until they end."""
-    recipe, cluster = owner.recipe, owner.cluster
-    cmd, env = build_command(
-        recipe,
-        owner.rd.path,
-        resume=bool(control["resume"]),
-        device=owner.device,
-        worker_args=tuple(control["worker_args"]),
-        port=int(control["port"]),
-        cluster=cluster,
-        hostfile=control.get("hostfile"),
-        rdzv_id=control.get("rdzv_id"),
-    )
-    grace = recipe.run.preempt_grace_s
-    return run_and_monitor(
-        cmd, env, owner.rd.path, recipe.run.world_size, grace_s=grace, watchdog=_Watch(owner, g, dog),
-        node=cluster.node_rank,
-    )  # fmt: skip
-
-
-class Follower:
+class Follower(_Agent):
     """The agent of node K > 0: does what node 0 says, for as long as node 0 lives."""
 
-    def __init__(
-        self, recipe: Any, rd: RunDir, cluster: Cluster, device: str, recipe_hash: str, hostfile: str | None
-    ) -> None:
-        self.recipe, self.rd, self.cluster, self.device = recipe, rd, cluster, device
-        self.hash, self.hostfile = recipe_hash, hostfile
-        self.me = NodeState(rd, cluster.node_rank, recipe_hash)
-        self.peers = Peers(rd)
-        self.control: dict[str, Any] = {}
-
     def _mine(self) -> dict[str, Any] | None:
-        c = read_control(self.rd)
+        c = _read(self.rd.control)
         if c is None or (c.get("members") or {}).get(str(self.cluster.node_rank)) != self.me.id:
             return None  # none yet, or an earlier run's
         return c
@@ -438,7 +429,7 @@ class Follower:
                     done = g
                 elif c["action"] == "launch" and g > done and self.me.state["status"] == "ready":
                     self.me.update(status="running", result=None)
-                    code, failure = _launch_here(self, g, c, None)
+                    code, failure = self.launch(g, c, None)
                     self.me.update(status="ended", result={"code": code, "failure": _to_record(failure)})
                     done = g
                     if failure is not None and failure.who != "node 0":
@@ -501,36 +492,7 @@ def follow(recipe: Any, rd: RunDir, cluster: Cluster, device: str) -> int:
             file=sys.stderr,
             flush=True,
         )
-        agent = Follower(
-            recipe, rd, cluster, device, recipe_hash(recipe), slurm_hostfile(rd, recipe, cluster)
-        )
+        agent = Follower(recipe, rd, cluster, device, recipe_hash(recipe))
         return agent.follow(recipe.stop.startup_timeout_s)
     finally:
         lock.close()
-
-
-def nodes_record(rd: RunDir, world: int) -> list[dict[str, Any]] | None:
-    """The manifest's ``nodes``: each node of a multi-node run, its host, hardware and ranks (from the
-    agents' files and the ranks' pid files); None on one node."""
-    c = read_control(rd)
-    if c is None or not rd.rank_node(0):
-        return None
-    ranks: dict[int, list[int]] = {}
-    for r in range(world):
-        where = rd.rank_node(r)
-        if where is not None:
-            ranks.setdefault(where[0], []).append(r)
-    out = []
-    for k, member in sorted((int(k), v) for k, v in c["members"].items()):
-        state = _read(node_file(rd, k)) or {}
-        if state.get("id") != member:
-            continue
-        out.append(
-            {
-                "node": k,
-                "host": state.get("host"),
-                "ranks": ranks.get(k, []),
-                "hardware": state.get("hardware"),
-            }
-        )
-    return out

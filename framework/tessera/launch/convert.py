@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tessera.launch.runs import supervise_ranks, validate
+from tessera.launch.runs import validate
+from tessera.launch.supervise import supervise_ranks
 from tessera.rundir import RunDir
 
 

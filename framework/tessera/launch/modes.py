@@ -35,9 +35,9 @@ from typing import Any
 
 from tessera.config.schema import Recipe
 from tessera.errors import LayoutError, RecipeError
+from tessera.rundir import NODE_ENV
 
 DEFAULT_PORT = 29500
-NODE_ENV = "TESSERA_NODE"  # the node rank a rank runs on, set by its node's agent (the rank's pid file)
 LOCAL_ADDRS = ("127.0.0.1", "localhost", "0.0.0.0")
 AGENT_MODES = ("no_ssh", "torchrun", "slurm")
 

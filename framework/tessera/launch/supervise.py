@@ -1,6 +1,7 @@
 """``tessera run``'s supervision: the ranks under the hang watchdog, restarts after a fault, the verdict.
 
-One node: the launcher under the local monitor (:func:`tessera.launch.runs.supervise_ranks`). Several
+One node: the launcher under the local monitor (:func:`supervise_ranks`; ``tessera convert`` and each run of
+``tessera compare`` use it too). Several
 nodes with an agent each: every launch is a generation of :class:`tessera.launch.agent.Supervisor` on
 node 0, the same restart policy over all of them.
 """
@@ -10,8 +11,77 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from tessera.launch.runs import _console, _orderly, describe_failure, judge, say_failed, supervise_ranks
-from tessera.rundir import PREPARE_FLAG, ExitCode, RunDir
+from tessera.rundir import ORDERLY_EXITS, PREPARE_FLAG, ExitCode, RunDir
+
+
+def _console():
+    from rich.console import Console
+
+    return Console()
+
+
+def supervise_ranks(
+    cmd: list[str],
+    env: dict[str, str],
+    rd: RunDir,
+    world: int,
+    *,
+    what: str,
+    grace_s: float = 120.0,
+    watchdog: Any = None,
+    verdict: bool = True,
+) -> tuple[int, Any]:
+    """Start the ranks and wait. A stop every rank agreed on (a stop rule, a preemption) ends with its
+    own code and the diagnosis rank 0 printed; after a failure the failed rank's last log lines are
+    printed, then (``verdict``; else the caller, who may restart, says it) one line naming the rank that
+    failed first. The exit code is always Tessera's (the rank's own verdict where it gave one; RANK_LOST,
+    HUNG or FAILED otherwise), never the launcher's raw status. Returns (code, the failure or None)."""
+    from tessera.launch.launcher import run_and_monitor
+
+    rc, failure = run_and_monitor(cmd, env, rd.path, world, grace_s=grace_s, watchdog=watchdog)
+    return judge(rc, failure, rd, what=what, verdict=verdict)
+
+
+def judge(rc: int, failure: Any, rd: RunDir, *, what: str, verdict: bool = True) -> tuple[int, Any]:
+    """After every rank ended (on every node): the exit code and what to print (:func:`supervise_ranks`)."""
+    rd.remove_partial_checkpoints()  # every rank has ended: a failed save's room is given back now
+    if failure is not None and _orderly(failure):
+        code = ExitCode(failure.code)
+        hint = " (continue with --resume)" if code in (ExitCode.PREEMPTED, ExitCode.TIME_LIMIT) else ""
+        print(f"tessera: {what} stopped: {code.name}{hint}", file=sys.stderr)
+        return int(code), failure
+    if failure is not None:
+        # rank 0's error is on screen; a node lost left no log
+        if failure.log_tail and not (failure.rank == 0 and failure.code == ExitCode.USER_ERROR):
+            log = rd.launcher_log if failure.rank is None else rd.rank_file(failure.rank, "log")
+            # the heading names no rank: the verdict below names the one that failed first, once
+            _console().print(f"[bold red]last log lines[/] ({log}):", soft_wrap=True)
+            for line in failure.log_tail:
+                print(f"  | {line}")
+        code = failure.code if failure.code not in (None, ExitCode.TERMINATED) else ExitCode.FAILED
+        if verdict:
+            say_failed(what, failure, code)
+        return int(code), failure
+    if rc not in (0, *(int(c) for c in ExitCode)):
+        print(f"tessera: launcher exited with status {rc}; logs in {rd.logs}", file=sys.stderr)
+        return int(ExitCode.FAILED), None
+    return rc, None
+
+
+def _orderly(failure: Any) -> bool:
+    """A stop every rank agreed on (a stop rule, a preemption), not a failure; a divergence is one."""
+    return failure.code in ORDERLY_EXITS[1:] and failure.code != ExitCode.DIVERGED
+
+
+def describe_failure(failure: Any) -> str:
+    """What failed and how, naming the rank once (a hang's diagnosis starts with the rank already)."""
+    if failure.who is None and failure.how.startswith("hung: "):
+        return failure.how
+    return f"{failure.culprit} {failure.how}"
+
+
+def say_failed(what: str, failure: Any, code: int) -> None:
+    print(f"tessera: {what} failed: {describe_failure(failure)} (exit code {int(code)})", file=sys.stderr)
 
 
 def supervise_run(

@@ -64,7 +64,7 @@ class Fault:
 
     def here(self, rank: int, step: int | None = None) -> bool:
         if self.node is not None:
-            from tessera.launch.modes import NODE_ENV
+            from tessera.rundir import NODE_ENV
 
             if os.environ.get(NODE_ENV) != str(self.node):
                 return False
