@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import struct
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -19,17 +20,61 @@ from tessera.errors import CheckpointError
 
 
 def save_tensors(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any] | None = None) -> None:
-    from safetensors.torch import save_file
+    """``tensors`` (and the JSON-able ``meta``) as one safetensors file at ``path``. Inside a checkpoint
+    save (:func:`tessera.writes.current`) the file goes to that save: hashed while written, and written
+    later from a snapshot when the save is asynchronous."""
+    from tessera.writes import current
 
     data, seen = {}, set()
     for k, v in tensors.items():
-        t = v.detach().contiguous().cpu()
+        t = v.detach().contiguous()
         where = t.untyped_storage().data_ptr()
         # tied weights (an HF state dict's embedding and head) share one storage, which safetensors
         # refuses: each name gets its own copy, as every reader of these files expects every name
         data[k] = t.clone() if where in seen else t
         seen.add(where)
-    save_file(data, str(path), metadata={"tessera": json.dumps(meta or {}, sort_keys=True)})
+    header = {"tessera": json.dumps(meta or {}, sort_keys=True)}
+    writes = current()
+    if writes is not None:
+        writes.add(Path(path), data, lambda snap, f: write_safetensors(f, snap, header))
+        return
+    from safetensors.torch import save_file
+
+    save_file({k: t.cpu() for k, t in data.items()}, str(path), metadata=header)
+
+
+#: torch dtype -> the safetensors format's name for it
+_ST_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+}  # fmt: skip
+
+
+def write_safetensors(stream: BinaryIO, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """The safetensors format (u64 header length, JSON header, raw little-endian tensor bytes) written to a
+    stream, tensor by tensor. By hand because the safetensors package writes only whole files from its
+    own buffer (``save_file``) or a ``bytes`` copy of the whole file (``save``): neither streams into a
+    writer that hashes the bytes as they pass, and a copy of every checkpoint would double its memory.
+    Files written here are read back by the safetensors package itself (tests compare both ways)."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": _ST_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + n],
+        }
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    stream.write(struct.pack("<Q", len(raw)))
+    stream.write(raw)
+    for t in tensors.values():
+        if t.numel():
+            stream.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def load_tensors(path: Path) -> dict[str, torch.Tensor]:

@@ -36,7 +36,10 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("name", ["tp2"])
 def test_killed_crashed_and_hung_ranks_are_restarted_to_the_same_weights(reference, tmp_path, name):
     out = tmp_path / name
-    env = {**os.environ, "TESSERA_FAULTS": FAULTS}
+    # rank 0 dies inside step 6's save: SIGKILL from the background writer (checkpoint.async, the
+    # default) 4 KiB into its files, while the step loop has gone on (tools/async_kill_trials.py: 10 more)
+    faults = FAULTS.replace("crash_in_save:rank=0:step=6", "kill_in_save:rank=0:step=6:at=4096")
+    env = {**os.environ, "TESSERA_FAULTS": faults}
     p = tessera("run", RECIPES[name], *COMMON, f"run.out_dir={out}", "run.restarts=3",
                 f"stop.hang_timeout_s={HANG_TIMEOUT}", env=env)  # fmt: skip
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
@@ -47,7 +50,9 @@ def test_killed_crashed_and_hung_ranks_are_restarted_to_the_same_weights(referen
     assert [r["failed_rank"] for r in restarts] == [1, 0, 1]
     # killed in step 4 (step 2 saved), crashed saving step 6 (step 4 is the last complete), hung in 8
     assert [r["checkpoint"] for r in restarts] == [step_dir_name(2), step_dir_name(4), step_dir_name(6)]
-    assert [r["failed_at_step"] for r in restarts] == [3, 6, 7]
+    # the save of step 6 is written beside steps 7..: the writer's kill lands after step 5, 6 or 7's line
+    at = [r["failed_at_step"] for r in restarts]
+    assert at[0] == 3 and at[1] in (5, 6, 7) and at[2] == 7, at
     assert all(r["time_lost_s"] is not None and r["time_lost_s"] >= 0 for r in restarts)
     hang = restarts[2]["detail"]
     assert "rank 1 has been in step (no collective, faults.py:" in hang and "on_step_start) at step 8" in hang

@@ -389,7 +389,11 @@ def _write_recipes(work: Path, engine: str) -> tuple[Path, Path]:
     train = work / "recipe.yaml"
     train.write_text(f"include:\n  - {REPO / 'recipes' / RECIPES[engine]}\n  - {model}\n")
     conv = work / "convert-recipe.yaml"
-    conv.write_text(f"include:\n  - {REPO / 'recipes' / CONVERT_RECIPE}\n  - {model}\n")
+    # the HF directory is save_pretrained weights without a tokenizer: the recipe's own BPE, said so
+    conv.write_text(
+        f"include:\n  - {REPO / 'recipes' / CONVERT_RECIPE}\n  - {model}\n"
+        "data:\n  tokenizer: bpe\n  tokenizer_override: true\n"
+    )
     return train, conv
 
 

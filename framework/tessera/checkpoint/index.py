@@ -270,6 +270,19 @@ def checkpoint_files(path: Path) -> list[str]:
     return [f for f in walk_regular(path) if f != META]
 
 
+def share_by_bytes(files: list[tuple[str, int]], world: int) -> list[set[str]]:
+    """The files each of ``world`` ranks reads: largest first, each to the rank with the fewest bytes so
+    far (every rank computes the same split from the same list), so the ranks hash in parallel for about
+    the same time."""
+    load = [0] * world
+    out: list[set[str]] = [set() for _ in range(world)]
+    for name, size in sorted(files, key=lambda f: (-f[1], f[0])):
+        r = load.index(min(load))
+        load[r] += size
+        out[r].add(name)
+    return out
+
+
 def verify_checkpoint(path: Path, *, rank: int = 0, world: int = 1) -> tuple[dict[str, Any], list[str]]:
     """Check a checkpoint against its meta.json before anything loads it: only regular files under it
     (raised at once, before any file is opened), meta.json valid, every listed file present with its
@@ -286,7 +299,8 @@ def verify_checkpoint(path: Path, *, rank: int = 0, world: int = 1) -> tuple[dic
     v2 = meta.get("format_version") == FORMAT_VERSION
     listed = set()
     scans: dict[str, Any] = {}
-    for i, entry in enumerate(meta["files"]):
+    mine = share_by_bytes([(e["path"], int(e["bytes"])) for e in meta["files"]], world)[rank]
+    for entry in meta["files"]:
         rel = entry["path"]  # a relative path without "..": the schema checked it
         listed.add(rel)
         f = path / rel
@@ -296,7 +310,7 @@ def verify_checkpoint(path: Path, *, rank: int = 0, world: int = 1) -> tuple[dic
         size = f.lstat().st_size
         if size != entry["bytes"]:
             problems.append(f"{f}: {size} bytes, meta.json says {entry['bytes']} (truncated or altered)")
-        elif i % world != rank:
+        elif rel not in mine:
             continue
         elif v2 and sha256_file(f) != entry["sha256"]:
             problems.append(f"{f}: sha256 does not match meta.json (the file was altered or corrupted)")

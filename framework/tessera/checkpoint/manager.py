@@ -23,9 +23,13 @@ allow-list (:mod:`tessera.safeload`). Tessera itself writes no pickle.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +37,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tessera.atomic import fsync_dir, sha256_file, sync_filesystem, write_json_atomic, write_text_atomic
+from tessera.atomic import fsync_dir, sha256_file, write_json_atomic, write_text_atomic
 from tessera.checkpoint.index import (
     FIX,
     FORMAT,
@@ -49,6 +53,7 @@ from tessera.checkpoint.index import (
 from tessera.comm.groups import all_gather_object, any_rank, barrier, multi_rank
 from tessera.errors import CheckpointError, TrainingDiverged
 from tessera.tensorfile import load_tensors_and_meta, save_tensors
+from tessera.writes import Writes, collecting, write_json_now_or_later
 
 
 def rng_file_name(rank: int) -> str:
@@ -109,18 +114,35 @@ def _load_v1_rng(path: Path) -> None:
 
 
 class CheckpointManager(CheckpointIndex):
-    """Save / find / verify / load checkpoints of one run directory (``<run_dir>/checkpoints``)."""
+    """Save / find / verify / load checkpoints of one run directory (``<run_dir>/checkpoints``).
 
-    def __init__(self, root: Path, *, keep: int, rank: int, world_size: int):
+    ``background`` (``checkpoint.async``): :meth:`save` returns once the state is snapshot; the files are
+    written by a thread while the steps go on, and the checkpoint becomes ``latest`` only when every
+    rank's files are on disk. At most one save is in flight: the next :meth:`save` (and :meth:`finish`,
+    which the training loop calls before it ends or stops) first waits for it."""
+
+    def __init__(self, root: Path, *, keep: int, rank: int, world_size: int, background: bool = False):
         super().__init__(root, rank=rank, world_size=world_size)
         self.keep = keep
+        self.background = background
+        self.pending: _Pending | None = None
+        #: seconds the last :meth:`save` waited for the save before it (0 when none was in flight)
+        self.waited_s = 0.0
+        #: ``watch(step, where, bytes)`` hears of every block written ("bytes", this rank's total so far)
+        #: and, on rank 0, of the rename ("renamed"): the fault injection's kill points
+        self.watch: Callable[[int, str, int], None] | None = None
 
     # ---- save ------------------------------------------------------------------------------------
     def save(self, step: int, engine: Any, *, describe: dict[str, Any], sampler: dict[str, Any],
-             manifest: dict[str, Any], tag: str | None = None) -> Path:  # fmt: skip
+             manifest: dict[str, Any], tag: str | None = None,
+             tick: Callable[[], None] | None = None) -> Path:  # fmt: skip
         """Save ``engine`` at ``step``. ``describe``: engine-independent facts for meta.json (engine,
         sharding, layout, precision, model_config, tokenizer_hash). ``tag``: a resharded checkpoint's
-        layout, appended to the directory name so the source step stays untouched."""
+        layout, appended to the directory name so the source step stays untouched. ``tick``: called while
+        waiting for a save in flight (the heartbeat). Returns the checkpoint's directory: complete when
+        the save is synchronous, named by ``latest`` once :attr:`pending` completes otherwise."""
+        previous = self.finish(tick)
+        self.waited_s = previous.waited_s if previous is not None and previous.writes.background else 0.0
         self.check_finite(engine, step)
         name = step_dir_name(step, tag)
         tmp = self.root / f".tmp-{name}"
@@ -131,58 +153,86 @@ class CheckpointManager(CheckpointIndex):
                 shutil.rmtree(stale, ignore_errors=True)
             tmp.mkdir(parents=True)
         barrier()
-        engine.save(tmp)
-        tensors, rng_meta = rng_state()
-        save_tensors(tmp / rng_file_name(self.rank), tensors, rng_meta)
+        writes = Writes(tmp, background=self.background and getattr(engine, "saves_in_background", False))
+        if self.watch is not None:
+            watch = self.watch
+            writes.watch = lambda n: watch(step, "bytes", n)
+        t0 = time.perf_counter()
+        with collecting(writes):
+            engine.save(tmp)
+            tensors, rng_meta = rng_state()
+            save_tensors(tmp / rng_file_name(self.rank), tensors, rng_meta)
+            if self.rank == 0:
+                write_json_now_or_later(tmp / MANIFEST, manifest)
+        pending = _Pending(step, name, tmp, final, writes, time.perf_counter() - t0)
+        writes.always(lambda error: _write_marker(tmp, self.rank, writes, error))
         if self.rank == 0:
-            write_json_atomic(tmp / MANIFEST, manifest)
-        local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")  # torchrun's, deepspeed's
-        if local is not None and int(local) < self.world_size:
-            sync_filesystem(tmp)  # ranks on several nodes: each node's part is on disk before the hashes
-        barrier()
-        files = checkpoint_files(tmp)
-        # each rank hashes and fsyncs its share (balanced by bytes): the data is on disk before the rename
-        mine = {
-            f: (sha256_file(tmp / f, sync=True), (tmp / f).stat().st_size) for f in self._share(tmp, files)
-        }
-        hashed = {k: v for part in all_gather_object(mine) for k, v in part.items()}
-        if self.rank == 0:
-            meta = {
-                "format": FORMAT,
-                "format_version": FORMAT_VERSION,
-                "step": step,
-                "world_size": self.world_size,
-                **describe,
-                "sampler": sampler,
-                "files": [{"path": f, "bytes": hashed[f][1], "sha256": hashed[f][0]} for f in files],
-            }
-            write_json_atomic(tmp / META, meta)
-            fsync_dir(tmp)
-            if final.exists():  # re-saving a step (e.g. after a resume): swap, never a half state
-                trash = self.root / f".tmp-old-{name}"
-                os.rename(final, trash)
-                os.rename(tmp, final)
-                shutil.rmtree(trash, ignore_errors=True)
-            else:
-                os.rename(tmp, final)
-            fsync_dir(self.root)  # the rename is durable before `latest` names it
-            write_text_atomic(self.root / LATEST, name + "\n")
-            fsync_dir(self.root)
-            self._prune()
-        barrier()
+            record = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": step,
+                      "world_size": self.world_size, **describe, "sampler": sampler}  # fmt: skip
+            writes.always(lambda error: None if error else self._commit(pending, record))
+        writes.start()
+        self.pending = pending
+        if not writes.background:
+            self.finish(tick)
         return final
 
-    def _share(self, root: Path, files: list[str]) -> list[str]:
-        """This rank's files to hash: largest first to the rank with the fewest bytes so far (every rank
-        computes the same split from the same sizes)."""
-        load = [0] * self.world_size
-        share: list[str] = []
-        for f in sorted(files, key=lambda f: (-(root / f).stat().st_size, f)):
-            r = load.index(min(load))
-            load[r] += (root / f).stat().st_size
-            if r == self.rank:
-                share.append(f)
-        return share
+    def finish(self, tick: Callable[[], None] | None = None) -> _Pending | None:
+        """Wait for the save in flight (this rank's files; on rank 0 also the commit), then for every
+        rank. Returns it (None when there was none). Its failure on any rank is raised on that rank."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return None
+        t0 = time.perf_counter()
+        try:
+            pending.writes.wait(tick)
+        finally:
+            pending.waited_s = time.perf_counter() - t0
+        if not pending.writes.background:
+            barrier()  # a synchronous save returns when the checkpoint is complete on every rank
+        return pending
+
+    def _commit(self, pending: _Pending, record: dict[str, Any]) -> None:
+        """Rank 0, after its own files: wait for every rank's marker, hash what no writer hashed, write
+        meta.json, rename the directory to its step name, point ``latest`` at it, prune."""
+        tmp, final = pending.tmp, pending.final
+        markers = _read_markers(tmp, self.world_size)
+        failed = [m for m in markers if m.get("error")]
+        if failed:
+            raise CheckpointError(
+                f"rank {failed[0]['rank']} could not write its part of the checkpoint of step {pending.step}: "
+                f"{failed[0]['error']}; `latest` still names the previous checkpoint",
+                field="checkpoint",
+                value=str(tmp),
+                fix="see that rank's log; free space or fix the disk, then --resume",
+            )
+        for r in range(self.world_size):
+            (tmp / _marker_name(r)).unlink()
+        hashed = {f: tuple(h) for m in markers for f, h in m["files"].items()}
+        for fn in pending.writes.commits:  # an engine's own completion (megatron-core's metadata)
+            fn(markers)
+        files = checkpoint_files(tmp)
+        for f in files:
+            if f not in hashed:  # written outside the writers (megatron-core's common and metadata files)
+                hashed[f] = (sha256_file(tmp / f, sync=True), (tmp / f).stat().st_size)
+        meta = {
+            **record,
+            "files": [{"path": f, "bytes": hashed[f][1], "sha256": hashed[f][0]} for f in files],
+        }
+        write_json_atomic(tmp / META, meta)
+        fsync_dir(tmp)
+        if final.exists():  # re-saving a step (e.g. after a resume): swap, never a half state
+            trash = self.root / f".tmp-old-{pending.name}"
+            os.rename(final, trash)
+            os.rename(tmp, final)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        fsync_dir(self.root)  # the rename is durable before `latest` names it
+        if self.watch is not None:
+            self.watch(pending.step, "renamed", 0)
+        write_text_atomic(self.root / LATEST, pending.name + "\n")
+        fsync_dir(self.root)
+        self._prune()
 
     def check_finite(self, engine: Any, step: int) -> None:
         """Refuse to save non-finite state: every rank checks its parameters and optimizer tensors, and
@@ -228,3 +278,49 @@ class CheckpointManager(CheckpointIndex):
             if meta.get("format_version") == FORMAT_VERSION
             else meta["client_state"]["sampler"]
         )
+
+
+# ---- one save in flight, and the ranks' markers ---------------------------------------------------------
+
+MARKER_POLL_S = 0.02
+
+
+@dataclass
+class _Pending:
+    """A save whose files are being written: where, by which :class:`Writes`, and its times."""
+
+    step: int
+    name: str
+    tmp: Path
+    final: Path
+    writes: Writes
+    held_s: float  # the time the save held the step loop: the engine's save call and the snapshot
+    waited_s: float = 0.0  # the time :meth:`CheckpointManager.finish` waited for the writes
+
+
+def _marker_name(rank: int) -> str:
+    return f".done-rank{rank:05d}.json"
+
+
+def _write_marker(tmp: Path, rank: int, writes: Writes, error: BaseException | None) -> None:
+    """This rank's files are on disk: their hashes (and an engine's extras) for rank 0's commit. Written
+    atomically, so rank 0 never reads half of one. A rank whose writer failed writes the error instead."""
+    files = {f: list(h) for f, h in writes.results.items()}
+    why = None if error is None else f"{type(error).__name__}: {str(error)[:300]}"
+    write_json_atomic(tmp / _marker_name(rank), {"rank": rank, "files": files, "error": why, **writes.extra})
+
+
+def _read_markers(tmp: Path, world: int) -> list[dict[str, Any]]:
+    """Every rank's marker, waiting for the ones not written yet. The ranks share the checkpoint's file
+    system, which is how rank 0 learns that every rank is done without a collective on the training
+    loop's process group (its thread must not issue one beside the steps')."""
+    out: list[dict[str, Any]] = []
+    for r in range(world):
+        path = tmp / _marker_name(r)
+        while not path.is_file():
+            if not tmp.is_dir():
+                raise CheckpointError("the checkpoint's directory vanished while it was written",
+                                      field="checkpoint", value=str(tmp), fix=FIX)  # fmt: skip
+            time.sleep(MARKER_POLL_S)
+        out.append(json.loads(path.read_text()))
+    return out

@@ -416,7 +416,7 @@ def _known_fields(model: type[BaseModel], prefix: str = "") -> list[str]:
     out = []
     for name, f in model.model_fields.items():
         ann = f.annotation
-        key = f"{prefix}{name}"
+        key = f"{prefix}{f.alias or name}"
         out.append(key)
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             out += _known_fields(ann, key + ".")
@@ -439,7 +439,7 @@ def field_description(dotted: str) -> str | None:
     model: type[BaseModel] = Recipe
     parts = dotted.split(".")
     for i, p in enumerate(parts):
-        f = model.model_fields.get(p)
+        f = next((f for n, f in model.model_fields.items() if (f.alias or n) == p), None)
         if f is None:
             return None
         if i == len(parts) - 1:

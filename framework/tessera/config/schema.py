@@ -427,6 +427,16 @@ class CheckpointSection(_Section):
     every: int = Field(0, ge=0, description="save every N steps (0 = only at the end)")
     keep: int = Field(2, ge=1, description="keep the last N checkpoints")
     at_end: bool = Field(True, description="save after the last step")
+    # `async` is a Python keyword: the field is async_ in code, `async` in recipes and in every dump
+    model_config = ConfigDict(**_Section.model_config, serialize_by_alias=True)
+    async_: bool = Field(
+        True,
+        alias="async",
+        description="write checkpoints in the background while the steps go on (the state is snapshot "
+        "first; at most one save in flight; `latest` moves when every rank's files are on disk); false = "
+        "the step waits for the whole save. Engines whose saves cannot run in the background (a DeepSpeed "
+        "JSON that picks another checkpoint engine) save synchronously either way",
+    )
 
 
 class WandbSection(_Section):

@@ -216,6 +216,9 @@ class Engine(Protocol):
     device: torch.device
     #: how the data-parallel state is sharded and saved, recorded in checkpoints (e.g. "deepspeed-zero2")
     sharding: str
+    #: whether :meth:`save` hands every file it writes to the checkpoint save's writer (:mod:`tessera.writes`),
+    #: so that ``checkpoint.async`` can write them in the background from a snapshot
+    saves_in_background: bool = False
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]], step: int) -> StepResult:
         """One optimizer step over this rank's micro-batches (``step`` is 1-based and sets the LR)."""

@@ -192,6 +192,8 @@ class DDPEngine(Engine):
         set_adam_step(self.optimizer, step)
 
     # ---- checkpoints -------------------------------------------------------------------------------
+    saves_in_background = True  # safetensors through save_tensors
+
     def save(self, path: Path) -> None:
         if dist.is_initialized() and dist.get_rank() != 0:
             return  # identical replicas: rank 0 writes for all

@@ -144,6 +144,10 @@ class DeepSpeedEngine(Engine):
             step,
         )
 
+    @property
+    def saves_in_background(self) -> bool:  # type: ignore[override]
+        return self.ds.saves_in_background
+
     def save(self, path: Path) -> None:
         self.ds.save(path)
 

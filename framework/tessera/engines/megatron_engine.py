@@ -50,6 +50,7 @@ from tessera.engines.megatron_build import (
     transformer_config,
     verify_deepspeed_groups,
 )
+from tessera.engines.megatron_saving import save_through
 from tessera.engines.optim import MOMENTS, LRSchedule, materialize_adam_state, set_adam_step
 from tessera.engines.zero import DeepSpeedRunner
 from tessera.errors import CheckpointError
@@ -61,6 +62,7 @@ from tessera.plan.layout import ParallelLayout
 from tessera.safeload import safe_torch_load
 from tessera.tables.engines import adapters_refusal
 from tessera.tensorfile import save_tensors
+from tessera.writes import current
 
 # the construction side lives in megatron_build; importers of these names from here keep working
 __all__ = [
@@ -408,6 +410,10 @@ class MegatronEngine(Engine):
     def _rng_file(self, path: Path) -> Path:
         return Path(path) / f"megatron_rng_rank{dist.get_rank():05d}.safetensors"
 
+    @property
+    def saves_in_background(self) -> bool:  # type: ignore[override]
+        return self.ds.saves_in_background if self.ds is not None else True
+
     def save(self, path: Path) -> None:
         """Model + optimizer (dist_checkpointing, or DeepSpeed's format with zero_impl deepspeed) and
         this rank's megatron RNG tracker states (TP-region dropout) as safetensors."""
@@ -458,6 +464,12 @@ class MegatronEngine(Engine):
         if dist.get_rank() == 0:
             path.mkdir(parents=True, exist_ok=True)
         dist.barrier()
+        writes = current()
+        if writes is not None:  # a Tessera checkpoint save: its writer writes the buckets
+            save_through(
+                writes, self._sharded_state_dict(is_loading=False), path, coordinator=dist.get_rank() == 0
+            )
+            return
         dist_checkpointing.save(self._sharded_state_dict(is_loading=False), str(path))
         dist.barrier()
 

@@ -34,6 +34,7 @@ from tessera.engines.optim import (
 )
 from tessera.errors import CheckpointError
 from tessera.plan.layout import ParallelLayout
+from tessera.writes import current
 
 #: the checkpoint ``sharding`` of DeepSpeed ZeRO: this prefix and the stage ("deepspeed-zero2")
 SHARDING_PREFIX = "deepspeed-zero"
@@ -158,6 +159,12 @@ class DeepSpeedRunner:
                         safe_set_full_optimizer_state(p, value.to(p.device, torch.float32), kind)
         set_adam_step(inner, step)
 
+    @property
+    def saves_in_background(self) -> bool:
+        """True with Tessera's checkpoint engine (DeepSpeed's torch engine made safe); a user's JSON that
+        chose another one (nebula, fast, decoupled) keeps it, and its saves stay synchronous."""
+        return isinstance(self.engine.checkpoint_engine, safe_checkpoint_engine_class())
+
     def save(self, path: Path) -> None:
         # DeepSpeed's own format (pickled .pt files); Tessera's state goes in meta.json, not client_state.
         # Rank 0 of DeepSpeed copies its recovery scripts beside the step dirs with shutil.copyfile, which
@@ -224,7 +231,34 @@ def safe_checkpoint_engine_class() -> type:
         """DeepSpeed's torch checkpoint engine, loading with ``weights_only=True`` and the allow-list."""
 
         def load(self, path: str, map_location: Any = None) -> Any:
-            return safe_torch_load(path, map_location=map_location)
+            # mapped, not read: DeepSpeed's ZeRO 1-2 load opens every rank's partition file on every rank
+            # and keeps its own; a mapped file costs only the pages used (the checkpoint manager's
+            # verification has just read them into the page cache). torch maps zip-format files only.
+            import zipfile
+
+            mmap = map_location in (None, "cpu") or str(map_location) == "cpu"
+            return safe_torch_load(path, map_location=map_location, mmap=mmap and zipfile.is_zipfile(path))
+
+        def save(self, state_dict: Any, path: str) -> None:
+            """Inside a Tessera checkpoint save, the file goes to that save (:mod:`tessera.writes`):
+            hashed while ``torch.save`` writes it, and written from a snapshot by the save's thread when
+            the save is asynchronous; otherwise DeepSpeed's own ``torch.save`` to the path."""
+            writes = current()
+            if writes is None:
+                super().save(state_dict, path)
+                return
+            zipfile = self.zipfile_serialization
+            writes.add(
+                Path(path),
+                state_dict,
+                lambda obj, f: torch.save(obj, f, _use_new_zipfile_serialization=zipfile),
+            )
+
+        def preserves_storage_sharing(self) -> bool:
+            # DeepSpeed clones a state dict before a save when the engine would keep views of flat
+            # buffers; a background save's snapshot copies every tensor on its own already
+            writes = current()
+            return writes is None or not writes.background
 
     return SafeTorchCheckpointEngine
 

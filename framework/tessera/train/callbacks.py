@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -110,23 +111,37 @@ class ProgressCallback(Callback):
 
 
 class CheckpointPolicy(Callback):
-    """Save every ``checkpoint.every`` steps and after the last step (``checkpoint.at_end``)."""
+    """Save every ``checkpoint.every`` steps and after the last step (``checkpoint.at_end``). It runs
+    before the metrics, so a step that saved says what the save cost the step loop: ``checkpoint_s``
+    (the save call: waiting for the previous save, if still in flight, then the engine's save or, with
+    ``checkpoint.async``, its snapshot) and ``checkpoint_wait_s`` (the waiting part); a step that ran
+    while a save was still being written says ``checkpoint_writing``."""
 
     def on_step_end(self, ctx: RunContext, rec: dict[str, Any], ops: list[dict[str, Any]]) -> None:
         step, c = rec["step"], ctx.recipe.checkpoint
         if (c.every and step % c.every == 0) or (step == ctx.total and c.at_end) or ctx.pending_save:
             assert ctx.loop is not None
-            ctx.loop.save_checkpoint(step)
+            t0 = time.perf_counter()
+            try:
+                ctx.loop.save_checkpoint(step)
+            except Exception as e:  # the step itself trained: its line is written, then the loop raises
+                ctx.stop = e
+                return
+            rec["checkpoint_s"] = time.perf_counter() - t0
+            rec["checkpoint_wait_s"] = ctx.ckpt.waited_s
+        elif ctx.ckpt.pending is not None and not ctx.ckpt.pending.writes.done():
+            rec["checkpoint_writing"] = True  # this step ran beside a save's writes (rank 0: and commit)
 
 
 def default_callbacks(ctx: RunContext, *, fault: Callback | None = None) -> list[Callback]:
     """The ordered list: fault injection (tests only), the comm log, the stop rules (NaN / Inf before
     anything records or saves the step; then preemption, time limit, throughput floor, loss spike, which
-    mark the record), metrics, W&B and progress on rank 0, then the checkpoint policy (which also saves
-    the step a preemption or the time limit stopped at); the loop raises the stop last."""
+    mark the record), the checkpoint policy (which also saves the step a preemption or the time limit
+    stopped at, and puts the save's time in the record), then metrics, W&B and progress on rank 0; the
+    loop raises the stop last."""
     from tessera.train.stop import NonFiniteStop, StopRules
 
     rank0: list[Callback] = [MetricsCallback(), WandbCallback()] if ctx.is_rank0 else []
     head: list[Callback] = [fault] if fault is not None else []
     rules: list[Callback] = [NonFiniteStop(), StopRules()]
-    return [*head, CommLogCallback(), *rules, *rank0, ProgressCallback(), CheckpointPolicy()]
+    return [*head, CommLogCallback(), *rules, CheckpointPolicy(), *rank0, ProgressCallback()]

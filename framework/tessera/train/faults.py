@@ -11,6 +11,10 @@ A comma-separated list of faults, each ``kind[:key=value...]``:
     slow:rank=1:factor=3        rank 1's forward passes take 3x as long (a straggler)
     crash_in_save:rank=0:step=4 rank 0 dies after writing its shards of step 4's checkpoint, before the
                                 checkpoint is complete (``latest`` must keep pointing at the previous one)
+    kill_in_save:rank=1:step=4:at=B
+                                rank 1 SIGKILLs itself while step 4's checkpoint is written, once B bytes
+                                of its files are (with ``checkpoint.async``, from the writer thread while
+                                the steps go on); ``at=-1``: rank 0 after the rename, before ``latest``
     nan:step=6                  every rank's first parameter gets a NaN gradient in step 6
     nan_param:step=6            after step 6 every rank's first parameter is NaN (a non-finite save)
     spike:step=6:factor=30      after step 6 every rank's last parameter (the output head) is scaled by
@@ -40,7 +44,7 @@ from tessera.train.loop import Callback, RunContext
 
 ENV = "TESSERA_FAULTS"
 LEGACY_ENV = "TESSERA_FAULT"
-KINDS = ("kill", "hang", "slow", "crash_in_save", "nan", "nan_param", "spike", "sigterm")
+KINDS = ("kill", "hang", "slow", "crash_in_save", "kill_in_save", "nan", "nan_param", "spike", "sigterm")
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,7 @@ class Fault:
     factor: float = 1.0
     phase: str | None = None  # a start-up phase (hang only)
     node: int | None = None  # every rank of this node of a multi-node run
+    at: int | None = None  # kill_in_save: the bytes written first (-1: after the rename)
 
     @property
     def spec(self) -> str:
@@ -60,6 +65,7 @@ class Fault:
         if self.phase is not None:
             parts.append(f"phase={self.phase.replace(' ', '_')}")
         parts += [f"factor={self.factor:g}"] * (self.kind in ("slow", "spike"))
+        parts += [f"at={self.at}"] * (self.at is not None)
         return ":".join(parts)
 
     def here(self, rank: int, step: int | None = None) -> bool:
@@ -76,7 +82,8 @@ def _bad(spec: str, why: str) -> RecipeError:
         f"cannot read the fault {spec!r}: {why}",
         field=ENV,
         value=spec,
-        fix="write kind[:rank=R|node=N][:step=S][:factor=F][:phase=P], kind one of " + ", ".join(KINDS),
+        fix="write kind[:rank=R|node=N][:step=S][:factor=F][:phase=P][:at=B], kind one of "
+        + ", ".join(KINDS),
     )
 
 
@@ -97,7 +104,7 @@ def parse_faults(text: str) -> list[Fault]:
         for item in kv:
             key, _, val = item.partition("=")
             try:
-                if key in ("rank", "step", "node"):
+                if key in ("rank", "step", "node") or (key == "at" and kind == "kill_in_save"):
                     args[key] = int(val)
                 elif key == "factor":
                     args[key] = float(val)
@@ -193,6 +200,9 @@ class FaultInjection(Callback):
                 self._slow_down(ctx, f)
             if f.kind == "crash_in_save" and f.here(ctx.rank):
                 self._crash_in_save(ctx, f)
+        kills = [f for f in self.faults if f.kind == "kill_in_save" and f.here(ctx.rank)]
+        if kills:
+            self._kill_in_save(ctx, kills)
 
     def on_step_start(self, ctx: RunContext, step: int) -> None:
         for f in self.faults:
@@ -246,6 +256,17 @@ class FaultInjection(Callback):
         for m in ctx.engine.modules():
             m.register_forward_pre_hook(pre)
             m.register_forward_hook(post)
+
+    def _kill_in_save(self, ctx: RunContext, faults: list[Fault]) -> None:
+        def watch(step: int, where: str, written: int) -> None:
+            for f in faults:
+                at = f.at if f.at is not None else 0
+                point = where == "renamed" if at < 0 else where == "bytes" and written >= at
+                if point and self._due(ctx, f, "kill_in_save", step):
+                    _fire(ctx.run_dir, f, ctx.rank, f"while saving step {step} ({where}, {written} bytes)")
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+        ctx.ckpt.watch = watch
 
     def _crash_in_save(self, ctx: RunContext, f: Fault) -> None:
         engine, real = ctx.engine, ctx.engine.save

@@ -8,7 +8,9 @@ injection) is a callback; the loop itself only feeds the engine and times the st
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -124,6 +126,7 @@ class TrainingLoop:
                 ctx.beat(phase="step end")
                 self._each("on_step_end", rec, ops)
                 if ctx.stop is not None:
+                    self.finish_saving()  # a preemption's grace period covers the save in flight
                     raise ctx.stop
         except BaseException as exc:
             for cb in self.callbacks:  # every callback hears of it, even if one of them fails
@@ -132,6 +135,7 @@ class TrainingLoop:
                 except Exception:
                     pass
             raise
+        self.finish_saving()
         self._each("on_run_end")
         return ctx.records
 
@@ -219,14 +223,43 @@ class TrainingLoop:
         return loss_sum / max(tokens, 1.0)
 
     def save_checkpoint(self, step: int) -> Path:
-        """Save now (all ranks), then tell every callback."""
+        """Save now (all ranks; with ``checkpoint.async`` the files are written in the background after
+        this returns), then tell every callback. Returns what the step loop spent: in the save call, and
+        of that, waiting for the save before it."""
         ctx = self.ctx
         ctx.beat(phase="checkpoint")
         manifest = {**ctx.manifest, "checkpoint_step": step}
-        try:
+        with self._saving(step):
             path = ctx.ckpt.save(
-                step, ctx.engine, describe=ctx.describe, sampler=ctx.sampler.state_dict(), manifest=manifest
-            )
+                step, ctx.engine, describe=ctx.describe, sampler=ctx.sampler.state_dict(), manifest=manifest,
+                tick=self._tick,
+            )  # fmt: skip
+        ctx.last_saved = step
+        ctx.beat(phase="step end")
+        self._each("on_checkpoint", step, path)
+        return path
+
+    def finish_saving(self) -> None:
+        """Wait for the save in flight, if any (every rank), before the run ends or stops."""
+        ctx = self.ctx
+        if ctx.ckpt.pending is None:
+            return
+        ctx.beat(phase="checkpoint write")
+        with self._saving(ctx.step):
+            ctx.ckpt.finish(self._tick)
+        ctx.beat(phase="step end")
+
+    def _tick(self) -> None:
+        if self.ctx.heartbeat is not None:
+            self.ctx.heartbeat.tick()  # the writer advances: a long save is not a hang
+
+    @contextlib.contextmanager
+    def _saving(self, step: int) -> Iterator[None]:
+        """A full disk while saving (this save, or the one in flight before it) as one clear error."""
+        ctx = self.ctx
+        failing = ctx.ckpt.pending.step if ctx.ckpt.pending is not None else step
+        try:
+            yield
         except Exception as e:
             if not out_of_space(e, ctx.ckpt.root):
                 raise
@@ -234,15 +267,11 @@ class TrainingLoop:
 
             raise CheckpointError(
                 f"no space left on the device (ENOSPC): rank {ctx.rank} could not write the checkpoint of "
-                f"step {step}; the previous checkpoint is complete and `latest` still names it",
+                f"step {failing}; the previous checkpoint is complete and `latest` still names it",
                 field="checkpoint",
                 value=str(ctx.ckpt.root),
                 fix="free space or move run.out_dir to a larger disk, then --resume",
             ) from None
-        ctx.last_saved = step
-        ctx.beat(phase="step end")
-        self._each("on_checkpoint", step, path)
-        return path
 
 
 def out_of_space(exc: BaseException, where: Path) -> bool:

@@ -107,6 +107,7 @@ def import_reshard(
     path = ctx.ckpt.save(
         step, ctx.engine, describe=ctx.describe, sampler=sampler, manifest=ctx.manifest, tag=tag
     )
+    ctx.ckpt.finish()  # complete before it is checked and named in the manifest
 
     def check() -> dict[str, Any] | None:
         if not verify:

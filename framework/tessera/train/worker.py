@@ -208,7 +208,10 @@ def setup(run_dir: RunDir, start: Start, heartbeat: Any = None) -> tuple[RunCont
     counter = install(group_namer(layout))
     phase("rendezvous")
     init_distributed(device, layout)
-    ckpt = CheckpointManager(run_dir.checkpoints, keep=recipe.checkpoint.keep, rank=rank, world_size=world)
+    ckpt = CheckpointManager(
+        run_dir.checkpoints, keep=recipe.checkpoint.keep, rank=rank, world_size=world,
+        background=recipe.checkpoint.async_,
+    )  # fmt: skip
     resume_from, reshard = None, False
     if start.resume:
         phase("checkpoint verify")

@@ -1,0 +1,317 @@
+"""A checkpoint's files, written in one pass over their bytes: hashed while they are written, fsynced
+once, in line or on a background thread.
+
+One save of one rank is a :class:`Writes`: the engine's serializers (``torch.save`` for DeepSpeed's
+files, safetensors for Tessera's, megatron-core's bucket writer) produce their bytes into a
+:class:`HashingFile`, which feeds every block to sha256 on its way to the disk, so no file is read back
+to be hashed. With ``background=True`` (``checkpoint.async``), :meth:`Writes.add` first takes a
+:func:`snapshot` of what it is given (a copy on CPU, a copy into pinned host memory on GPU), so that the
+steps that follow cannot change what is written, and one thread per save writes the snapshots in order.
+
+The engines do not take a ``Writes`` argument: the checkpoint manager makes one :func:`current` while
+the engine saves (:func:`collecting`), and the engine's writing paths (:func:`tessera.tensorfile.save_tensors`,
+DeepSpeed's checkpoint engine, megatron's bucket writer) hand their files to it. Outside a save they
+write directly, as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+from tessera.atomic import write_json_atomic
+
+#: (sha256 hex, bytes) of one written file
+Hashed = tuple[str, int]
+_BUFFER = 8 << 20
+#: start the kernel's writeback every this many bytes of a file (see :meth:`HashingFile._start_writeback`)
+WRITEBACK_EVERY = 64 << 20
+
+
+def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    """libc's ``sync_file_range`` (Linux), which Python's ``os`` does not offer; None elsewhere."""
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (AttributeError, OSError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _sync_file_range()
+
+
+class HashingFile:
+    """A new file opened for writing (never through a link: ``O_EXCL | O_NOFOLLOW``), whose bytes are
+    hashed as they pass. ``progress`` hears of every block (the heartbeat's sign of life)."""
+
+    def __init__(self, path: Path, progress: Callable[[int], None] | None = None) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        self.path = Path(path)
+        self._f = os.fdopen(fd, "wb", buffering=_BUFFER)
+        self._h = hashlib.sha256()
+        self._progress = progress
+        self.size = 0
+        self._flushed = 0  # bytes whose writeback was started
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")  # torch.save hands bytes, bytearrays and tensor storages
+        self._h.update(view)  # sha256 releases the GIL for blocks this size: the step goes on meanwhile
+        self._f.write(view)
+        self.size += view.nbytes
+        if self.size - self._flushed >= WRITEBACK_EVERY:
+            self._start_writeback()
+        if self._progress is not None:
+            self._progress(view.nbytes)
+        return view.nbytes
+
+    def _start_writeback(self) -> None:
+        """Ask the kernel to start writing what reached it so far (Linux ``sync_file_range`` with
+        ``SYNC_FILE_RANGE_WRITE``: it returns at once), so the disk works while the rest is serialized and
+        hashed, and the final fsync finds little left to flush. Elsewhere a no-op."""
+        done = os.lseek(self._f.fileno(), 0, os.SEEK_CUR)  # what the buffered writer passed to the kernel
+        if done > self._flushed and _SYNC_FILE_RANGE is not None:
+            _SYNC_FILE_RANGE(
+                self._f.fileno(), self._flushed, done - self._flushed, 2
+            )  # SYNC_FILE_RANGE_WRITE
+        self._flushed = done
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def fileno(self) -> int:
+        return self._f.fileno()
+
+    def finish(self) -> Hashed:
+        """Flush, fsync and close: the bytes are on disk when this returns."""
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        return self._h.hexdigest(), self.size
+
+    def abort(self) -> None:
+        with contextlib.suppress(OSError):
+            self._f.close()
+
+
+def write_hashed(
+    path: Path, fill: Callable[[BinaryIO], None], progress: Callable[[int], None] | None = None
+) -> Hashed:
+    """Write ``path`` with ``fill(stream)`` through a :class:`HashingFile`; its hash and size."""
+    out = HashingFile(path, progress)
+    try:
+        fill(out)  # type: ignore[arg-type]
+        return out.finish()
+    except BaseException:
+        out.abort()
+        raise
+
+
+def snapshot(obj: Any, *, pinned: list[bool] | None = None) -> Any:
+    """``obj`` with every tensor replaced by a copy that later steps cannot change: a clone on CPU, a
+    non-blocking copy into pinned host memory from an accelerator (the caller waits for the copies with
+    :func:`snapshot_ready` before reading them). Dicts, lists and tuples are rebuilt (their types kept);
+    anything else is shared (ints, strings, configs: nothing a step changes), as is a container with no
+    tensor in it."""
+    if torch.is_tensor(obj):
+        t = obj.detach()
+        if t.device.type == "cpu":
+            return t.clone()
+        out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+        out.copy_(t, non_blocking=True)
+        if pinned is not None:
+            pinned.append(True)
+        return out
+    if isinstance(obj, dict | list | tuple):
+        items = list(obj.items()) if isinstance(obj, dict) else list(obj)
+        copied = (
+            [(k, snapshot(v, pinned=pinned)) for k, v in items]
+            if isinstance(obj, dict)
+            else [snapshot(v, pinned=pinned) for v in items]
+        )
+        parts = [v for _, v in copied] if isinstance(obj, dict) else copied
+        olds = [v for _, v in items] if isinstance(obj, dict) else items
+        if all(a is b for a, b in zip(parts, olds, strict=True)):
+            return obj  # no tensor inside: kept as it is (torch.Size, a config, a defaultdict's type)
+        if isinstance(obj, dict):
+            out = copy.copy(obj)  # its type and attributes (an OrderedDict, a defaultdict's factory)
+            out.update(copied)
+            return out
+        if isinstance(obj, list):
+            return type(obj)(copied) if type(obj) is list else _replaced(obj, copied)
+        return type(obj)(*copied) if hasattr(obj, "_fields") else type(obj)(copied)
+    return obj
+
+
+def _replaced(obj: list[Any], items: list[Any]) -> list[Any]:
+    out = copy.copy(obj)
+    out[:] = items
+    return out
+
+
+class Writes:
+    """This rank's files of one checkpoint directory ``root``. ``background``: the files are written by a
+    thread from snapshots (:meth:`start` starts it); otherwise each is written when it is added.
+
+    ``results``: relative path -> (sha256, bytes) of every file written here. A failure in the thread is
+    kept and raised by :meth:`wait`."""
+
+    def __init__(self, root: Path, *, background: bool) -> None:
+        self.root = Path(root)
+        self.background = background
+        self.results: dict[str, Hashed] = {}
+        self.bytes_written = 0
+        self.error: BaseException | None = None
+        self.seconds = 0.0  # the writes' own time (the thread's, when in the background)
+        #: called with :attr:`bytes_written` after every block (the fault injection's kill points)
+        self.watch: Callable[[int], None] | None = None
+        #: JSON-able facts this rank's marker carries to rank 0 (megatron-core's write results)
+        self.extra: dict[str, Any] = {}
+        #: rank 0's completion steps, given every rank's marker, before meta.json is written
+        self.commits: list[Callable[[list[dict[str, Any]]], None]] = []
+        self._jobs: list[Callable[[], None]] = []
+        self._after: list[Callable[[], None]] = []
+        self._last: list[Callable[[BaseException | None], None]] = []
+        self._pinned: list[bool] = []
+        self._event: Any = None
+        self._thread: threading.Thread | None = None
+        self._done = threading.Event()
+
+    # ---- what the engines hand over ---------------------------------------------------------------
+    def add(self, path: Path, obj: Any, serialize: Callable[[Any, BinaryIO], None]) -> None:
+        """``serialize(obj, stream)`` into ``path`` (under ``root``): now, or later from a snapshot."""
+        if not self.background:
+            self._timed(lambda: self._file(path, lambda f: serialize(obj, f)))
+            return
+        copy = snapshot(obj, pinned=self._pinned)
+        self._jobs.append(lambda: self._file(path, lambda f: serialize(copy, f)))
+
+    def add_task(self, task: Callable[[Callable[[int], None]], dict[str, Hashed]]) -> None:
+        """A writer of its own (megatron-core's buckets): ``task(progress)`` writes its files from data
+        that is already a snapshot and returns their hashes, keyed by path."""
+
+        def run() -> None:
+            for p, h in task(self._count).items():
+                self.results[str(Path(p).relative_to(self.root))] = h
+
+        if self.background:
+            self._jobs.append(run)
+        else:
+            self._timed(run)
+
+    def then(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` after every file of this rank is written (in the thread, when in the background)."""
+        if self.background:
+            self._after.append(fn)
+        else:
+            self._timed(fn)
+
+    def always(self, fn: Callable[[BaseException | None], None]) -> None:
+        """Run ``fn(error)`` at the end of a background save whether it failed or not (``error``: the
+        failure, or None); in line, ``fn(None)`` now (a failure there raised in the caller already)."""
+        if self.background:
+            self._last.append(fn)
+        else:
+            fn(None)
+
+    # ---- running -----------------------------------------------------------------------------------
+    def _count(self, n: int) -> None:
+        self.bytes_written += n
+        if self.watch is not None:
+            self.watch(self.bytes_written)
+
+    def _file(self, path: Path, fill: Callable[[BinaryIO], None]) -> None:
+        rel = str(Path(path).relative_to(self.root))
+        self.results[rel] = write_hashed(Path(path), fill, self._count)
+
+    def _timed(self, fn: Callable[[], None]) -> None:
+        t0 = time.perf_counter()
+        try:
+            fn()
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def start(self) -> None:
+        """Begin writing (background), or mark the writes done (in line: they already are)."""
+        if not self.background:
+            self._done.set()
+            return
+        if self._pinned and torch.cuda.is_available():
+            self._event = torch.cuda.Event()
+            self._event.record()  # after the copies on this stream: the thread waits for them
+        self._thread = threading.Thread(target=self._run, name="tessera-checkpoint-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            if self._event is not None:
+                self._event.synchronize()
+            for job in [*self._jobs, *self._after]:
+                self._timed(job)
+        except BaseException as e:  # kept for wait(): the thread never raises into the void
+            self.error = e
+        try:
+            for fn in self._last:
+                fn(self.error)
+        except BaseException as e:
+            self.error = self.error or e
+        finally:
+            self._jobs, self._after, self._last = [], [], []
+            self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, tick: Callable[[], None] | None = None, every_s: float = 0.5) -> None:
+        """Block until this rank's files are written; ``tick`` is called while waiting (the heartbeat)
+        whenever bytes were written since the last call. Raises the writer's failure."""
+        seen = -1
+        while not self._done.wait(every_s):
+            if tick is not None and self.bytes_written != seen:
+                seen = self.bytes_written
+                tick()
+        if self.error is not None:
+            raise self.error
+
+
+_CURRENT = threading.local()
+
+
+def current() -> Writes | None:
+    """The save in progress on this thread (set by :func:`collecting`), or None."""
+    return getattr(_CURRENT, "writes", None)
+
+
+@contextlib.contextmanager
+def collecting(writes: Writes) -> Iterator[Writes]:
+    """While the block runs, the engine's writing paths hand their files to ``writes``."""
+    before = current()
+    _CURRENT.writes = writes
+    try:
+        yield writes
+    finally:
+        _CURRENT.writes = before
+
+
+def write_json_now_or_later(path: Path, obj: Any) -> None:
+    """A small JSON file of a checkpoint (rank 0's manifest): through the current save, or atomically."""
+    import json
+
+    writes = current()
+    if writes is None:
+        write_json_atomic(path, obj)
+        return
+    text = (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode()
+    writes.add(path, text, lambda data, f: f.write(data))
