@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera.atomic import sha256_file
-from tessera.writes import Hashed, Writes
+from tessera.writes import Hashed, Writes, without_zip_crc
 
 RESULTS = "megatron_write_results"
 
@@ -77,7 +77,8 @@ def save_through(writes: Writes, sharded_state_dict: Any, path: Path, *, coordin
             out: queue.Queue = queue.Queue()
             count: queue.Queue = queue.Queue()
             count.put(i)
-            FileSystemWriterAsync.write_preloaded_data(transforms, i, bucket, out, count, True)
+            with without_zip_crc():  # the bucket's torch.save'd items: see there
+                FileSystemWriterAsync.write_preloaded_data(transforms, i, bucket, out, count, True)
             _, written = out.get()
             if isinstance(written, Exception):
                 raise written

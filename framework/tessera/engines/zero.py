@@ -34,7 +34,7 @@ from tessera.engines.optim import (
 )
 from tessera.errors import CheckpointError
 from tessera.plan.layout import ParallelLayout
-from tessera.writes import current
+from tessera.writes import current, torch_save
 
 #: the checkpoint ``sharding`` of DeepSpeed ZeRO: this prefix and the stage ("deepspeed-zero2")
 SHARDING_PREFIX = "deepspeed-zero"
@@ -251,7 +251,7 @@ def safe_checkpoint_engine_class() -> type:
             writes.add(
                 Path(path),
                 state_dict,
-                lambda obj, f: torch.save(obj, f, _use_new_zipfile_serialization=zipfile),
+                lambda obj, f: torch_save(obj, f, _use_new_zipfile_serialization=zipfile),
             )
 
         def preserves_storage_sharing(self) -> bool:
