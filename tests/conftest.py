@@ -7,6 +7,11 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("WANDB_SILENT", "true")
+# a `tessera plan --probe` of this machine (kept in ~/.cache) would change what the planner predicts: the
+# tests see none, unless they write one (under this directory, or their own)
+os.environ["TESSERA_HARDWARE_DIR"] = str(
+    Path(os.environ.get("TMPDIR", "/tmp")) / f"tessera-test-hw-{os.getpid()}"
+)
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,7 @@
     tessera compare R.yaml [key=value ...] [--baseline ddp|B.yaml] [--seeds K] [--scaling] [--out DIR]
     tessera compare --runs CANDIDATE BASELINE [...] [--acceptance FILE] [--out DIR]
     tessera plan R.yaml [key=value ...] --world-size N [--hardware X] [--json]
+    tessera plan R.yaml --probe [--out FILE]
     tessera convert SRC --to hf|peft|deepspeed|megatron|ddp [--merge] [--layout k=v,...] [--recipe R.yaml] --out DIR
                     [--dtype fp32|bf16] [--no-verify] [--prompts N]
     tessera verify A B [--prompts N] [--json]
@@ -467,7 +468,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="RUN_DIR",
         help="fit the --hardware profile's latency, bandwidth, efficiency from runs; writes a new profile",
     )
-    pl.add_argument("--out", default=None, help="with --calibrate: the profile file to write")
+    pl.add_argument(
+        "--probe",
+        action="store_true",
+        help="measure this machine (~30 s: matmul FLOP/s at the model's shapes, memory bandwidth, the "
+        "collectives at the world size) and write it as this host's hardware profile",
+    )
+    pl.add_argument("--out", default=None, help="with --calibrate / --probe: the profile file to write")
     pl.set_defaults(fn=cmd_plan)
     cv = sub.add_parser(
         "convert",

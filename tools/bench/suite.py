@@ -415,29 +415,43 @@ def bench_layouts(
 def bench_calibration(work: Path) -> dict[str, Any]:
     """Leave one out: for each acceptance layout, `cpu-2core` calibrated on the other runs of the pool
     predicts its step; and the profile calibrated on the whole pool, in sample."""
+    from tessera.config.loader import load_recipe
     from tessera.plan.hardware import load_hardware
     from tessera.plan.measured import calibrate, compare_to_run
+    from tessera.plan.probe import measure, profile_from
 
     base = load_hardware("cpu-2core")
     run = {n: work / f"layout-{n}" for n in POOL}
     whole, report = calibrate([run[n] for n in POOL], base)
+    # `tessera plan --probe`: this machine measured for the default recipe, no run calibrated on
+    _say("probe: tessera plan --probe's measurement, 2 ranks")
+    recipe = load_recipe(str(REPO / "recipes" / "tiny-llama-cpu.yaml"), []).recipe
+    measured = measure(recipe, world=2, device="cpu")
+    probed, how = profile_from(measured, recipe, world=2, device="cpu")
     rows = {}
     for name in CHECKED:
         held, _ = calibrate([run[n] for n in POOL if n != name], base)
         out = compare_to_run(run[name], held)["terms"]["step"]
         ins = compare_to_run(run[name], whole)["terms"]["step"]
         stock = compare_to_run(run[name], base)["terms"]["step"]
+        probe = compare_to_run(run[name], probed)["terms"]["step"]
         rows[name] = {
             "calibrated_on": [n for n in POOL if n != name], "measured_s": out["measured_s"],
             "held_out_predicted_s": out["predicted_s"], "held_out_ratio": out["predicted_s"] / out["measured_s"],
             "in_sample_ratio": ins["predicted_s"] / ins["measured_s"],
             "stock_profile_ratio": stock["predicted_s"] / stock["measured_s"],
+            "probe_ratio": probe["predicted_s"] / probe["measured_s"],
         }  # fmt: skip
+        _say(f"  {name}: predicted / measured step: probed {rows[name]['probe_ratio']:.2f}, held-out calibrated "
+             f"{rows[name]['held_out_ratio']:.2f}, stock {rows[name]['stock_profile_ratio']:.2f}")  # fmt: skip
     fit = {k: v for k, v in report.items() if k != "runs"}
     profile = {"latency_s": whole.latency_s, "tp_latency_s": whole.tp_latency_s,
                "bandwidth": whole.intra_node_bandwidth, "engine_efficiency": whole.engine_efficiency,
                "grad_hook_s": whole.grad_hook_s}  # fmt: skip
-    return {"pool": list(POOL), "profile": profile, "fit": fit, "acceptance": 0.25, "layouts": rows}
+    probe_record = {"seconds": measured["seconds"], "derivation": how,
+                    "profile": {k: v for k, v in vars(probed).items() if v is not None}}  # fmt: skip
+    return {"pool": list(POOL), "profile": profile, "fit": fit, "acceptance": 0.25, "layouts": rows,
+            "probe": probe_record}  # fmt: skip
 
 
 # ---- output --------------------------------------------------------------------------------------------

@@ -276,6 +276,7 @@ def capture_manifest(
         "packages": installed_packages(),
         "environment": environment(),
         "hardware": hardware(),
+        "hardware_probe": _probe(device, world_size),
         "topology": topology(world_size, hostfile),
         "device": device,
         "world_size": world_size,
@@ -288,6 +289,13 @@ def capture_manifest(
         "hostfile": hostfile,
     }
     return manifest, diff
+
+
+def _probe(device: str, world_size: int) -> dict[str, Any] | None:
+    """This host's ``tessera plan --probe`` at this world size (its profile's figures and path), if any."""
+    from tessera.plan.probe import probe_record
+
+    return probe_record(device, world_size)
 
 
 # keys that differ between two launches of the same experiment and mean nothing for the numbers: the
@@ -304,7 +312,7 @@ GROUPS = {
     "git": "code", "versions": "environment", "packages": "environment", "environment": "environment",
     "recipe": "config", "recipe_hash": "config", "layout": "config", "seed": "config", "world_size": "config",
     "data": "data", "tokenizer_hash": "data", "tokenizer": "data", "hardware": "hardware", "topology": "hardware",
-    "device": "hardware", "hostfile": "hardware", "nodes": "hardware", "launch_mode": "hardware", "manifest_version": "code", "initial_weights": "data",
+    "device": "hardware", "hostfile": "hardware", "nodes": "hardware", "hardware_probe": "hardware", "launch_mode": "hardware", "manifest_version": "code", "initial_weights": "data",
     "preregistration_sha256": "config",
 }  # fmt: skip
 

@@ -223,3 +223,15 @@ def load_hardware(path: str | Path) -> HardwareProfile:
         else:
             kw[key] = _number(p, key, value)
     return HardwareProfile(**kw)
+
+
+def dump_profile(profile: HardwareProfile, path: Path, comments: list[str]) -> None:
+    """Write ``profile`` as a YAML file :func:`load_hardware` reads, led by ``comments`` (each a ``#``
+    line: where its figures came from). Atomic: a reader sees the old profile or the new one."""
+    from dataclasses import asdict
+
+    from tessera.atomic import write_text_atomic
+
+    data = {k: v for k, v in asdict(profile).items() if v is not None}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, "\n".join(comments) + "\n" + yaml.safe_dump(data, sort_keys=False))

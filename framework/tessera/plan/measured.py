@@ -23,14 +23,14 @@ the runs. It writes a new profile with them.
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from tessera.errors import RecipeError
-from tessera.plan.hardware import HardwareProfile
+from tessera.plan.hardware import HardwareProfile, dump_profile
 from tessera.rundir import RunDir, read_jsonl
 
 TERMS = ("compute", "communication", "bubble", "optimizer", "step")
@@ -293,7 +293,6 @@ def calibrate(run_dirs: list[Path], hardware: HardwareProfile) -> tuple[Hardware
 
 def write_profile(profile: HardwareProfile, path: Path, report: dict[str, Any]) -> None:
     """The profile as YAML, led by comments saying what it was calibrated from."""
-    data = {k: v for k, v in asdict(profile).items() if v is not None}
     head = [
         f"# {profile.name}: calibrated by `tessera plan --calibrate` from {len(report['runs'])} run(s):",
         *(f"#   {r}" for r in report["runs"]),
@@ -305,5 +304,4 @@ def write_profile(profile: HardwareProfile, path: Path, report: dict[str, Any]) 
         "# hbm_bandwidth: the optimizer's effective bandwidth (planner bytes / measured optimizer time).",
         "# Medians over the runs.",
     ]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(head) + "\n" + yaml.safe_dump(data, sort_keys=False))
+    dump_profile(profile, path, head)

@@ -1,0 +1,40 @@
+"""`tessera plan --probe` for real: two gloo ranks on this machine measure it, the profile it writes is
+one the planner reads, and its figures are the machine's (positive, finite, consistent with each other)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO
+from tessera.plan.hardware import load_hardware
+from tessera.plan.probe import OPS, SIZES
+
+pytestmark = pytest.mark.slow
+
+
+def test_probe_writes_a_profile_of_this_machine(tmp_path):
+    out = tmp_path / "probe.yaml"
+    cmd = [sys.executable, "-m", "tessera.cli", "plan", "recipes/tiny-llama-cpu.yaml", "--probe", "--out", str(out)]
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    profile = load_hardware(out)
+    measured = json.loads(out.with_suffix(".json").read_text())
+    assert [r["rank"] for r in measured["ranks"]] == [0, 1]
+    for r in measured["ranks"]:  # every rank ran every collective at every size
+        assert sorted((c["op"], c["bytes"]) for c in r["collectives"]) == sorted((o, n) for o in OPS for n in SIZES)
+    figures = [profile.peak_flops, profile.efficiency, profile.hbm_bandwidth, profile.latency_s,
+               profile.intra_node_bandwidth]  # fmt: skip
+    assert all(math.isfinite(x) and x > 0 for x in figures), figures
+    assert profile.efficiency <= 1.0  # the model's FLOP/s never beat the matmul's it was divided by
+    # bigger messages take longer: the fit's β is what the 16 MiB all-reduce says
+    ar = {c["bytes"]: c["seconds"] for c in measured["ranks"][0]["collectives"] if c["op"] == "all_reduce"}
+    assert ar[SIZES[-1]] > ar[SIZES[0]]
+    assert "--hardware" in p.stdout and "probed in" in p.stdout
+    plan = subprocess.run([sys.executable, "-m", "tessera.cli", "plan", "recipes/tiny-llama-cpu.yaml",
+                           "--hardware", str(out), "--json"], cwd=REPO, capture_output=True, text=True)  # fmt: skip
+    assert plan.returncode == 0 and json.loads(plan.stdout)["chosen"] is not None
