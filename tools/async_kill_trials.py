@@ -114,7 +114,8 @@ def main() -> int:
                                   "bytes_per_rank": sizes, "faults": faults, "exit_code": rc,
                                   "reference_s": ref_s, "faulted_s": faulted_s, "fired": len(fired)}  # fmt: skip
         if rc == 0:
-            restarts = json.loads((work / "faulted" / RunDir.MANIFEST).read_text()).get("restarts", [])
+            # the supervisor's record of every restart (a kill in the first save starts over: no resume)
+            restarts = RunDir(work / "faulted").read_summary().get("restarts", [])
             mgr = CheckpointManager(RunDir(work / "faulted").checkpoints, keep=99, rank=0, world_size=world)
             for ckpt in mgr.complete():
                 mgr.verify(ckpt)  # raises on any problem
@@ -126,7 +127,7 @@ def main() -> int:
             result.update({"restarts_seen": len(restarts), "checkpoints_verified": len(mgr.complete()),
                            "final": [name_a, name_b], "tensors": len(a), "tensors_different": differ,
                            "losses_equal": la == lb,
-                           "resumed_from": [r.get("from") for r in restarts]})  # fmt: skip
+                           "resumed_from": [r.get("checkpoint") for r in restarts]})  # fmt: skip
             ok = not differ and la == lb and len(fired) == len(restarts) == args.trials and name_a == name_b
         else:
             result["log_tail"] = log

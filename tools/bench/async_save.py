@@ -12,8 +12,9 @@ cost (the save call among them). A step is
 - *without* otherwise (the first 3 steps, warm-up, are left out).
 
 Printed per model and layout: the median loop time without a save, with an async save, with a
-synchronous save, and the ratios (async / without must stay ≤ 1.10 where sync / without is ≥ 2). The
-runs alternate (async first, then sync, per case). Results: ``<out>/async_save.json``.
+synchronous save, and the ratios (async / without must stay ≤ 1.10 where sync / without is ≥ 2), and what a save costs the loop in
+all (the steps it slowed, beyond their median without a save). The runs alternate (async first, then
+sync, per case). Results: ``<out>/async_save.json`` and ``<out>/async_save.png`` (each step's loop time).
 
     python tools/bench/async_save.py [--steps 40] [--every 4] [--models tiny,30m] [--layouts zero2,tp2]
 """
@@ -63,13 +64,14 @@ def run_once(recipe: Path, out: Path, steps: int, every: int, mode: bool) -> lis
 
 def split(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Loop times of the steps with and without a save (see the module's docstring)."""
-    with_save, without = [], []
+    with_save, without, series = [], [], []
     for before, rec in itertools.pairwise(records):
         if rec["step"] <= WARMUP or rec.get("eval_loss") is not None or before.get("eval_loss") is not None:
             continue
         loop = rec["wall_time"] - before["wall_time"]
-        saving = "checkpoint_s" in before or before.get("checkpoint_writing")
+        saving = bool("checkpoint_s" in before or before.get("checkpoint_writing"))
         (with_save if saving else without).append(loop)
+        series.append((rec["step"], loop, saving))
     saves = [r["checkpoint_s"] for r in records if "checkpoint_s" in r]
     waits = [r.get("checkpoint_wait_s", 0.0) for r in records if "checkpoint_s" in r]
     return {
@@ -80,7 +82,42 @@ def split(records: list[dict[str, Any]]) -> dict[str, Any]:
         "save_call_s": saves,
         "save_wait_s": waits,
         "steps_writing": sum(1 for r in records if r.get("checkpoint_writing")),
+        "saved_after": [r["step"] for r in records if "checkpoint_s" in r],
+        "series": series,
     }
+
+
+def plot(cases: list[dict[str, Any]], path: Path) -> None:
+    """Per case, each step's loop time with async and with sync saves, the saves marked, and the median
+    step without a save drawn beside them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, axes = plt.subplots(1, len(cases), figsize=(5.2 * len(cases), 4.2), squeeze=False)
+    for ax, case in zip(axes[0], cases, strict=True):
+        for mode, color in (("sync", "tab:red"), ("async", "tab:blue")):
+            steps = [st for st, _, _ in case[mode]["series"]]
+            ms = [loop * 1e3 for _, loop, _ in case[mode]["series"]]
+            ax.plot(steps, ms, color=color, lw=1.2, label=f"checkpoint.async={str(mode == 'async').lower()}")
+            for saved in case[mode]["saved_after"]:
+                ax.axvline(saved + 1, color=color, lw=0.5, alpha=0.25)
+        ax.axhline(
+            case["median_without_s"] * 1e3, color="black", ls="--", lw=1, label="median step without a save"
+        )
+        ax.set_title(f"{case['model']} model, {case['layout']}: async {case['async_over_without']:.2f} x, "
+                     f"sync {case['sync_over_without']:.2f} x", fontsize=9)  # fmt: skip
+        ax.set_xlabel("step (faint lines: the step after each save)")
+        ax.set_ylabel("loop time per step (ms)")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=7, loc="lower right")
+    fig.suptitle("What a checkpoint costs the step loop (2 gloo ranks, 2 CPU cores)", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main() -> int:
@@ -136,6 +173,8 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if results:
+        plot(results, out_dir / "async_save.png")
     record = {"steps": args.steps, "every": args.every, "table": lines, "cases": results,
               "cpu_count": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}  # fmt: skip
     (out_dir / "async_save.json").write_text(json.dumps(record, indent=2))

@@ -147,21 +147,23 @@ def _history(
     manifest: dict[str, Any], run_dir: RunDir, source: Any, resume_from: Path | None, *, rank: int
 ) -> dict[str, Any] | None:
     """The run's initial weights and its restarts: a fresh run records what it built; a resume keeps
-    the first launch's record (its weights came from the checkpoint) and adds one restart. Returns the
-    supervisor's record when this launch is an automatic restart."""
-    before = run_dir.read_json_if_present(RunDir.MANIFEST) if resume_from is not None else None
-    if before and before.get("initial_weights"):
+    the first launch's record (its weights came from the checkpoint) and adds one restart, as does an
+    automatic restart that started over (a rank lost before the first checkpoint was complete: ``from``
+    is None). Returns the supervisor's record when this launch is an automatic restart."""
+    # an automatic restart says why (launch.json's "restart", from the supervisor); a manual resume not
+    why = (run_dir.read_json_if_present(RunDir.LAUNCH) or {}).get("restart") or {}
+    restarted = resume_from is not None or "attempt" in why
+    before = run_dir.read_json_if_present(RunDir.MANIFEST) if restarted else None
+    if resume_from is not None and before and before.get("initial_weights"):
         manifest["initial_weights"] = before["initial_weights"]
     else:
         manifest["initial_weights"] = source.initial_weights() if rank == 0 else None  # rank 0 writes it
     restarts = list((before or {}).get("restarts", []))
-    if resume_from is not None:
-        # an automatic restart says why (launch.json's "restart", from the supervisor); a manual resume not
-        why = (run_dir.read_json_if_present(RunDir.LAUNCH) or {}).get("restart") or {}
+    if restarted:
         at = datetime.datetime.now().isoformat(timespec="seconds")
-        restarts.append({"from": resume_from.name, "at": at, **why})
+        restarts.append({"from": resume_from.name if resume_from is not None else None, "at": at, **why})
     manifest["restarts"] = restarts
-    return restarts[-1] if resume_from is not None and "attempt" in restarts[-1] else None
+    return restarts[-1] if restarted and "attempt" in restarts[-1] else None
 
 
 def setup(run_dir: RunDir, start: Start, heartbeat: Any = None) -> tuple[RunContext, Any]:
