@@ -81,20 +81,20 @@ def _timed(fn: Any, budget: float, sync: Any, at_least: int = 3) -> float:
 
 
 def _rank_main(rank: int, world: int, port: int, spec: dict[str, Any], q: Any) -> None:
+    cuda = spec["device"] == "cuda"
+    threads = max(1, (os.cpu_count() or 1) // world) if not cuda else 1
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # before torch starts its thread pool, as a run's ranks
     import torch
     import torch.distributed as dist
 
-    from tessera.launch.local import set_rank_env
-
-    cuda = spec["device"] == "cuda"
-    threads = max(1, (os.cpu_count() or 1) // world) if not cuda else 1
-    set_rank_env(rank, world, port, threads=threads)
     torch.set_num_threads(threads)
     if cuda:
         torch.cuda.set_device(rank)
     device = torch.device(f"cuda:{rank}" if cuda else "cpu")
     if world > 1:
-        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+        dist.init_process_group(
+            "nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        )
 
     def sync() -> None:
         if cuda:

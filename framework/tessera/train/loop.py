@@ -129,6 +129,11 @@ class TrainingLoop:
                     self.finish_saving()  # a preemption's grace period covers the save in flight
                     raise ctx.stop
         except BaseException as exc:
+            from tessera.errors import TrainingDiverged
+
+            if isinstance(exc, TrainingDiverged):  # every rank stops here together: the save before it
+                with contextlib.suppress(Exception):  # (of finite state) completes; a failure of it
+                    self.finish_saving()  # must not hide the divergence
             for cb in self.callbacks:  # every callback hears of it, even if one of them fails
                 try:
                     cb.on_failure(ctx, exc)
