@@ -1,5 +1,5 @@
 """`tessera plan --probe`'s arithmetic: the profile made from measurements (synthetic here; the real
-probe runs in tests/dist/test_probe.py), where it is kept, and what a run's manifest says of it."""
+probe runs in tests/dist/test_probe_run.py), where it is kept, and what a run's manifest says of it."""
 
 from __future__ import annotations
 
