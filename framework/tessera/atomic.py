@@ -210,8 +210,13 @@ def write_text_atomic(path: Path, text: str, *, durable: bool = True) -> None:
     write_bytes_atomic(path, text.encode(), durable=durable)
 
 
+def json_text(obj: Any) -> str:
+    """How Tessera writes a JSON file: indented, keys sorted, a newline at the end."""
+    return json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n"
+
+
 def write_json_atomic(path: Path, obj: Any) -> None:
-    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+    write_text_atomic(path, json_text(obj))
 
 
 def sha256_file(path: Path, *, sync: bool = False) -> str:
@@ -232,23 +237,6 @@ def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def sync_filesystem(path: Path) -> None:
-    """Flush every write this machine made to the file system holding ``path`` (Linux ``syncfs``; a
-    plain ``sync`` elsewhere). On a multi-node run's shared file system a rank that hashes a file
-    another node wrote cannot fsync that node's writes: each node flushes its own before the barrier."""
-    import ctypes
-
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if getattr(libc, "syncfs", None) is None or libc.syncfs(fd) != 0:
-            os.sync()
-    except OSError:
-        os.sync()
     finally:
         os.close(fd)
 

@@ -21,14 +21,13 @@ import copy
 import hashlib
 import os
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
 
-from tessera.atomic import write_json_atomic
+from tessera.atomic import json_text, write_json_atomic
 
 #: (sha256 hex, bytes) of one written file
 Hashed = tuple[str, int]
@@ -87,10 +86,10 @@ def write_hashed(
         raise
 
 
-def snapshot(obj: Any, *, pinned: list[bool] | None = None) -> Any:
+def snapshot(obj: Any) -> Any:
     """``obj`` with every tensor replaced by a copy that later steps cannot change: a clone on CPU, a
-    non-blocking copy into pinned host memory from an accelerator (the caller waits for the copies with
-    :func:`snapshot_ready` before reading them). Dicts, lists and tuples are rebuilt (their types kept);
+    non-blocking copy into pinned host memory from an accelerator (the CUDA event :meth:`Writes.start`
+    records after them lets the writer thread wait for the copies before it reads them). Dicts, lists and tuples are rebuilt (their types kept);
     anything else is shared (ints, strings, configs: nothing a step changes), as is a container with no
     tensor in it."""
     if torch.is_tensor(obj):
@@ -99,15 +98,11 @@ def snapshot(obj: Any, *, pinned: list[bool] | None = None) -> Any:
             return t.clone()
         out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
         out.copy_(t, non_blocking=True)
-        if pinned is not None:
-            pinned.append(True)
         return out
     if isinstance(obj, dict | list | tuple):
         items = list(obj.items()) if isinstance(obj, dict) else list(obj)
         copied = (
-            [(k, snapshot(v, pinned=pinned)) for k, v in items]
-            if isinstance(obj, dict)
-            else [snapshot(v, pinned=pinned) for v in items]
+            [(k, snapshot(v)) for k, v in items] if isinstance(obj, dict) else [snapshot(v) for v in items]
         )
         parts = [v for _, v in copied] if isinstance(obj, dict) else copied
         olds = [v for _, v in items] if isinstance(obj, dict) else items
@@ -142,7 +137,6 @@ class Writes:
         self.results: dict[str, Hashed] = {}
         self.bytes_written = 0
         self.error: BaseException | None = None
-        self.seconds = 0.0  # the writes' own time (the thread's, when in the background)
         #: called with :attr:`bytes_written` after every block (the fault injection's kill points)
         self.watch: Callable[[int], None] | None = None
         #: JSON-able facts this rank's marker carries to rank 0 (megatron-core's write results)
@@ -150,9 +144,7 @@ class Writes:
         #: rank 0's completion steps, given every rank's marker, before meta.json is written
         self.commits: list[Callable[[list[dict[str, Any]]], None]] = []
         self._jobs: list[Callable[[], None]] = []
-        self._after: list[Callable[[], None]] = []
         self._last: list[Callable[[BaseException | None], None]] = []
-        self._pinned: list[bool] = []
         self._event: Any = None
         self._thread: threading.Thread | None = None
         self._done = threading.Event()
@@ -161,9 +153,9 @@ class Writes:
     def add(self, path: Path, obj: Any, serialize: Callable[[Any, BinaryIO], None]) -> None:
         """``serialize(obj, stream)`` into ``path`` (under ``root``): now, or later from a snapshot."""
         if not self.background:
-            self._timed(lambda: self._file(path, lambda f: serialize(obj, f)))
+            self._file(path, lambda f: serialize(obj, f))
             return
-        copy = snapshot(obj, pinned=self._pinned)
+        copy = snapshot(obj)
         self._jobs.append(lambda: self._file(path, lambda f: serialize(copy, f)))
 
     def add_task(self, task: Callable[[Callable[[int], None]], dict[str, Hashed]]) -> None:
@@ -177,14 +169,7 @@ class Writes:
         if self.background:
             self._jobs.append(run)
         else:
-            self._timed(run)
-
-    def then(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` after every file of this rank is written (in the thread, when in the background)."""
-        if self.background:
-            self._after.append(fn)
-        else:
-            self._timed(fn)
+            run()
 
     def always(self, fn: Callable[[BaseException | None], None]) -> None:
         """Run ``fn(error)`` at the end of a background save whether it failed or not (``error``: the
@@ -204,21 +189,14 @@ class Writes:
         rel = str(Path(path).relative_to(self.root))
         self.results[rel] = write_hashed(Path(path), fill, self._count)
 
-    def _timed(self, fn: Callable[[], None]) -> None:
-        t0 = time.perf_counter()
-        try:
-            fn()
-        finally:
-            self.seconds += time.perf_counter() - t0
-
     def start(self) -> None:
         """Begin writing (background), or mark the writes done (in line: they already are)."""
         if not self.background:
             self._done.set()
             return
-        if self._pinned and torch.cuda.is_available():
+        if torch.cuda.is_available():
             self._event = torch.cuda.Event()
-            self._event.record()  # after the copies on this stream: the thread waits for them
+            self._event.record()  # after any device-to-host copies of the snapshot: the thread waits for them
         self._thread = threading.Thread(target=self._run, name="tessera-checkpoint-writer", daemon=True)
         self._thread.start()
 
@@ -227,8 +205,8 @@ class Writes:
         try:
             if self._event is not None:
                 self._event.synchronize()
-            for job in [*self._jobs, *self._after]:
-                self._timed(job)
+            for job in self._jobs:
+                job()
         except BaseException as e:  # kept for wait(): the thread never raises into the void
             self.error = e
         try:
@@ -237,7 +215,7 @@ class Writes:
         except BaseException as e:
             self.error = self.error or e
         finally:
-            self._jobs, self._after, self._last = [], [], []
+            self._jobs, self._last = [], []
             self._done.set()
 
     def done(self) -> bool:
@@ -307,11 +285,9 @@ def collecting(writes: Writes) -> Iterator[Writes]:
 
 def write_json_now_or_later(path: Path, obj: Any) -> None:
     """A small JSON file of a checkpoint (rank 0's manifest): through the current save, or atomically."""
-    import json
-
     writes = current()
     if writes is None:
         write_json_atomic(path, obj)
         return
-    text = (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode()
+    text = json_text(obj).encode()
     writes.add(path, text, lambda data, f: f.write(data))

@@ -157,14 +157,13 @@ class CheckpointManager(CheckpointIndex):
         if self.watch is not None:
             watch = self.watch
             writes.watch = lambda n: watch(step, "bytes", n)
-        t0 = time.perf_counter()
         with collecting(writes):
             engine.save(tmp)
             tensors, rng_meta = rng_state()
             save_tensors(tmp / rng_file_name(self.rank), tensors, rng_meta)
             if self.rank == 0:
                 write_json_now_or_later(tmp / MANIFEST, manifest)
-        pending = _Pending(step, name, tmp, final, writes, time.perf_counter() - t0)
+        pending = _Pending(step, name, tmp, final, writes)
         writes.always(lambda error: _write_marker(tmp, self.rank, writes, error))
         if self.rank == 0:
             record = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": step,
@@ -294,7 +293,6 @@ class _Pending:
     tmp: Path
     final: Path
     writes: Writes
-    held_s: float  # the time the save held the step loop: the engine's save call and the snapshot
     waited_s: float = 0.0  # the time :meth:`CheckpointManager.finish` waited for the writes
 
 
