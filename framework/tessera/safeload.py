@@ -459,6 +459,62 @@ def safe_torch_load(path: Path | str | IO[bytes], *, where: str | None = None, *
                     path.seek(start)  # type: ignore[union-attr]
 
 
+def _file_mappings() -> list[tuple[int, int]] | None:
+    """(start, end) of every file-backed mapping of this process, sorted; None where /proc is missing."""
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return None
+    out = []
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith("/"):
+            start, end = fields[0].split("-")
+            out.append((int(start, 16), int(end, 16)))
+    return sorted(out)
+
+
+def into_memory(state: Any) -> int:
+    """Copy every CPU tensor of ``state`` (nested dicts, lists, tuples) that maps a file into this
+    process's own memory, in place (``Tensor.set_``: every holder of the tensor sees the copy); returns
+    the bytes copied. A tensor of ``torch.load(mmap=True)`` that an optimizer keeps as its state maps the
+    checkpoint file for the rest of the run: the file's blocks stay allocated on disk after the checkpoint
+    is pruned, and the next save reads them back from disk. Where /proc is missing, every CPU tensor is
+    copied."""
+    import bisect
+
+    import torch
+
+    maps = _file_mappings()
+    starts = [a for a, _ in maps] if maps is not None else []
+    seen: set[int] = set()
+    copied = 0
+
+    def mapped(t: torch.Tensor) -> bool:
+        if maps is None:
+            return True
+        i = bisect.bisect_right(starts, t.data_ptr()) - 1
+        return i >= 0 and t.data_ptr() < maps[i][1]
+
+    def walk(obj: Any) -> None:
+        nonlocal copied
+        if torch.is_tensor(obj):
+            if obj.device.type == "cpu" and id(obj) not in seen and obj.numel() and mapped(obj):
+                seen.add(id(obj))
+                with torch.no_grad():
+                    obj.set_(obj.clone())
+                copied += obj.numel() * obj.element_size()
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                walk(v)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                walk(v)
+
+    walk(state)
+    return copied
+
+
 @contextlib.contextmanager
 def forced_weights_only(where: Path | str) -> Iterator[None]:
     """Every ``torch.load`` in this block loads with ``weights_only=True`` and the allow-list, even one

@@ -27,11 +27,13 @@ from typing import Any, BinaryIO
 
 import torch
 
-from tessera.atomic import json_text, write_json_atomic
+from tessera.atomic import Beside, json_text, write_json_atomic
 
 #: (sha256 hex, bytes) of one written file
 Hashed = tuple[str, int]
 _BUFFER = 8 << 20
+#: blocks at least this large are hashed on a helper thread while they are written
+_BESIDE = 1 << 20
 
 
 class HashingFile:
@@ -44,12 +46,22 @@ class HashingFile:
         self._f = os.fdopen(fd, "wb", buffering=_BUFFER)
         self._h = hashlib.sha256()
         self._progress = progress
+        self._beside: Beside | None = None
         self.size = 0
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")  # torch.save hands bytes, bytearrays and tensor storages
-        self._h.update(view)  # sha256 releases the GIL for blocks this size: the step goes on meanwhile
-        self._f.write(view)
+        if view.nbytes >= _BESIDE:  # hashed on the helper thread while written; done before returning
+            if self._beside is None:  # (the caller may reuse or free ``data`` once this returns)
+                self._beside = Beside()
+            hashing = self._beside.start(self._h.update, view)
+            try:
+                self._f.write(view)
+            finally:
+                hashing.result()
+        else:
+            self._h.update(view)
+            self._f.write(view)
         self.size += view.nbytes
         if self._progress is not None:
             self._progress(view.nbytes)
@@ -66,11 +78,18 @@ class HashingFile:
         self._f.flush()
         os.fsync(self._f.fileno())
         self._f.close()
+        self._close_beside()
         return self._h.hexdigest(), self.size
 
     def abort(self) -> None:
         with contextlib.suppress(OSError):
             self._f.close()
+        self._close_beside()
+
+    def _close_beside(self) -> None:
+        if self._beside is not None:
+            self._beside.close()
+            self._beside = None
 
 
 def write_hashed(

@@ -173,3 +173,53 @@ def test_verification_shares_the_files_out_by_bytes():
     shares = share_by_bytes(sizes, 2)
     assert shares == [{"a", "d"}, {"b", "c", "e"}]  # 1000 and 910 bytes (round robin: 1310 and 600)
     assert share_by_bytes(sizes, 1) == [{n for n, _ in sizes}]
+
+
+def _mapped(path: Path) -> bool:
+    return str(path) in Path("/proc/self/maps").read_text()
+
+
+def test_moments_loaded_mapped_are_copied_into_memory_and_release_the_file(tmp_path):
+    """DeepSpeed's loads go through Tessera's checkpoint engine, which maps the file; an optimizer that
+    keeps the moments it loaded (torch's ``load_state_dict`` keeps same-device tensors) would map the
+    checkpoint for the rest of the run. ``into_memory`` copies them in place: same objects, same values,
+    and the file (pruned here) is no longer mapped."""
+    from tessera.engines.zero import safe_checkpoint_engine_class
+    from tessera.safeload import into_memory
+
+    w = torch.nn.Parameter(torch.randn(256, 256))
+    opt = torch.optim.AdamW([w], foreach=False)
+    w.grad = torch.randn_like(w)
+    opt.step()
+    f = tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    torch.save({"optimizer": opt.state_dict()}, f)
+    want = {k: v.clone() for k, v in opt.state[w].items()}
+
+    fresh = torch.optim.AdamW([w], foreach=False)
+    engine = safe_checkpoint_engine_class().__new__(safe_checkpoint_engine_class())
+    fresh.load_state_dict(engine.load(str(f), map_location="cpu")["optimizer"])
+    assert _mapped(f)  # the loaded moments are the file's pages
+    held = fresh.state[w]["exp_avg"]
+    f.unlink()  # pruned: its blocks stay allocated while mapped
+    copied = into_memory(fresh.state)
+    assert copied == 2 * w.numel() * 4 + 4  # exp_avg, exp_avg_sq and the step count
+    assert fresh.state[w]["exp_avg"] is held
+    assert not _mapped(f) and "(deleted)" not in Path("/proc/self/maps").read_text()
+    for k, v in want.items():
+        assert torch.equal(fresh.state[w][k], v), k
+    assert into_memory(fresh.state) == 0  # nothing is mapped any more
+
+
+def test_hashes_taken_beside_the_io_equal_sha256_at_every_size(tmp_path):
+    """Reads and writes of 1 MiB and more are hashed on a helper thread while the I/O goes on (chunk
+    borders, a last partial chunk, the empty file): the same digest as hashlib over the whole bytes."""
+    from tessera.atomic import _CHUNK, sha256_file
+
+    rng = torch.Generator().manual_seed(0)
+    for size in (0, 1, _CHUNK - 1, _CHUNK, _CHUNK + 1, 3 * _CHUNK + 5):
+        data = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=rng).numpy().tobytes()
+        f = tmp_path / f"f{size}"
+        pieces = [data[i : i + (3 << 19)] for i in range(0, size, 3 << 19)]  # 1.5 MiB writes, then the rest
+        digest, n = write_hashed(f, lambda out, pieces=pieces: [out.write(p) for p in pieces])
+        assert n == size and f.read_bytes() == data, size
+        assert digest == sha256_file(f) == hashlib.sha256(data).hexdigest(), size

@@ -34,6 +34,7 @@ from tessera.engines.optim import (
 )
 from tessera.errors import CheckpointError
 from tessera.plan.layout import ParallelLayout
+from tessera.safeload import into_memory
 from tessera.writes import current, torch_save
 
 #: the checkpoint ``sharding`` of DeepSpeed ZeRO: this prefix and the stage ("deepspeed-zero2")
@@ -200,6 +201,10 @@ class DeepSpeedRunner:
                 value=str(path),
                 fix="resume with the engine and layout that wrote it (see its meta.json)",
             )
+        # the optimizer keeps the moments its load handed it; on CPU (a CPU run, ZeRO-Offload) those map
+        # this checkpoint's file (:class:`SafeTorchCheckpointEngine` loads mapped): copied once, here
+        opt = self.engine.optimizer
+        into_memory(getattr(opt, "optimizer", opt).state)
 
 
 def _load_safely(engine: Any) -> None:
