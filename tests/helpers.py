@@ -332,13 +332,13 @@ def forge_checksum(ckpt: Path, rel: str) -> None:
     """Rewrite meta.json so that file ``rel`` matches it again (an attacker, or a careless copy)."""
     import json
 
-    from tessera.atomic import sha256_file
-    from tessera.checkpoint.index import META
+    from tessera.checkpoint.index import CHECKSUMS, META
 
     meta = json.loads((ckpt / META).read_text())
     for f in meta["files"]:
         if f["path"] == rel:
-            f["bytes"], f["sha256"] = (ckpt / rel).stat().st_size, sha256_file(ckpt / rel)
+            kind = next(k for k in CHECKSUMS if f.get(k))
+            f["bytes"], f[kind] = (ckpt / rel).stat().st_size, CHECKSUMS[kind](ckpt / rel)
     (ckpt / META).write_text(json.dumps(meta))
 
 
@@ -470,9 +470,11 @@ def assert_damage_is_refused(run_dir: Path, tmp_path: Path) -> None:
         timeout=300,
     )
     assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
-    assert str(ckpt / victim) in p.stderr and "sha256" in p.stderr and "Traceback" not in p.stderr, p.stderr[
-        -3000:
-    ]
+    assert (
+        str(ckpt / victim) in p.stderr
+        and "blake3 does not match meta.json" in p.stderr
+        and "Traceback" not in p.stderr
+    ), p.stderr[-3000:]
     assert rd.rank_pid(0) is None  # refused before launch
 
 

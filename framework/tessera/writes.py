@@ -3,7 +3,8 @@ once, in line or on a background thread.
 
 One save of one rank is a :class:`Writes`: the engine's serializers (``torch.save`` for DeepSpeed's
 files, safetensors for Tessera's, megatron-core's bucket writer) produce their bytes into a
-:class:`HashingFile`, which feeds every block to sha256 on its way to the disk, so no file is read back
+:class:`HashingFile`, which feeds every block to the checksum (:data:`tessera.atomic.CHECKSUM`) on its way
+to the disk, so no file is read back
 to be hashed. With ``background=True`` (``checkpoint.async``), :meth:`Writes.add` first takes a
 :func:`snapshot` of what it is given (a copy on CPU, a copy into pinned host memory on GPU), so that the
 steps that follow cannot change what is written, and one thread per save writes the snapshots in order.
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -27,9 +27,9 @@ from typing import Any, BinaryIO
 
 import torch
 
-from tessera.atomic import Beside, json_text, write_json_atomic
+from tessera.atomic import Beside, checksum_hasher, json_text, write_json_atomic
 
-#: (sha256 hex, bytes) of one written file
+#: (checksum hex, bytes) of one written file
 Hashed = tuple[str, int]
 _BUFFER = 8 << 20
 #: blocks at least this large are hashed on a helper thread while they are written
@@ -44,7 +44,7 @@ class HashingFile:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         self.path = Path(path)
         self._f = os.fdopen(fd, "wb", buffering=_BUFFER)
-        self._h = hashlib.sha256()
+        self._h = checksum_hasher()
         self._progress = progress
         self._beside: Beside | None = None
         self.size = 0
@@ -147,7 +147,7 @@ class Writes:
     """This rank's files of one checkpoint directory ``root``. ``background``: the files are written by a
     thread from snapshots (:meth:`start` starts it); otherwise each is written when it is added.
 
-    ``results``: relative path -> (sha256, bytes) of every file written here. A failure in the thread is
+    ``results``: relative path -> (checksum, bytes) of every file written here. A failure in the thread is
     kept and raised by :meth:`wait`."""
 
     def __init__(self, root: Path, *, background: bool) -> None:
@@ -255,7 +255,7 @@ class Writes:
 @contextlib.contextmanager
 def without_zip_crc() -> Iterator[None]:
     """``torch.save`` calls in the block skip the zip format's CRC-32 of every record: a checkpoint
-    writer's stream hashes every byte with sha256 for meta.json already, and the CRC is a second pass
+    writer's stream hashes every byte for meta.json already, and the CRC is a second pass
     over the bytes (a copy of each storage through the zip writer: ~0.3 s per 0.5 GB on a 2-core
     machine). ``torch.load`` does not check it; Tessera's pickle scan reads such members without it."""
     from torch.utils.serialization import config

@@ -253,7 +253,7 @@ def test_checkpoint_is_self_describing(zero_runs, name):
     assert meta["tokenizer_hash"] == manifest["tokenizer_hash"]
     assert meta["sampler"]["consumed_samples"] == STEPS * 16 and "rank" not in meta["sampler"]
     assert {f["path"] for f in meta["files"]} == set(checkpoint_files(ckpt))
-    assert all(len(f["sha256"]) == 64 for f in meta["files"])
+    assert all(len(f["blake3"]) == 64 and "sha256" not in f for f in meta["files"])
 
 
 @pytest.mark.parametrize("name", ["z2", "ddp"])

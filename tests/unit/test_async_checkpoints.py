@@ -8,6 +8,7 @@ import hashlib
 import threading
 from pathlib import Path
 
+import blake3
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -24,7 +25,8 @@ DESCRIBE = {"engine": "test", "sharding": "none", "layout": {"dp": 2}, "precisio
 
 
 def sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    """The checkpoint checksum (BLAKE3) of a file's bytes, by the reference package in one call."""
+    return blake3.blake3(path.read_bytes()).hexdigest()
 
 
 class RankEngine:
@@ -135,8 +137,8 @@ def test_background_save_writes_the_snapshot_and_moves_latest_last(tmp_path):
     bg[0].finish()
     got = bg[0].verify(bg[0].latest())
     assert bg[0].latest() == path
-    assert {f["path"]: f["sha256"] for f in got["files"] if "shard" in f["path"]} == {
-        f["path"]: f["sha256"] for f in want["files"] if "shard" in f["path"]
+    assert {f["path"]: f["blake3"] for f in got["files"] if "shard" in f["path"]} == {
+        f["path"]: f["blake3"] for f in want["files"] if "shard" in f["path"]
     }
     assert not list(path.glob(".done-*"))  # the markers are not part of the checkpoint
 
@@ -210,10 +212,11 @@ def test_moments_loaded_mapped_are_copied_into_memory_and_release_the_file(tmp_p
     assert into_memory(fresh.state) == 0  # nothing is mapped any more
 
 
-def test_hashes_taken_beside_the_io_equal_sha256_at_every_size(tmp_path):
+def test_hashes_taken_beside_the_io_equal_the_reference_digests_at_every_size(tmp_path):
     """Reads and writes of 1 MiB and more are hashed on a helper thread while the I/O goes on (chunk
-    borders, a last partial chunk, the empty file): the same digest as hashlib over the whole bytes."""
-    from tessera.atomic import _CHUNK, sha256_file
+    borders, a last partial chunk, the empty file): the same digest as the reference over the whole
+    bytes, BLAKE3 (written, and read on every core) and sha256 (read)."""
+    from tessera.atomic import _CHUNK, checksum_file, sha256_file
 
     rng = torch.Generator().manual_seed(0)
     for size in (0, 1, _CHUNK - 1, _CHUNK, _CHUNK + 1, 3 * _CHUNK + 5):
@@ -222,4 +225,5 @@ def test_hashes_taken_beside_the_io_equal_sha256_at_every_size(tmp_path):
         pieces = [data[i : i + (3 << 19)] for i in range(0, size, 3 << 19)]  # 1.5 MiB writes, then the rest
         digest, n = write_hashed(f, lambda out, pieces=pieces: [out.write(p) for p in pieces])
         assert n == size and f.read_bytes() == data, size
-        assert digest == sha256_file(f) == hashlib.sha256(data).hexdigest(), size
+        assert digest == checksum_file(f) == blake3.blake3(data).hexdigest(), size
+        assert sha256_file(f) == hashlib.sha256(data).hexdigest(), size

@@ -78,11 +78,32 @@ def test_save_rename_latest_and_keep(tmp_path):
     listed = {f["path"]: f for f in meta["files"]}
     assert set(listed) == {"shard_rank0.safetensors", MANIFEST, rng_file_name(0)}
     for path, f in listed.items():
-        assert f["bytes"] == (m.latest() / path).stat().st_size and len(f["sha256"]) == 64
+        assert f["bytes"] == (m.latest() / path).stat().st_size and len(f["blake3"]) == 64
     e = TensorFileEngine(0)
     torch.manual_seed(0)
     assert m.load(m.latest(), meta, e) == {"consumed_samples": 3}
     assert torch.equal(e.model.weight, torch.full((2, 2), 3.0))
+
+
+def test_a_checkpoint_recording_sha256_is_verified_by_it(tmp_path):
+    """Checkpoints written before BLAKE3 record sha256: they verify, and an altered file is named."""
+    import hashlib
+
+    m = _mgr(tmp_path)
+    p = _save(m, 1, TensorFileEngine(1))
+    meta = json.loads((p / "meta.json").read_text())
+    for f in meta["files"]:
+        del f["blake3"]
+        f["sha256"] = hashlib.sha256((p / f["path"]).read_bytes()).hexdigest()
+    (p / "meta.json").write_text(json.dumps(meta))
+    assert m.verify(p)["step"] == 1
+    shard = p / "shard_rank0.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"sha256 does not match meta\.json") as e:
+        m.verify(p)
+    assert e.value.value == str(shard)
 
 
 def test_rng_state_round_trips_without_pickle(tmp_path):
@@ -220,7 +241,7 @@ def test_a_pickle_in_place_of_the_rng_file_never_runs(tmp_path):
     p = _save(m, 1, TensorFileEngine(1))
     marker = tmp_path / "pwned"
     (p / "rng_rank00000.safetensors").write_bytes(pickle.dumps(PicklePayload(marker)))
-    with pytest.raises(CheckpointError, match=r"sha256|bytes"):
+    with pytest.raises(CheckpointError, match=r"blake3|bytes"):
         m.verify(p)  # refused by its checksum
     meta = _forge(p, "rng_rank00000.safetensors")  # and with the checksum forged to match
     with pytest.raises(CheckpointError, match="not a readable safetensors file"):

@@ -231,7 +231,8 @@ META_CASES = {
     "sampler.epoch=-1": ({"sampler": {"epoch": -1}}, 'field "sampler.epoch" = -1'),
     "files=str": ({"files": "x"}, 'field "files" ='),
     "bytes=-1": ({"files.0.bytes": -1}, 'field "files.0.bytes" = -1'),
-    "sha256=short": ({"files.0.sha256": "abc"}, 'field "files.0.sha256"'),
+    "blake3=short": ({"files.0.blake3": "abc"}, 'field "files.0.blake3"'),
+    "two checksums": ({"files.0.sha256": "0" * 64}, "must carry exactly one checksum, blake3 or sha256"),
     "path=..": ({"files.0.path": "../x"}, "not a valid relative path"),
 }
 

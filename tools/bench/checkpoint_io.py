@@ -4,13 +4,15 @@ Three measurements, each next to a baseline run in the same process layout, on t
 directory under ``runs/``, or ``--dir``):
 
 1. **Save**: ``CheckpointManager.save`` as the training loop calls it (finiteness check, the engine's
-   shard, RNG files, manifest, sha256 of every file, meta.json, rename, ``latest``, pruning to
+   shard, RNG files, manifest, BLAKE3 checksum of every file, meta.json, rename, ``latest``, pruning to
    ``keep=1``) of the default recipe's engine (DeepSpeed ZeRO-2 on 2 gloo ranks; ``--engine ddp`` for
    the DDP baseline engine) holding a ~84M-parameter Llama after one AdamW step: ~1.3 GB on disk.
    The save is durable: the ranks hash and fsync every data file (shared between them by bytes) before
    the rename, and fsync the directories. Baseline: each rank writes files of the same names and sizes
    as it wrote, and fsyncs them. As a check, the time to fsync the saved files again right after the
    save (untimed for it) is reported as "left dirty after save": ~0 s when nothing was left to flush.
+   Both sides keep one copy: the save prunes the previous checkpoint, and each plain write deletes the
+   previous repetition's files (rank 0, after the writes), both inside the timing.
 2. **Load**: the resume path (``pick`` the latest, ``verify`` every file against meta.json, ``load``).
    Baseline: each rank reads its files in 16 MiB chunks. Both start cold: every file is fsynced and
    evicted from the page cache (``posix_fadvise(DONTNEED)``) before each timed read.
@@ -93,8 +95,9 @@ def evict(paths: list[Path]) -> float:
     return flush
 
 
-def plain_write(root: Path, sizes: dict[str, int], block: bytes) -> None:
-    """Write files of the given relative names and sizes from ``block`` (repeated), each fsynced."""
+def plain_write(root: Path, sizes: dict[str, int], block: bytes, before: Path | None = None) -> None:
+    """Write files of the given relative names and sizes from ``block`` (repeated), each fsynced; then
+    delete the directory ``before`` where it exists (the previous copy: a save's pruning to ``keep=1``)."""
     view = memoryview(block)
     for rel, size in sizes.items():
         path = root / rel
@@ -105,6 +108,8 @@ def plain_write(root: Path, sizes: dict[str, int], block: bytes) -> None:
                 left -= f.write(view[: min(left, len(view))])
             f.flush()
             os.fsync(f.fileno())
+    if before is not None and before.is_dir():
+        shutil.rmtree(before)
 
 
 def plain_read(paths: list[Path]) -> int:
@@ -204,7 +209,7 @@ def _rank(rank: int, world: int, port: int, spec: dict[str, Any], q: Any) -> Non
     phases.wrap(engine, "save", "engine.save")
     phases.wrap(engine, "load", "engine.load")
     phases.wrap(ckpt, "_prune", "prune")
-    phases.wrap(manager_mod, "sha256_file", "sha256")
+    phases.wrap(manager_mod, "checksum_file", "checksum")
     phases.wrap(manager_mod, "save_tensors", "rng_file")
 
     def timed(fn: Any) -> tuple[float, dict[str, float], dict[str, int]]:
@@ -238,9 +243,10 @@ def _rank(rank: int, world: int, port: int, spec: dict[str, Any], q: Any) -> Non
     for rep in range(spec["reps"]):
         plain = work / f"plain-{rep}"
         rec: dict[str, Any] = {"rep": rep, "order": "tessera-first" if rep % 2 == 0 else "plain-first"}
+        before = work / f"plain-{rep - 1}" if rank == 0 else None  # rank 0 prunes, as in the save
         saves = {
             "tessera_save": lambda step=rep + 2: save(step),
-            "plain_write": lambda plain=plain: plain_write(plain, mine, block),
+            "plain_write": lambda plain=plain, before=before: plain_write(plain, mine, block, before),
         }
         loads = {
             "tessera_load": load,
@@ -256,9 +262,9 @@ def _rank(rank: int, world: int, port: int, spec: dict[str, Any], q: Any) -> Non
                     rec["files"] = files_under(where)  # type: ignore[arg-type]
                     rec["bytes"] = sum(rec["files"].values())
         reps.append(rec)
-        if rank == 0:
-            shutil.rmtree(plain)
-        barrier()
+    if rank == 0:
+        shutil.rmtree(work / f"plain-{spec['reps'] - 1}", ignore_errors=True)
+    barrier()
     everyone = all_gather_object(reps)
     if rank == 0:  # the trained model as an HF directory: the conversion's source
         engine.modules()[0].save_pretrained(spec["hf_dir"], safe_serialization=True)
@@ -505,17 +511,30 @@ def report(
     nbytes, hf_bytes = first["bytes"], hf[0]
     timed = ("tessera_save", "plain_write", "tessera_load", "plain_read")
     gbps = {k: nbytes / GB / s[k]["median_s"] for k in timed}
-    conv_s = _med([c["seconds"] for c in convs])
-    conv_gbps, read_gbps = hf_bytes / GB / conv_s, hf_bytes / GB / _med(reads)
-    peak = max(c["peak_rss_largest_process"] or 0 for c in convs)
-    tree = max(c["peak_pss_tree_polled"] for c in convs)
+    read_gbps = hf_bytes / GB / _med(reads)
     ratios = {
         "save_throughput_ratio": gbps["tessera_save"] / gbps["plain_write"],
         "load_throughput_ratio": gbps["tessera_load"] / gbps["plain_read"],
-        "conversion_over_disk_read_ratio": conv_gbps / read_gbps,
-        "conversion_peak_rss_over_hf_bytes": peak / hf_bytes,
-        "conversion_tree_peak_pss_over_hf_bytes": tree / hf_bytes,
     }
+    # the same ratio repetition by repetition (each pair ran back to back): the disk's drift between
+    # repetitions leaves the pairs, which is what the medians above mix
+    pairs = {
+        kind: [p / t for p, t in zip(s[base]["all_s"], s[f"tessera_{kind}"]["all_s"], strict=True)]
+        for kind, base in (("save", "plain_write"), ("load", "plain_read"))
+    }
+    for kind, xs in pairs.items():
+        ratios[f"{kind}_paired_ratio_median"] = _med(xs)
+    conv_s = conv_gbps = peak = tree = None  # --convert-reps 0: no conversion measured
+    if convs:
+        conv_s = _med([c["seconds"] for c in convs])
+        conv_gbps = hf_bytes / GB / conv_s
+        peak = max(c["peak_rss_largest_process"] or 0 for c in convs)
+        tree = max(c["peak_pss_tree_polled"] for c in convs)
+        ratios |= {
+            "conversion_over_disk_read_ratio": conv_gbps / read_gbps,
+            "conversion_peak_rss_over_hf_bytes": peak / hf_bytes,
+            "conversion_tree_peak_pss_over_hf_bytes": tree / hf_bytes,
+        }
     lines: list[str] = []
     lines += [
         f"Checkpoint I/O: {args.engine} engine ({ranks['sharding']}), {args.world} gloo rank(s), "
@@ -533,10 +552,13 @@ def report(
         _row("plain write, same files, fsync", s["plain_write"]["median_s"], gbps["plain_write"]),
         _row("Tessera load (pick, verify, load)", s["tessera_load"]["median_s"], gbps["tessera_load"]),
         _row("plain read, same files", s["plain_read"]["median_s"], gbps["plain_read"]),
-        _row("convert HF -> megatron TP2", conv_s, conv_gbps, f"({hf_bytes / GB:.3f} GB of HF weights)"),
-        _row("plain read of the HF safetensors", _med(reads), read_gbps),
     ]
-    shown = {"tessera_save": {"sha256": "sha256+fsync"}, "tessera_load": {}}
+    if conv_s is not None:
+        lines.append(
+            _row("convert HF -> megatron TP2", conv_s, conv_gbps, f"({hf_bytes / GB:.3f} GB of HF weights)")
+        )
+    lines.append(_row("plain read of the HF safetensors", _med(reads), read_gbps))
+    shown = {"tessera_save": {"checksum": "checksum+fsync"}, "tessera_load": {}}
     for kind, names in shown.items():
         ph = s[kind]["rank0_phases_median_s"]
         other = s[kind]["median_s"] - sum(ph.values())
@@ -547,12 +569,17 @@ def report(
         f"Tessera load, all ranks: {rd['rchar'] / GB:.2f} GB through read(), "
         f"{rd['read_bytes'] / GB:.2f} GB from storage"
     )
-    lines.append(
-        f"conversion peak memory: largest process RSS {peak / 2**30:.2f} GiB "
-        f"({ratios['conversion_peak_rss_over_hf_bytes']:.1f}x the HF weights), process tree PSS "
-        f"{tree / 2**30:.2f} GiB ({ratios['conversion_tree_peak_pss_over_hf_bytes']:.1f}x)"
-    )
+    if peak is not None and tree is not None:
+        lines.append(
+            f"conversion peak memory: largest process RSS {peak / 2**30:.2f} GiB "
+            f"({ratios['conversion_peak_rss_over_hf_bytes']:.1f}x the HF weights), process tree PSS "
+            f"{tree / 2**30:.2f} GiB ({ratios['conversion_tree_peak_pss_over_hf_bytes']:.1f}x)"
+        )
     lines += [f"  {k:40} {v:.3f}" for k, v in ratios.items()]
+    lines += [
+        f"  {kind} pairs (plain s / Tessera s, by repetition): " + " ".join(f"{x:.2f}" for x in xs)
+        for kind, xs in pairs.items()
+    ]
     print()
     print("\n".join(lines))
     import deepspeed

@@ -1,6 +1,6 @@
 """Finding and checking checkpoints without loading them (no torch: ``tessera run`` does this before
 it launches the ranks): the directory names, ``meta.json``, the ``latest`` pointer, and the verification
-of every file against its recorded size and sha256. Saving and loading are :mod:`tessera.checkpoint.manager`.
+of every file against its recorded size and checksum. Saving and loading are :mod:`tessera.checkpoint.manager`.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from tessera.atomic import file_kind, sha256_file
+from tessera.atomic import CHECKSUM, checksum_file, file_kind, sha256_file
 from tessera.errors import CheckpointError, preview
 from tessera.rundir import RunDir
 
@@ -46,13 +46,20 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
 
+_Hex64 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+#: the checksums a file entry may carry, each with its function: BLAKE3 (what Tessera writes) and sha256
+#: (what checkpoints written before it record)
+CHECKSUMS = {CHECKSUM: checksum_file, "sha256": sha256_file}
+
+
 class FileEntry(_Strict):
-    """One file of the checkpoint: where (relative, inside it), its size, its sha256 (v2)."""
+    """One file of the checkpoint: where (relative, inside it), its size, its checksum (v2)."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
     path: str
     bytes: _NonNegative
-    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] | None = None
+    sha256: _Hex64 | None = None
+    blake3: _Hex64 | None = None
 
     @field_validator("path")
     @classmethod
@@ -65,7 +72,11 @@ class FileEntry(_Strict):
 
 
 class FileEntryV2(FileEntry):
-    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+    @model_validator(mode="after")
+    def _one_checksum(self) -> FileEntryV2:
+        if (self.sha256 is None) == (self.blake3 is None):
+            raise ValueError(f"must carry exactly one checksum, {' or '.join(CHECKSUMS)}")
+        return self
 
 
 class LayoutRecord(_Strict):
@@ -287,7 +298,7 @@ def verify_checkpoint(path: Path, *, rank: int = 0, world: int = 1) -> tuple[dic
     """Check a checkpoint against its meta.json before anything loads it: only regular files under it
     (raised at once, before any file is opened), meta.json valid, every listed file present with its
     size, nothing unlisted, and this rank's share of the files (``world`` ranks split the work): (v2) its
-    sha256, then the static scan of its pickles (:func:`tessera.safeload.file_problem`: a global off the
+    checksum, then the static scan of its pickles (:func:`tessera.safeload.file_problem`: a global off the
     allow-list is refused, nothing is unpickled). Returns (meta, problems): each problem names the file;
     the caller raises."""
     from tessera.safeload import file_problem
@@ -312,13 +323,22 @@ def verify_checkpoint(path: Path, *, rank: int = 0, world: int = 1) -> tuple[dic
             problems.append(f"{f}: {size} bytes, meta.json says {entry['bytes']} (truncated or altered)")
         elif rel not in mine:
             continue
-        elif v2 and sha256_file(f) != entry["sha256"]:
-            problems.append(f"{f}: sha256 does not match meta.json (the file was altered or corrupted)")
+        elif v2 and (bad := checksum_problem(f, entry)) is not None:
+            problems.append(f"{f}: {bad}")
         elif (why := file_problem(path, rel, scans)) is not None:
             problems.append(f"{f}: {why}")
     for rel in sorted(present - listed - {META}):
         problems.append(f"{path / rel}: not listed in meta.json")
     return meta, problems
+
+
+def checksum_problem(path: Path, entry: dict[str, Any]) -> str | None:
+    """None when file ``path`` has the checksum its meta.json ``entry`` records (BLAKE3, or an older
+    checkpoint's sha256), else what is wrong."""
+    kind = next(k for k in CHECKSUMS if entry.get(k) is not None)  # the schema requires one
+    if CHECKSUMS[kind](path) != entry[kind]:
+        return f"{kind} does not match meta.json (the file was altered or corrupted)"
+    return None
 
 
 def raise_problems(problems: list[str]) -> None:

@@ -9,7 +9,7 @@ Protocol of one save (all ranks take part):
 3. the ranks hash and fsync the files between them (balanced by bytes), so the data is on disk before
    anything names it; rank 0 writes ``meta.json`` (format v2: engine, sharding,
    layout, precision, HF model config, tokenizer hash, step, the layout-free sampler position, and the
-   sha256 and size of every file), then renames the directory to ``step_NNNNNN`` (atomic on one file
+   BLAKE3 checksum and size of every file), then renames the directory to ``step_NNNNNN`` (atomic on one file
    system; the directories fsynced), rewrites ``latest`` via a temporary file + ``os.replace``, and prunes
    to the last ``keep``.
 
@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tessera.atomic import fsync_dir, sha256_file, write_json_atomic, write_text_atomic
+from tessera.atomic import CHECKSUM, checksum_file, fsync_dir, write_json_atomic, write_text_atomic
 from tessera.checkpoint.index import (
     FIX,
     FORMAT,
@@ -212,10 +212,10 @@ class CheckpointManager(CheckpointIndex):
         files = checkpoint_files(tmp)
         for f in files:
             if f not in hashed:  # written outside the writers (megatron-core's common and metadata files)
-                hashed[f] = (sha256_file(tmp / f, sync=True), (tmp / f).stat().st_size)
+                hashed[f] = (checksum_file(tmp / f, sync=True), (tmp / f).stat().st_size)
         meta = {
             **record,
-            "files": [{"path": f, "bytes": hashed[f][1], "sha256": hashed[f][0]} for f in files],
+            "files": [{"path": f, "bytes": hashed[f][1], CHECKSUM: hashed[f][0]} for f in files],
         }
         write_json_atomic(tmp / META, meta)
         fsync_dir(tmp)

@@ -24,7 +24,7 @@ import queue
 from pathlib import Path
 from typing import Any
 
-from tessera.atomic import sha256_file
+from tessera.atomic import checksum_file
 from tessera.writes import Hashed, Writes, without_zip_crc
 
 RESULTS = "megatron_write_results"
@@ -83,7 +83,7 @@ def save_through(writes: Writes, sharded_state_dict: Any, path: Path, *, coordin
             if isinstance(written, Exception):
                 raise written
             results += written
-            hashed[bucket[0]] = (sha256_file(Path(bucket[0])), Path(bucket[0]).stat().st_size)
+            hashed[bucket[0]] = (checksum_file(Path(bucket[0])), Path(bucket[0]).stat().st_size)
             progress(hashed[bucket[0]][1])
         writes.extra[RESULTS] = [_encode(r) for r in results]
         return hashed
