@@ -274,20 +274,18 @@ def _hash_file(path: Path, h: Any, *, sync: bool) -> str:
 CHECKSUM = "blake3"
 
 
-def checksum_hasher() -> Any:
+def checksum_hasher(*, every_core: bool = False) -> Any:
     """A new hasher of :data:`CHECKSUM` (``update`` / ``hexdigest``; it releases the GIL on large
-    blocks)."""
+    blocks). ``every_core``: each block hashed on all cores (BLAKE3 is a tree hash: the same digest)."""
     import blake3
 
-    return blake3.blake3()
+    return blake3.blake3(max_threads=blake3.blake3.AUTO if every_core else 1)
 
 
 def checksum_file(path: Path, *, sync: bool = False) -> str:
-    """Hex :data:`CHECKSUM` of a file's bytes, as :func:`sha256_file` reads them; each chunk is hashed on
-    every core (BLAKE3 is a tree hash: its chunks hash in parallel to the same digest)."""
-    import blake3
-
-    return _hash_file(path, blake3.blake3(max_threads=blake3.blake3.AUTO), sync=sync)
+    """Hex :data:`CHECKSUM` of a file's bytes, as :func:`sha256_file` reads them, each chunk hashed on
+    every core."""
+    return _hash_file(path, checksum_hasher(every_core=True), sync=sync)
 
 
 def fsync_dir(path: Path) -> None:

@@ -3,9 +3,8 @@ once, in line or on a background thread.
 
 One save of one rank is a :class:`Writes`: the engine's serializers (``torch.save`` for DeepSpeed's
 files, safetensors for Tessera's, megatron-core's bucket writer) produce their bytes into a
-:class:`HashingFile`, which feeds every block to the checksum (:data:`tessera.atomic.CHECKSUM`) on its way
-to the disk, so no file is read back
-to be hashed. With ``background=True`` (``checkpoint.async``), :meth:`Writes.add` first takes a
+:class:`HashingFile`, which feeds every block to the checksum (:data:`tessera.atomic.CHECKSUM`) on its
+way to the disk, so no file is read back to be hashed. With ``background=True`` (``checkpoint.async``), :meth:`Writes.add` first takes a
 :func:`snapshot` of what it is given (a copy on CPU, a copy into pinned host memory on GPU), so that the
 steps that follow cannot change what is written, and one thread per save writes the snapshots in order.
 
