@@ -8,7 +8,7 @@ import pytest
 
 from helpers import DEFAULT_RECIPE, REPO
 from tessera.cli import main
-from tessera.config.loader import load_recipe, parse_override
+from tessera.config.loader import load_recipe, parse_override, recipe_with
 from tessera.errors import LayoutError, RecipeError
 from tessera.plan.layout import layout_from_recipe
 
@@ -29,6 +29,21 @@ def test_overrides_win_and_are_recorded():
     assert r.recipe.parallel.zero == 3 and r.recipe.optim.lr == pytest.approx(3e-4)
     assert r.source_of("parallel.zero") == "override parallel.zero=3"
     assert layout_from_recipe(r.recipe).grad_accum == 4  # same global batch, one rank
+
+
+def test_a_validated_recipe_takes_overrides_as_the_command_line_does():
+    """recipe_with: the same recipe as load_recipe with the same overrides, an engine switched by them
+    included (the ZeRO-2 recipe's zero=2 is not an override, so the ddp engine takes its default)."""
+    base = load_recipe(DEFAULT_RECIPE).recipe
+    for overrides in (
+        ["parallel.engine=ddp"],
+        ["parallel.engine=megatron", "parallel.tp=2", "optim.lr=1e-3"],
+    ):
+        assert recipe_with(base, overrides) == load_recipe(DEFAULT_RECIPE, overrides).recipe
+    assert recipe_with(base, ["parallel.engine=ddp"]).parallel.zero == 0
+    assert recipe_with(base, []) == base
+    with pytest.raises(RecipeError, match=r"micro_batch"):
+        recipe_with(base, ["parallel.micro_batch=0"])
 
 
 def test_parse_override_types():

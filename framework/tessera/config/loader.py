@@ -364,6 +364,20 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Resolve
     return ResolvedRecipe(recipe=recipe, sources=sources, path=path, notes=notes)
 
 
+def recipe_with(recipe: Recipe, overrides: list[str]) -> Recipe:
+    """``recipe`` with dotted overrides applied as :func:`load_recipe` applies the command line's: where
+    they switch ``parallel.engine``, the recipe's settings the new engine cannot run fall back to its
+    defaults (the recipe's every value counts as set by its layers, none as an override)."""
+    data = recipe.to_dict()
+    sources = {key: "recipe" for key in flatten(data)}
+    for ov in overrides:
+        key, val = parse_override(ov)
+        _set_dotted(data, key, val)
+        _record(sources, key, val, f"override {ov}")
+    _fit_inherited_to_engine(data, sources)
+    return validate_recipe(data)
+
+
 def _fit_inherited_to_engine(data: dict[str, Any], sources: dict[str, str]) -> list[str]:
     """When an override switches ``parallel.engine`` (``parallel.engine=ddp`` on a ZeRO-2 recipe), the
     parallel settings the recipe's layers made for the old engine and the new one cannot run fall back to

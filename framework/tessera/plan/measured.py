@@ -23,7 +23,7 @@ the runs. It writes a new profile with them.
 from __future__ import annotations
 
 import statistics
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -60,10 +60,14 @@ def run_recipe(run_dir: Path, flag: str = "--measured") -> Any:
 
 def measured_terms(run_dir: Path, warmup: int = WARMUP_STEPS) -> dict[str, float | None]:
     """Median seconds per term over the run's steady steps (rank 0's metrics line)."""
-    steady = _steady(RunDir(run_dir).read_metrics(), warmup)
+    return terms_of(_steady(RunDir(run_dir).read_metrics(), warmup))
+
+
+def terms_of(steps: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Median seconds per term over steps' records (``step_time_s``, ``comm_time_s``, ...: the loop's)."""
 
     def med(key: str) -> float:
-        return statistics.median(float(r.get(key) or 0.0) for r in steady)
+        return statistics.median(float(r.get(key) or 0.0) for r in steps)
 
     return {
         "compute": med("compute_time_s"),
@@ -76,12 +80,21 @@ def measured_terms(run_dir: Path, warmup: int = WARMUP_STEPS) -> dict[str, float
 
 def measured_ops(run_dir: Path, warmup: int = WARMUP_STEPS) -> dict[str, dict[str, float]]:
     """Per ``op:group`` of the steady steps on rank 0: median calls, bytes and seconds per step."""
+    steps = [
+        (line["step"], line["ops"])
+        for line in read_jsonl(RunDir(run_dir).comm)
+        if line.get("phase") == "step" and line.get("rank") == 0 and line["step"] > warmup
+    ]
+    return ops_of(steps)
+
+
+def ops_of(steps: list[tuple[int, list[dict[str, Any]]]]) -> dict[str, dict[str, float]]:
+    """Per ``op:group``: the median calls, bytes and seconds per step over ``(step, counted ops)`` (the
+    comm accounting's ``pop_step`` of each step; a step may come in several parts)."""
     rows: dict[int, dict[str, dict[str, float]]] = {}
-    for line in read_jsonl(RunDir(run_dir).comm):
-        if line.get("phase") != "step" or line.get("rank") != 0 or line["step"] <= warmup:
-            continue
-        per = rows.setdefault(line["step"], {})
-        for o in line["ops"]:
+    for step, ops in steps:
+        per = rows.setdefault(step, {})
+        for o in ops:
             d = per.setdefault(f"{o['op']}:{o['group']}", {"calls": 0.0, "bytes": 0.0, "seconds": 0.0})
             d["calls"] += o["count"]
             d["bytes"] += o["bytes"]
@@ -91,6 +104,21 @@ def measured_ops(run_dir: Path, warmup: int = WARMUP_STEPS) -> dict[str, dict[st
     return {
         k: {f: statistics.median(per.get(k, zero)[f] for per in rows.values()) for f in zero} for k in keys
     }
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One layout's measured steady step in the planner's terms: a finished run's (:meth:`of_run`), or the
+    short engine runs of ``tessera plan --probe`` (:mod:`tessera.plan.probe_engines`)."""
+
+    label: str
+    recipe: Any
+    terms: dict[str, float | None]
+    ops: dict[str, dict[str, float]]
+
+    @classmethod
+    def of_run(cls, run_dir: Path, flag: str = "--calibrate") -> Observation:
+        return cls(str(run_dir), run_recipe(run_dir, flag), measured_terms(run_dir), measured_ops(run_dir))
 
 
 def predicted(recipe: Any, hardware: HardwareProfile) -> Any:
@@ -189,7 +217,12 @@ def _tp_only_efficiency(
     return out
 
 
-def calibrate(run_dirs: list[Path], hardware: HardwareProfile) -> tuple[HardwareProfile, dict[str, Any]]:
+def calibrate(
+    runs_or_observed: list[Path] | list[Observation],
+    hardware: HardwareProfile,
+    *,
+    extra_samples: list[tuple[float, float, float]] | None = None,
+) -> tuple[HardwareProfile, dict[str, Any]]:
     """A profile with α, β, each engine's efficiency, a TP / EP collective's own α and the optimizer's
     bandwidth fitted from the runs (see the module doc); returns it and what each figure was fitted from.
 
@@ -202,28 +235,32 @@ def calibrate(run_dirs: list[Path], hardware: HardwareProfile) -> tuple[Hardware
     :func:`tessera.plan.time_estimate.grad_hook_seconds`); then the TP / EP α: what the step of a run with
     them took beyond the rest of the prediction, per TP / EP message (median over those runs). A TP
     collective sits between two matmuls of a layer, so besides its own time it costs the ranks' skew and
-    the disturbance of the computation around it; only the step as a whole measures that."""
+    the disturbance of the computation around it; only the step as a whole measures that.
+
+    ``runs_or_observed``: run directories or :class:`Observation` s; ``extra_samples``: more
+    (messages, wire bytes, seconds) for the α / β fit (the probe's own collectives)."""
     from tessera.plan.comm_estimate import wire_factor
     from tessera.plan.time_estimate import DEFAULT_EFFICIENCY, grad_hook_passes
 
-    samples: list[tuple[float, float, float]] = []
+    observed = [o if isinstance(o, Observation) else Observation.of_run(o) for o in runs_or_observed]
+    samples: list[tuple[float, float, float]] = list(extra_samples or [])
     runs: list[
         tuple[Path, Any, dict[str, float | None], float]
     ] = []  # (dir, candidate, measured, TP/EP msgs)
     bandwidth = []
-    for run_dir in run_dirs:
-        recipe = run_recipe(run_dir, "--calibrate")
+    for obs in observed:
+        recipe = obs.recipe
         cand = predicted(recipe, hardware)
         sizes = {o.group: o.group_size for o in cand.comm_ops}
         # per op:group, rank 0's median step (a call that waited out another rank's checkpoint or
         # straggling is no link time); a receive waits for the sender's compute too; TP / EP: fitted below
-        for key, o in measured_ops(run_dir).items():
+        for key, o in obs.ops.items():
             op, group = key.split(":", 1)
             if op == "recv" or group in ("tp", "ep") or not o["calls"]:
                 continue
             n = sizes.get(group, cand.layout.world_size)
             samples.append((o["calls"], wire_factor(op, n) * o["bytes"], o["seconds"]))
-        meas = measured_terms(run_dir)
+        meas = obs.terms
         critical = sum(o.calls * o.messages for o in cand.comm_ops if o.group in ("tp", "ep"))
         runs.append((recipe, cand, meas, critical))
         if meas["optimizer"] and cand.time.optimizer_s:
@@ -232,7 +269,7 @@ def calibrate(run_dirs: list[Path], hardware: HardwareProfile) -> tuple[Hardware
         raise RecipeError(
             "the runs counted no steady steps to fit from",
             field="--calibrate",
-            value=", ".join(map(str, run_dirs)),
+            value=", ".join(o.label for o in observed),
             fix=f"give runs of more than {WARMUP_STEPS} steps",
         )
     alpha, beta = _fit_alpha_beta(samples) if samples else (hardware.latency_s, 0.0)
@@ -277,7 +314,7 @@ def calibrate(run_dirs: list[Path], hardware: HardwareProfile) -> tuple[Hardware
             residual.append(max(0.0, (meas["step"] - rest) / critical))
     fitted = replace(fitted, tp_latency_s=statistics.median(residual) if residual else None)
     report = {
-        "runs": [str(d) for d in run_dirs],
+        "runs": [o.label for o in observed],
         "messages_fitted": len(samples),
         "latency_s": alpha,
         "tp_latency_s": fitted.tp_latency_s,

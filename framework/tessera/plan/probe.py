@@ -11,15 +11,21 @@ so that they compete for the machine as a run's ranks do):
   in the recipe's precision): the profile's peak (``peak_flops``, ``peak_flops_fp32`` for fp32 recipes);
 - the **model's own forward + backward** (the recipe's HF model built from its config, no engine, one
   micro-batch): the planner's FLOPs for it over its time, divided by that peak, is the profile's
-  ``efficiency`` (attention, norms, activations, autograd: what a layer costs beyond its matmuls);
+  ``efficiency`` (attention, norms, activations, autograd: what a layer costs beyond its matmuls; the
+  engines' steps below replace it per engine);
 - an **AdamW step** over the model's parameters (torch's foreach kernel): the planner counts 28 bytes of
-  memory traffic per parameter, so 28·N over its time is the profile's ``hbm_bandwidth``;
+  memory traffic per parameter, so 28·N over its time is the kernel's bandwidth (recorded; the engines'
+  optimizer steps below set ``hbm_bandwidth``);
 - **all-reduce, all-gather and all-to-all** over the real backend at sizes from 4 KiB to 16 MiB: α
   (seconds per call: ``latency_s``, ``tp_latency_s``) and β (seconds per wire byte: the
   ``intra_node_bandwidth``) by least squares, with the planner's own wire-byte counts.
 
-Engine-specific costs (DeepSpeed's gradient hooks, megatron-core's kernels) are not probed: they need the
-engines, which take longer to start than the probe's budget. ``--calibrate`` on finished runs fits them.
+- **each engine's own steps** (:mod:`tessera.plan.probe_engines`: DDP, DeepSpeed ZeRO-2, megatron-core
+  PP and TP at this world size, built as `tessera run` builds them, ~0.2-1.8 s each on 2 CPU ranks): what
+  an engine does around the matmuls (hooks, bucket copies, schedules, its optimizer's path) is most of a
+  small model's step and no micro-benchmark sees it. ``--calibrate``'s fit on these steps gives each
+  engine's ``efficiency``, the optimizer's effective ``hbm_bandwidth``, the TP collectives' own α
+  (``tp_latency_s``), and α / β over the engines' data-parallel collectives together with the ones above.
 
 The profile goes to ``~/.cache/tessera/hardware/probe-<host>-<device>-<world>r.yaml`` (or ``--out``;
 the directory moves with ``TESSERA_HARDWARE_DIR``) with the raw measurements beside it (``.json``).
@@ -44,6 +50,8 @@ SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20)
 OPS = ("all_reduce", "all_gather", "all_to_all")
 #: seconds the whole probe aims at (start-up of the ranks included)
 BUDGET_S = 30.0
+#: of those, what the engines' steps take (:mod:`tessera.plan.probe_engines`), measured on 2 CPU ranks
+ENGINES_S = 8.0
 
 
 def probe_dir() -> Path:
@@ -80,21 +88,52 @@ def _timed(fn: Any, budget: float, sync: Any, at_least: int = 3) -> float:
     return statistics.median(times)
 
 
+def _model_figures(
+    spec: dict[str, Any], rank: int, device: Any, dtype: Any, budget: float, sync: Any
+) -> dict[str, Any]:
+    """The recipe's HF model (no engine): one micro-batch's forward + backward, and an AdamW step."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tessera.models.hf import load_hf_config
+
+    cfg = load_hf_config(spec["model"], vocab_size=spec["vocab_size"])
+    torch.manual_seed(rank)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(device)
+    ids = torch.randint(0, cfg.vocab_size, (spec["micro_batch"], spec["seq_len"]), device=device)
+
+    def step() -> None:
+        model(input_ids=ids, labels=ids).loss.backward()
+
+    out = {"fwd_bwd_s": _timed(step, budget * 0.3, sync)}
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-6, foreach=True)
+    out["adam_s"] = _timed(opt.step, budget * 0.1, sync)
+    out["params"] = sum(p.numel() for p in params)
+    return out
+
+
 def _rank_main(rank: int, world: int, port: int, spec: dict[str, Any], q: Any) -> None:
     cuda = spec["device"] == "cuda"
     threads = max(1, (os.cpu_count() or 1) // world) if not cuda else 1
-    os.environ["OMP_NUM_THREADS"] = str(threads)  # before torch starts its thread pool, as a run's ranks
+    # the environment a launcher gives a rank (DeepSpeed's comm reads it), before torch starts its threads
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=str(threads))  # fmt: skip
+    if not cuda:
+        os.environ["DS_ACCELERATOR"] = "cpu"
     import torch
     import torch.distributed as dist
 
+    from tessera.comm.accounting import install
+    from tessera.comm.shm import use_venv_build_tools
+
+    use_venv_build_tools()  # DeepSpeed's CPU comm op as `make setup` built it, not rebuilt here
     torch.set_num_threads(threads)
     if cuda:
         torch.cuda.set_device(rank)
     device = torch.device(f"cuda:{rank}" if cuda else "cpu")
-    if world > 1:
-        dist.init_process_group(
-            "nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-        )
+    counter = install()  # as a run's worker: before anything binds torch.distributed
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
 
     def sync() -> None:
         if cuda:
@@ -115,24 +154,7 @@ def _rank_main(rank: int, world: int, port: int, spec: dict[str, Any], q: Any) -
     out["matmul_s"] = _timed(matmuls, budget * 0.1, sync) / reps
     out["matmul_flops"] = 2.0 * tokens * h * width / out["matmul_s"]
 
-    from transformers import AutoModelForCausalLM
-
-    from tessera.models.hf import load_hf_config
-
-    cfg = load_hf_config(spec["model"], vocab_size=spec["vocab_size"])
-    torch.manual_seed(rank)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(device)
-    ids = torch.randint(0, cfg.vocab_size, (spec["micro_batch"], spec["seq_len"]), device=device)
-
-    def step() -> None:
-        model(input_ids=ids, labels=ids).loss.backward()
-
-    out["fwd_bwd_s"] = _timed(step, budget * 0.3, sync)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-6, foreach=True)
-    out["adam_s"] = _timed(opt.step, budget * 0.1, sync)
-    out["params"] = sum(p.numel() for p in params)
-    del opt, params  # (the model stays: the collectives below are small beside it)
+    out.update(_model_figures(spec, rank, device, dtype, budget, sync))  # the model is gone after it
 
     collectives: list[dict[str, Any]] = []
     if world > 1:
@@ -155,9 +177,17 @@ def _rank_main(rank: int, world: int, port: int, spec: dict[str, Any], q: Any) -
                 collectives.append({"op": op, "bytes": size, "seconds": seconds})
         dist.barrier()
     out["collectives"] = collectives
+    from tessera.plan.probe_engines import run_engines
+
+    t0 = time.perf_counter()
+    out["engines"] = run_engines(spec["engines"], device=spec["device"], counter=counter)
+    out["engines_s"] = time.perf_counter() - t0
     q.put(out)
-    if world > 1:
-        dist.destroy_process_group()
+    q.close()
+    q.join_thread()
+    from tessera.train.worker import exit_process
+
+    exit_process(0)  # no interpreter teardown: the comm backends' threads can abort it (see there)
 
 
 # ---- the probe -------------------------------------------------------------------------------------------
@@ -168,9 +198,10 @@ def measure(recipe: Any, *, world: int, device: str, budget: float = BUDGET_S) -
     import multiprocessing as mp
 
     from tessera.models.hf import load_hf_config
+    from tessera.plan.probe_engines import runnable
 
     p = recipe.parallel
-
+    engines, refused = runnable(recipe, world, device)
     cfg = load_hf_config(recipe.model, vocab_size=recipe.data.vocab_size)
     width = int(getattr(cfg, "intermediate_size", None) or 4 * cfg.hidden_size)
     spec = {
@@ -183,7 +214,10 @@ def measure(recipe: Any, *, world: int, device: str, budget: float = BUDGET_S) -
         "vocab_size": recipe.data.vocab_size,
         "micro_batch": p.micro_batch,
         "seq_len": recipe.data.seq_len,
-        "budget": max(1.0, budget - 8.0),  # the ranks' start-up (imports, rendezvous) takes the rest
+        # the ranks' start-up (imports, rendezvous) and the engines' steps take the rest
+        "budget": max(1.0, budget - ENGINES_S - 8.0),
+        "engines": engines,
+        "refused": refused,
     }
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -214,9 +248,13 @@ def measure(recipe: Any, *, world: int, device: str, budget: float = BUDGET_S) -
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+        from tessera.comm.shm import release_shared_memory
+
+        release_shared_memory("127.0.0.1", port)  # DeepSpeed's CPU segments of the rendezvous
     return {
         "ranks": sorted(results, key=lambda r: r["rank"]),
-        "setting": {k: v for k, v in spec.items() if k != "model"},
+        "setting": {k: v for k, v in spec.items() if k not in ("model", "engines")}
+        | {"engines": [label for label, _ in engines]},
         "seconds": time.perf_counter() - t0,
     }
 
@@ -280,7 +318,61 @@ def profile_from(
             f"1/β of the same fit: {1.0 / beta / 1e9:.2f} GB/s" if beta > 0 else "kept"
         )
         changes["devices_per_node"] = max(base.devices_per_node, world)
-    return replace(base, **changes), how
+    profile = replace(base, **changes)
+    return _with_engines(profile, how, measured, recipe, world, device, samples)
+
+
+def _with_engines(
+    profile: Any,
+    how: dict[str, Any],
+    measured: dict[str, Any],
+    recipe: Any,
+    world: int,
+    device: str,
+    samples: list[Any],
+) -> tuple[Any, dict[str, Any]]:
+    """The profile with what the engines' own steps say (:mod:`tessera.plan.probe_engines`), fitted as
+    ``--calibrate`` fits runs: each engine's efficiency, the optimizer's bandwidth, α / β over the engines'
+    data-parallel collectives and the probe's own, the TP collectives' α."""
+    from tessera.plan.measured import calibrate
+    from tessera.plan.probe_engines import observations
+
+    observed = observations(measured, recipe, world, device)
+    failed = {e["label"]: e["error"] for e in measured["ranks"][0].get("engines", []) if e.get("error")}
+    refused = {**measured["setting"].get("refused", {}), **failed}
+    if refused:
+        how["engines_left_out"] = "; ".join(f"{k}: {v}" for k, v in refused.items())
+    if not observed:
+        return profile, how
+    fitted, report = calibrate(observed, profile, extra_samples=samples)
+    name = profile.name
+    profile = replace(fitted, name=name)
+    steps = {o.label.removeprefix("probe:"): o.terms["step"] for o in observed}
+    how["engine_efficiency"] = (
+        "planner FLOPs / compute of each engine's own steps ("
+        + ", ".join(f"{k} {v * 1e3:.1f} ms a step" for k, v in steps.items() if v is not None)
+        + "): "
+        + ", ".join(f"{k} {v:.3f}" for k, v in (profile.engine_efficiency or {}).items())
+    )
+    how["efficiency"] = (
+        f"the median of the engines' efficiencies below, {profile.efficiency:.3f} (the planner's default for "
+        f"an engine not probed; {how['efficiency']})"
+    )
+    how["hbm_bandwidth"] = (
+        f"the engines' optimizer steps: {profile.hbm_bandwidth / 1e9:.2f} GB/s at the planner's bytes "
+        f"(the AdamW kernel alone: {how['hbm_bandwidth']})"
+    )
+    how["latency_s"] = (
+        f"α over the probe's collectives and the engines' data-parallel ones "
+        f"({report['messages_fitted']} samples): {profile.latency_s * 1e6:.1f} µs"
+    )
+    how["intra_node_bandwidth"] = f"1/β of the same fit: {profile.intra_node_bandwidth / 1e9:.2f} GB/s"
+    if profile.tp_latency_s is not None and any(o.label == "probe:megatron-tp" for o in observed):
+        how["tp_latency_s"] = (
+            f"the TP layout's step beyond the rest of the prediction, per TP message: "
+            f"{profile.tp_latency_s * 1e6:.1f} µs"
+        )
+    return profile, how
 
 
 def write_profile(profile: Any, how: dict[str, Any], measured: dict[str, Any], path: Path) -> None:

@@ -173,9 +173,9 @@ class TrainingLoop:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         ops = ctx.counter.pop_step()
-        comm_s = sum(o["seconds"] for o in ops)
-        optimizer_s = max(res.optimizer_s - res.optimizer_comm_s, 0.0)  # its collectives count as comm
-        from tessera.train.metrics import peak_memory_bytes
+        from tessera.train.metrics import peak_memory_bytes, step_split
+
+        split = step_split(dt, res.optimizer_s, res.optimizer_comm_s, ops)
 
         rec = {
             "step": step,
@@ -188,12 +188,12 @@ class TrainingLoop:
             "peak_memory_bytes": peak_memory_bytes(ctx.engine.device),
             "samples": ctx.layout.global_batch * step,
             "comm_bytes": sum(o["bytes"] for o in ops),
-            "comm_time_s": comm_s,
-            "comm_fraction": comm_s / dt if dt > 0 else float("nan"),
+            "comm_time_s": split["comm_time_s"],
+            "comm_fraction": split["comm_time_s"] / dt if dt > 0 else float("nan"),
             # where the step went: data (outside step_time_s), optimizer, communication, compute (the rest)
             "data_time_s": data_s,
-            "optimizer_time_s": optimizer_s,
-            "compute_time_s": max(dt - comm_s - optimizer_s, 0.0),
+            "optimizer_time_s": split["optimizer_time_s"],
+            "compute_time_s": split["compute_time_s"],
             "wall_time": time.time(),
         }
         if ctx.sampler.source_tokens is not None:

@@ -22,6 +22,22 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
+def step_split(
+    seconds: float, optimizer_s: float, optimizer_comm_s: float, ops: list[dict[str, Any]]
+) -> dict[str, float]:
+    """Where a step's ``seconds`` went: its counted collectives (``ops``: the comm accounting's
+    ``pop_step``), its optimizer step without the collectives inside it (those count as communication),
+    and compute, the rest (framework time and pipeline waits outside collectives included)."""
+    comm = sum(o["seconds"] for o in ops)
+    optimizer = max(optimizer_s - optimizer_comm_s, 0.0)
+    return {
+        "step_time_s": seconds,
+        "comm_time_s": comm,
+        "optimizer_time_s": optimizer,
+        "compute_time_s": max(seconds - comm - optimizer, 0.0),
+    }
+
+
 def plot_run(
     run_dir: Path,
     records: list[dict[str, Any]],
