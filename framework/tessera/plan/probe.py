@@ -384,7 +384,8 @@ def write_profile(profile: Any, how: dict[str, Any], measured: dict[str, Any], p
     head = [f"# measured by `tessera plan --probe` on {socket.gethostname()} at {stamp}"]
     head += [f"# {k}: {v}" for k, v in how.items()]
     head.append(
-        "# engine-specific costs are not probed: `tessera plan --calibrate RUN...` fits them from runs"
+        "# the engines' figures come from a few steps of random tokens at the probe's layouts: "
+        "`tessera plan --calibrate RUN...` fits them from finished runs of your own"
     )
     dump_profile(profile, path, head)
     write_json_atomic(path.with_suffix(".json"), {**measured, "derivation": how, "written": stamp})
