@@ -366,7 +366,11 @@ def _with_engines(
         f"α over the probe's collectives and the engines' data-parallel ones "
         f"({report['messages_fitted']} samples): {profile.latency_s * 1e6:.1f} µs"
     )
-    how["intra_node_bandwidth"] = f"1/β of the same fit: {profile.intra_node_bandwidth / 1e9:.2f} GB/s"
+    how["intra_node_bandwidth"] = (
+        f"1/β of the same fit: {profile.intra_node_bandwidth / 1e9:.2f} GB/s"
+        if report["seconds_per_wire_byte"] > 0
+        else f"kept, {profile.intra_node_bandwidth / 1e9:.2f} GB/s (the fit found no cost per byte)"
+    )
     if profile.tp_latency_s is not None and any(o.label == "probe:megatron-tp" for o in observed):
         how["tp_latency_s"] = (
             f"the TP layout's step beyond the rest of the prediction, per TP message: "
