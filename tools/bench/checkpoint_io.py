@@ -323,15 +323,21 @@ _WRAP = (
 
 
 def convert_once(hf_dir: Path, recipe: Path, out: Path, log: Path) -> dict[str, Any]:
-    """``tessera convert HF --to megatron --layout tp=2`` in a child process tree: seconds and peak memory.
+    """``tessera convert HF --to megatron --layout tp=2`` in a child process tree: seconds and peak memory
+    (:func:`measure_tree`)."""
+    cmd = [sys.executable, "-m", "tessera.cli", "convert", str(hf_dir), "--to", "megatron",
+           "--layout", "tp=2", "--recipe", str(recipe), "--out", str(out)]  # fmt: skip
+    return measure_tree(cmd, out, log)
+
+
+def measure_tree(cmd: list[str], out: Path, log: Path) -> dict[str, Any]:
+    """``cmd`` in a child process tree (writing ``out``): seconds and peak memory.
 
     Peak memory three ways: the largest single process's peak RSS (exact: the kernel's, through the
     wrapper's ``RUSAGE_CHILDREN``); each process's peak RSS and the tree's peak total PSS (polled every
     0.1 s; PSS splits shared pages, so the forked writers do not count their parent's pages twice)."""
     import psutil
 
-    cmd = [sys.executable, "-m", "tessera.cli", "convert", str(hf_dir), "--to", "megatron",
-           "--layout", "tp=2", "--recipe", str(recipe), "--out", str(out)]  # fmt: skip
     procs: dict[int, dict[str, Any]] = {}
     tree_pss = [0]
     with open(log, "w") as logf:
@@ -370,7 +376,7 @@ def convert_once(hf_dir: Path, recipe: Path, out: Path, log: Path) -> dict[str, 
         poller.join()
     text = log.read_text()
     if rc != 0:
-        raise RuntimeError(f"tessera convert failed (exit {rc}):\n{text[-3000:]}")
+        raise RuntimeError(f"{' '.join(cmd[2:6])} failed (exit {rc}):\n{text[-3000:]}")
     m = re.search(r"MAXRSS_KB (\d+)", text)
     return {
         "seconds": seconds,

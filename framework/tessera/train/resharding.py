@@ -69,11 +69,14 @@ def import_reshard(
     *,
     tag: str | None,
     verify: bool = True,
+    release: bool = False,
 ) -> tuple[Path, dict[str, Any]]:
     """The engine was built with the staged weights: give it the moments and step count, save it as a
     checkpoint of this layout, verify that against the source offline, record it. ``src`` None: an HF
     directory (``stage_dir``), no optimizer state: step 0 with fresh moments. ``stage_dir`` None: the
-    engine loads and reshards the source itself (:func:`engine_reshards_on_load`)."""
+    engine loads and reshards the source itself (:func:`engine_reshards_on_load`). ``release``: nothing
+    trains after this (``tessera convert``): the engine is closed and let go once saved, before the
+    verification reads both sides (``ctx.engine`` is None afterwards)."""
     from tessera.checkpoint.manager import rng_file_name, set_rng_state
     from tessera.checkpoint.reshard import (
         STAGE_INFO,
@@ -104,10 +107,22 @@ def import_reshard(
     if src is not None and (src[0] / rng_file_name(ctx.rank)).is_file():
         # this rank's RNG streams continue where the source rank of that number left them
         set_rng_state(*load_tensors_and_meta(src[0] / rng_file_name(ctx.rank)))
-    path = ctx.ckpt.save(
-        step, ctx.engine, describe=ctx.describe, sampler=sampler, manifest=ctx.manifest, tag=tag
-    )
+    # in line, not in the background: nothing runs beside this save, and a background save would first
+    # snapshot (copy) the rank's whole state: weights and moments twice at the conversion's peak
+    background, ctx.ckpt.background = ctx.ckpt.background, False
+    try:
+        path = ctx.ckpt.save(
+            step, ctx.engine, describe=ctx.describe, sampler=sampler, manifest=ctx.manifest, tag=tag
+        )
+    finally:
+        ctx.ckpt.background = background
     ctx.ckpt.finish()  # complete before it is checked and named in the manifest
+    if release:  # its weights, gradients and moments are not needed beside the verification's models
+        import gc
+
+        ctx.engine.close()
+        ctx.engine = None  # type: ignore[assignment]
+        gc.collect()
 
     def check() -> dict[str, Any] | None:
         if not verify:

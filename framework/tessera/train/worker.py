@@ -280,12 +280,14 @@ def setup(run_dir: RunDir, start: Start, heartbeat: Any = None) -> tuple[RunCont
         ctx.describe["base"] = base_record(source, manifest, resume_from, same_run=src is None)
     if hf_source:
         phase("reshard")
-        import_reshard(ctx, None, src, tag=None, verify=start.verify)  # type: ignore[arg-type]
+        import_reshard(ctx, None, src, tag=None, verify=start.verify, release=True)  # type: ignore[arg-type]
     elif reshard:
         assert resume_from is not None
         phase("reshard")
         tag = None if src is not None else layout_tag(layout.to_dict())
-        resume_from = import_reshard(ctx, resume_from, stage_dir, tag=tag, verify=start.verify)
+        resume_from = import_reshard(
+            ctx, resume_from, stage_dir, tag=tag, verify=start.verify, release=src is not None
+        )
     if resume_from is not None and src is None:
         phase("checkpoint load")
         _restore(ctx, *resume_from, strict=start.strict)
@@ -428,7 +430,8 @@ def train(run_dir: str | Path, start: Start = Start(), heartbeat: Any = None) ->
 
     ctx, fault = setup(RunDir(run_dir), start, heartbeat)
     if start.convert_from is not None:
-        ctx.engine.close()
+        if ctx.engine is not None:  # (let go after the save by import_reshard where it resharded)
+            ctx.engine.close()
         if ctx.is_rank0:
             ctx.run_dir.write_json(RunDir.MANIFEST, ctx.manifest)
         return []
