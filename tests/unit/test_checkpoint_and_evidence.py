@@ -422,3 +422,30 @@ def test_first_nonfinite_finds_nan_and_inf_but_not_large_finite_values():
         assert first_nonfinite([("fine", torch.zeros(3)), ("t", t)]) == "t"
     pair = torch.tensor([float("inf"), float("-inf")])  # sums to NaN: still found
     assert first_nonfinite([("pair", pair), ("ints", torch.arange(3))]) == "pair"
+
+
+@pytest.mark.parametrize("recipe", ["recipes/tiny-llama-cpu.yaml", "recipes/tiny-mixtral-cpu.yaml"])
+def test_the_logits_check_runs_on_the_sides_own_tensors(recipe):
+    """verify's model of a side holds the side's tensors (no second copy of the weights) and computes the
+    logits of the model they came from, bit for bit; a state that leaves a parameter without a value falls
+    back to the copying path (None here)."""
+    from transformers import AutoModelForCausalLM
+
+    from tessera.checkpoint.verify import Side, _on_the_sides_tensors
+    from tessera.config.loader import load_recipe
+    from tessera.models.hf import load_hf_config
+
+    r = load_recipe(recipe).recipe
+    cfg = load_hf_config(r.model, vocab_size=r.data.vocab_size)
+    torch.manual_seed(0)
+    source = AutoModelForCausalLM.from_config(cfg).float().eval()
+    state = {k: v.clone() for k, v in source.state_dict().items()}
+    model = _on_the_sides_tensors(Side("a", "checkpoint", cfg, state, None, None), torch.float32)
+    assert model is not None
+    ptrs = {t.data_ptr() for t in state.values()}
+    assert all(p.data_ptr() in ptrs for p in model.parameters())
+    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, source(input_ids=ids).logits)
+    partial = {k: v for k, v in state.items() if k != "model.layers.0.self_attn.o_proj.weight"}
+    assert _on_the_sides_tensors(Side("a", "checkpoint", cfg, partial, None, None), torch.float32) is None

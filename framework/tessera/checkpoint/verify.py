@@ -170,6 +170,10 @@ def _model(side: Side, dtype: torch.dtype) -> torch.nn.Module:
 
             model = PeftModel.from_pretrained(model, str(side.adapter_dir), torch_dtype=dtype)
         return model.eval()
+    if side.peft is None:
+        assigned = _on_the_sides_tensors(side, dtype)
+        if assigned is not None:
+            return assigned
     model = AutoModelForCausalLM.from_config(side.config, attn_implementation="eager").to(dtype)
     if side.peft is not None:
         from tessera.models.adapters import inject
@@ -185,6 +189,33 @@ def _model(side: Side, dtype: torch.dtype) -> torch.nn.Module:
                 t.copy_(side.state[canon[name]])
     model.tie_weights()
     return model.eval()
+
+
+def _on_the_sides_tensors(side: Side, dtype: torch.dtype) -> torch.nn.Module | None:
+    """The side's model holding the side's own tensors (cast to ``dtype`` where they differ): built with
+    accelerate's ``init_empty_weights`` (parameters on the meta device, no memory; buffers real), then every
+    parameter assigned from the state, so the weights are in memory once, not twice (a model initialised
+    and then copied into). None where the state does not give every parameter a value (the caller's
+    copying path keeps the model's own for the rest)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    from tessera.models.adapters import name_map
+
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(side.config, attn_implementation="eager")
+    canon = name_map(model)
+    state = {}
+    for name in model.state_dict():
+        key = canon[name]
+        if key in side.state:
+            t = side.state[key].detach()
+            state[name] = t if t.dtype == dtype else t.to(dtype)
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
+        return None
+    return model.to(dtype).eval()
 
 
 def _prompts(a: Side, b: Side, n: int, vocab: int) -> list[torch.Tensor]:
