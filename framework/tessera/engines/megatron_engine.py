@@ -57,7 +57,7 @@ from tessera.errors import CheckpointError
 from tessera.hostmem import lean_construction
 from tessera.models.adapters import section_dict
 from tessera.models.megatron_lora import SUFFIX, mcore_adapter
-from tessera.models.weight_map import hf_to_mcore, mcore_to_hf_slices
+from tessera.models.weight_map import iter_hf_to_mcore, mcore_to_hf_slices
 from tessera.plan.layout import ParallelLayout
 from tessera.safeload import safe_torch_load
 from tessera.tables.engines import adapters_refusal
@@ -364,33 +364,36 @@ class MegatronEngine(Engine):
         slice, fused QKV, padded vocabulary), then into the optimizer that owns each parameter: DeepSpeed
         (zero_impl deepspeed), the distributed optimizer (this dp rank's range of the flat parameter) or
         megatron's per-parameter optimizer."""
-        adapter = self.adapter
         if self.ds is None:
             self._materialize_optimizer_state()
             targets = self._main_params()
-        for kind in MOMENTS:  # one kind at a time: this rank's slices of it, then into the optimizer
-            per_param = []
-            for vp, model in enumerate(self._local_modules()):
-                local = hf_to_mcore(
-                    moments[kind], adapter, self.hf_config, shard_of(self.ps, self.layout, vp)
-                )
-                per_param += [(p, {kind: local[n]}) for n, p in model.named_parameters() if p.requires_grad]
+        for kind in MOMENTS:  # one kind at a time, each slice into the optimizer as the map makes it
             if self.ds is not None:
-                self.ds.import_optimizer(per_param, step)
+                self.ds.import_optimizer(((p, {kind: t}) for p, t in self._slices(moments, kind)), step)
                 continue
             with torch.no_grad():
-                for p, full in per_param:
+                for p, t in self._slices(moments, kind):
                     opt, main = targets[p]
                     if main is None:  # distributed optimizer: this dp rank's range of the flat parameter
                         r = opt._get_model_param_range_map(p)["param"]
                         state = opt._get_main_param_and_optimizer_states(p)
-                        state[kind].copy_(full[kind].reshape(-1)[r.start : r.end])
+                        state[kind].copy_(t.reshape(-1)[r.start : r.end])
                     else:
-                        opt.optimizer.state[main][kind].copy_(full[kind])
-            del per_param
+                        opt.optimizer.state[main][kind].copy_(t)
         if self.ds is None:
             for opt in chained(self.optimizer):
                 set_adam_step(opt.optimizer, step)
+
+    def _slices(self, moments: Moments, kind: str) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """(trained parameter, this rank's slice of its ``kind`` moment), one at a time (no more held)."""
+        for vp, model in enumerate(self._local_modules()):
+            trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+            shard = shard_of(self.ps, self.layout, vp)
+            for n, t in iter_hf_to_mcore(moments[kind], self.adapter, self.hf_config, shard):
+                if n in trained:
+                    yield trained.pop(n), t
+            if trained:  # internal: the weight map gives every trained parameter a moment
+                raise RuntimeError(f"{kind}: no moment for {sorted(trained)[:3]}")
 
     def _main_params(self) -> dict[torch.nn.Parameter, tuple[Any, torch.Tensor | None]]:
         """model parameter -> (its megatron optimizer, the parameter its Adam state is keyed by; None for
