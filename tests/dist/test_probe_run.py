@@ -57,7 +57,12 @@ def test_probe_writes_a_profile_of_this_machine(tmp_path):
         ]
     assert set(profile.engine_efficiency) == {"ddp", "deepspeed", "megatron"}
     assert all(0 < e <= 1 for e in profile.engine_efficiency.values()), profile.engine_efficiency
-    assert profile.tp_latency_s > 0 and math.isfinite(profile.hbm_bandwidth)
+    # fitted (a median of residuals clipped at 0: on a loaded machine it may be 0, never None)
+    assert (
+        profile.tp_latency_s is not None
+        and profile.tp_latency_s >= 0
+        and math.isfinite(profile.hbm_bandwidth)
+    )
     # the TP and PP collectives counted in the engines' steps are the planner's for those layouts
     recipe = load_recipe("recipes/tiny-llama-cpu.yaml", []).recipe
     layouts = dict(runnable(recipe, 2)[0])
