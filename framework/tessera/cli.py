@@ -110,6 +110,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.probe and not args.calibrate:  # starts ranks and engines: the launch side
+        from tessera.launch.probe import cmd_probe
+
+        return cmd_probe(args)
     from tessera.plan.command import cmd_plan as plan
 
     return plan(args)

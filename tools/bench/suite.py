@@ -416,9 +416,10 @@ def bench_calibration(work: Path) -> dict[str, Any]:
     """Leave one out: for each acceptance layout, `cpu-2core` calibrated on the other runs of the pool
     predicts its step; and the profile calibrated on the whole pool, in sample."""
     from tessera.config.loader import load_recipe
+    from tessera.launch.probe import measure
     from tessera.plan.hardware import load_hardware
     from tessera.plan.measured import calibrate, compare_to_run
-    from tessera.plan.probe import measure, profile_from
+    from tessera.plan.probe import profile_from
 
     base = load_hardware("cpu-2core")
     run = {n: work / f"layout-{n}" for n in POOL}

@@ -18,18 +18,11 @@ def _console():
     return Console()
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
-    from rich.table import Table
-
+def plan_target(args: argparse.Namespace) -> tuple[Any, int, str]:
+    """The recipe ``tessera plan`` is asked about, its world size and device."""
     from tessera.config.loader import load_recipe
     from tessera.device import resolve_device
-    from tessera.plan.hardware import load_hardware
-    from tessera.plan.probe import find_probe
-    from tessera.plan.search import DEFAULT_HARDWARE, check_recipe_layout, plan_recipe
-    from tessera.plan.table import cells, columns_for
 
-    if args.calibrate:
-        return _plan_calibrate(args)
     if args.recipe is None:
         raise RecipeError(
             "which recipe?", field="recipe", value=None, fix="tessera plan R.yaml [--measured RUN_DIR]"
@@ -41,9 +34,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
             "world size must be >= 1", field="--world-size", value=ws, fix="pass a positive count"
         )
     # planning needs no device: a cuda recipe is planned on its GPU profile from any machine
-    device = recipe.run.device if recipe.run.device != "auto" else resolve_device("auto")
-    if args.probe:
-        return _plan_probe(args, recipe, ws, device)
+    return recipe, ws, recipe.run.device if recipe.run.device != "auto" else resolve_device("auto")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from tessera.plan.hardware import load_hardware
+    from tessera.plan.probe import find_probe
+    from tessera.plan.search import DEFAULT_HARDWARE, check_recipe_layout, plan_recipe
+    from tessera.plan.table import cells, columns_for
+
+    if args.calibrate:
+        return _plan_calibrate(args)
+    recipe, ws, device = plan_target(args)
     probed = find_probe(device, ws)
     hw_name = args.hardware or recipe.run.hardware or probed or DEFAULT_HARDWARE[device]
     hw = load_hardware(hw_name)
@@ -189,22 +193,4 @@ def _plan_calibrate(args: argparse.Namespace) -> int:
         f"optimizer bandwidth {fitted.hbm_bandwidth / 1e9:.2f} GB/s, from {report['messages_fitted']} "
         f"collective calls of {len(runs)} run(s) -> {out}"
     )
-    return 0
-
-
-def _plan_probe(args: argparse.Namespace, recipe: Any, world: int, device: str) -> int:
-    """Measure this machine at the recipe's world size and write the profile (:mod:`tessera.plan.probe`)."""
-    from tessera.plan.probe import measure, probe_path, profile_from, write_profile
-
-    con = _console()
-    with con.status(f"probing this machine with {world} rank(s) on {device} (~30 s)"):
-        measured = measure(recipe, world=world, device=device)
-    profile, how = profile_from(measured, recipe, world=world, device=device)
-    out = Path(args.out) if args.out else probe_path(device, world)
-    write_profile(profile, how, measured, out)
-    for key, text in how.items():
-        con.print(f"  {key}: {text}", highlight=False, soft_wrap=True)
-    con.print(f"probed in {measured['seconds']:.1f} s -> {out}", highlight=False, soft_wrap=True)
-    if args.out:
-        con.print(f"use it with --hardware {out} (or run.hardware)", highlight=False, soft_wrap=True)
     return 0

@@ -5,8 +5,8 @@ The matmuls of a layer are the machine's; what an engine does around them is the
 gradient hooks and bucket copies, torch DDP's reducer, megatron-core's schedules, and each one's optimizer
 path (per-tensor kernels, flattening, the norm of the gradients). On a small model that is most of a step
 (the tiny Llama's steps took 1.3-1.8 x the plain forward + backward, and 2.3-7 x the AdamW kernel's
-optimizer step), and no micro-benchmark without the engines sees it. So the probe builds each engine as
-`tessera run` does (:func:`tessera.tables.engines.engine_class`, the comm accounting installed before the
+optimizer step), and no micro-benchmark without the engines sees it. So the probe's ranks build each engine as
+`tessera run` does (:func:`tessera.launch.probe.run_engines`: :func:`tessera.tables.engines.engine_class`, the comm accounting installed before the
 process group), on random tokens, and records each step as the training loop does
 (:func:`tessera.train.metrics.step_split`). :func:`tessera.plan.measured.calibrate` then fits the
 profile's engine efficiencies, the TP collectives' own α and the optimizer's bandwidth from these
@@ -29,7 +29,6 @@ installed) is left out, its reason recorded.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 #: timed steps per layout after the warm-up ones (the first builds lazy state: buckets, optimizer moments)
@@ -92,62 +91,6 @@ def runnable(recipe: Any, world: int, device: str = "cpu") -> tuple[list[tuple[s
             continue
         ok.append((label, r))
     return ok, refused
-
-
-def run_engines(layouts: list[tuple[str, Any]], *, device: str, counter: Any) -> list[dict[str, Any]]:
-    """On this rank (the probe's process group up, ``counter``: the installed comm accounting): each
-    layout's engine built, ``WARMUP`` + ``STEPS`` steps of random tokens, closed. Per layout its label
-    and each timed step's split (:func:`tessera.train.metrics.step_split`) and counted collectives; a
-    layout whose engine fails to build or step has ``error`` instead."""
-    import torch
-
-    from tessera.comm.accounting import group_namer
-    from tessera.engines.base import MicroBatches, ModelSource
-    from tessera.plan.layout import layout_from_recipe
-    from tessera.tables.engines import engine_class
-    from tessera.train.metrics import step_split
-
-    out: list[dict[str, Any]] = []
-    for label, recipe in layouts:
-        layout = layout_from_recipe(recipe)
-        seq, mb, vocab = recipe.data.seq_len, layout.micro_batch, recipe.data.vocab_size
-        counts = (float(layout.global_batch * (seq - 1)), float(layout.global_batch * seq))
-        engine = None
-        steps: list[dict[str, Any]] = []
-        t_build = time.perf_counter()
-        try:
-            engine = engine_class(layout.engine)(ModelSource.of(recipe, vocab_size=vocab), recipe, layout,
-                                                 device=device)  # fmt: skip
-            counter.namer = group_namer(layout, engine.named_groups())
-            built = time.perf_counter() - t_build
-            for n in range(1, WARMUP + STEPS + 1):
-                # the same tokens on every rank (a TP group must see the same rows); timing only
-                g = torch.Generator().manual_seed(n)
-                rows = [torch.randint(0, vocab, (mb, seq), generator=g) for _ in range(layout.grad_accum)]
-                micro = MicroBatches(({"input_ids": r, "labels": r} for r in rows), counts=counts)
-                counter.pop_step()
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                res = engine.train_step(micro, n)
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                dt = time.perf_counter() - t0
-                ops = counter.pop_step()
-                if n > WARMUP:
-                    steps.append({"step": n, **step_split(dt, res.optimizer_s, res.optimizer_comm_s, ops),
-                                  "ops": ops})  # fmt: skip
-            out.append({"label": label, "steps": steps, "build_s": built,
-                        "seconds": time.perf_counter() - t_build})  # fmt: skip
-        except Exception as e:  # an engine this machine cannot run is named in the probe, not fatal
-            out.append({"label": label, "error": f"{type(e).__name__}: {str(e)[:300]}"})
-        finally:
-            if engine is not None:
-                engine.close()
-            del engine
-            if device == "cuda":  # the next engine gets the memory back (after a failed one too)
-                torch.cuda.empty_cache()
-    return out
 
 
 def observations(measured: dict[str, Any], recipe: Any, world: int, device: str) -> list[Any]:
