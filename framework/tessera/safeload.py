@@ -32,7 +32,7 @@ import pickletools
 import re
 import sys
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -474,16 +474,26 @@ def _file_mappings() -> list[tuple[int, int]] | None:
     return sorted(out)
 
 
-def into_memory(state: Any) -> int:
+def into_memory(state: Any, reuse: Iterable[Any] = ()) -> int:
     """Copy every CPU tensor of ``state`` (nested dicts, lists, tuples) that maps a file into this
     process's own memory, in place (``Tensor.set_``: every holder of the tensor sees the copy); returns
     the bytes copied. A tensor of ``torch.load(mmap=True)`` that an optimizer keeps as its state maps the
     checkpoint file for the rest of the run: the file's blocks stay allocated on disk after the checkpoint
     is pruned, and the next save reads them back from disk. Where /proc is missing, every CPU tensor is
-    copied."""
+    copied.
+
+    ``reuse``: tensors nobody holds any more (the state the load replaced), each taken at most once as
+    the destination of a mapped tensor of its shape and dtype. Their pages are already in memory: a copy
+    into them runs at memory speed (~13 GB/s on the test bed), a copy into new memory at page-fault
+    speed (2-3 GB/s), the larger part of a resume's time after the reads."""
     import bisect
 
     import torch
+
+    pool: dict[tuple[Any, ...], list[Any]] = {}
+    for t in reuse:
+        if torch.is_tensor(t) and t.device.type == "cpu" and t.is_contiguous():
+            pool.setdefault((tuple(t.shape), t.dtype), []).append(t)
 
     maps = _file_mappings()
     starts = [a for a, _ in maps] if maps is not None else []
@@ -501,8 +511,14 @@ def into_memory(state: Any) -> int:
         if torch.is_tensor(obj):
             if obj.device.type == "cpu" and id(obj) not in seen and obj.numel() and mapped(obj):
                 seen.add(id(obj))
+                spare = pool.get((tuple(obj.shape), obj.dtype))
                 with torch.no_grad():
-                    obj.set_(obj.clone())
+                    if spare and obj.is_contiguous():
+                        into = spare.pop()
+                        into.copy_(obj)
+                        obj.set_(into)
+                    else:
+                        obj.set_(obj.clone())
                 copied += obj.numel() * obj.element_size()
         elif isinstance(obj, dict):
             for v in obj.values():

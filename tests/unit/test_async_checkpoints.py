@@ -212,6 +212,40 @@ def test_moments_loaded_mapped_are_copied_into_memory_and_release_the_file(tmp_p
     assert into_memory(fresh.state) == 0  # nothing is mapped any more
 
 
+def test_moments_land_in_the_memory_of_the_state_the_load_replaced(tmp_path):
+    """A resume's engine already holds moments (DeepSpeed makes them at construction): ``into_memory``
+    copies the mapped moments into those tensors (pages in memory already) instead of new memory, each
+    spare used once and only for its own shape and dtype. DeepSpeed's identity ``map_location`` (its model
+    states load) maps too, as a device or nothing does."""
+    from tessera.engines.zero import safe_checkpoint_engine_class
+    from tessera.safeload import into_memory
+
+    w, b = torch.nn.Parameter(torch.randn(64, 32)), torch.nn.Parameter(torch.randn(32))
+    opt = torch.optim.AdamW([w, b], foreach=False)
+    w.grad, b.grad = torch.randn_like(w), torch.randn_like(b)
+    opt.step()
+    f = tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    torch.save({"optimizer": opt.state_dict()}, f)
+    want = {(i, k): v.clone() for i, p in enumerate((w, b)) for k, v in opt.state[p].items()}
+
+    fresh = torch.optim.AdamW([w, b], foreach=False)
+    w.grad, b.grad = torch.zeros_like(w), torch.zeros_like(b)
+    fresh.step()  # the engine's own moments, as at construction
+    spares = [v for st in fresh.state.values() for v in st.values() if v.dim()]
+    where = {id(t): t.data_ptr() for t in spares}
+    engine = safe_checkpoint_engine_class().__new__(safe_checkpoint_engine_class())
+    fresh.load_state_dict(engine.load(str(f), map_location=lambda storage, loc: storage)["optimizer"])
+    assert _mapped(f)
+    into_memory(fresh.state, reuse=spares)
+    assert not _mapped(f)
+    ptrs = {fresh.state[p][k].data_ptr() for p in (w, b) for k in ("exp_avg", "exp_avg_sq")}
+    assert ptrs == set(where.values())  # every moment in a spare's memory, each spare once
+    for i, p in enumerate((w, b)):
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert fresh.state[p][k].shape == p.shape
+            assert torch.equal(fresh.state[p][k], want[i, k]), (i, k)
+
+
 def test_hashes_taken_beside_the_io_equal_the_reference_digests_at_every_size(tmp_path):
     """Reads and writes of 1 MiB and more are hashed on a helper thread while the I/O goes on (chunk
     borders, a last partial chunk, the empty file): the same digest as the reference over the whole

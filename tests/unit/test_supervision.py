@@ -408,3 +408,42 @@ sys.exit(rc if failure is None else 99)
     _, err = p.communicate(timeout=60)
     assert p.returncode == 0, err.decode()
     assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()
+
+
+_TERM_IN_CLEANUP = r"""
+import os, signal, sys, time
+import tessera.train.worker as worker
+from tessera.errors import RunStopped
+from tessera.train.heartbeat import Heartbeat
+
+def preempted(*a, **k):
+    raise RunStopped("preempted at step 6", code=7)
+
+def close(self, _close=Heartbeat.close):
+    os.kill(os.getpid(), signal.SIGTERM)  # the launcher, on a peer's exit, while this rank cleans up
+    time.sleep(0.2)
+    _close(self)
+
+worker.train, Heartbeat.close = preempted, close
+code = worker.run_rank(sys.argv[1])
+sys.exit(100 + code)
+"""
+
+
+def test_a_sigterm_during_a_ranks_clean_up_keeps_its_exit_code(tmp_path):
+    """A rank that stops (a preemption: exit 7) is SIGTERMed by DeepSpeed's launcher as soon as a peer
+    exits non-zero, possibly while it tears down its process group: the exit file says 7 and the rank
+    returns 7 (a SIGTERM raising inside the clean-up left no exit file: "died without exiting", 9)."""
+    import subprocess
+    import sys
+
+    from tessera.rundir import RunDir
+
+    script = tmp_path / "rank.py"
+    script.write_text(_TERM_IN_CLEANUP)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    p = subprocess.run([sys.executable, str(script), str(run_dir)], env=env, timeout=120)
+    assert p.returncode == 107
+    assert RunDir(run_dir).rank_exit(0) == 7

@@ -187,6 +187,11 @@ class DeepSpeedRunner:
         files through its checkpoint engine, which :func:`_load_safely` made an allow-listed
         ``weights_only`` load; the checkpoint manager has verified their checksums and scanned their
         pickles before this runs."""
+        opt = self.engine.optimizer
+        inner = getattr(opt, "optimizer", opt)
+        # the moments the engine holds now (DeepSpeed makes them at construction): the load replaces them
+        # with the checkpoint's, and they become the memory those are copied into (into_memory's reuse)
+        replaced = [v for st in inner.state.values() for v in st.values() if torch.is_tensor(v)]
         loaded, _ = self.engine.load_checkpoint(
             str(path.parent),
             tag=path.name,
@@ -203,8 +208,7 @@ class DeepSpeedRunner:
             )
         # the optimizer keeps the moments its load handed it; on CPU (a CPU run, ZeRO-Offload) those map
         # this checkpoint's file (:class:`SafeTorchCheckpointEngine` loads mapped): copied once, here
-        opt = self.engine.optimizer
-        into_memory(getattr(opt, "optimizer", opt).state)
+        into_memory(inner.state, reuse=replaced)
 
 
 def _load_safely(engine: Any) -> None:
@@ -237,12 +241,14 @@ def safe_checkpoint_engine_class() -> type:
 
         def load(self, path: str, map_location: Any = None) -> Any:
             # mapped, not read: DeepSpeed's ZeRO 1-2 load opens every rank's partition file on every rank
-            # and keeps its own; a mapped file costs only the pages used (the checkpoint manager's
-            # verification has just read them into the page cache). torch maps zip-format files only.
+            # and keeps its own, and reads the model states file twice (once only to check its model-
+            # parallel size); a mapped file costs only the pages used (the checkpoint manager's
+            # verification has just read them into the page cache). Any map_location: torch applies it to
+            # each mapped storage (DeepSpeed passes an identity function, a device, or nothing; a GPU
+            # location copies the mapped pages to the device). torch maps zip-format files only.
             import zipfile
 
-            mmap = map_location in (None, "cpu") or str(map_location) == "cpu"
-            return safe_torch_load(path, map_location=map_location, mmap=mmap and zipfile.is_zipfile(path))
+            return safe_torch_load(path, map_location=map_location, mmap=zipfile.is_zipfile(path))
 
         def save(self, state_dict: Any, path: str) -> None:
             """Inside a Tessera checkpoint save, the file goes to that save (:mod:`tessera.writes`):

@@ -491,7 +491,7 @@ def run_rank(run_dir: str | Path, start: Start = Start(), *, keep_process_group:
         if rank == 0:
             sys.stderr.write(msg)
 
-    signal.signal(signal.SIGTERM, _on_term)
+    before = signal.signal(signal.SIGTERM, _on_term)
     from tessera.comm.accounting import install
     from tessera.train.heartbeat import Heartbeat
 
@@ -523,6 +523,12 @@ def run_rank(run_dir: str | Path, start: Start = Start(), *, keep_process_group:
             code = ExitCode.FAILED
             report(f"[rank {rank}] failed:\n{traceback.format_exc()}")
     finally:
+        # the rank is ending: how is said first, and a SIGTERM from here on (DeepSpeed's launcher stops
+        # the other ranks as soon as one exits non-zero, e.g. a peer's preemption exit) can no longer
+        # raise inside the clean-up and leave without the exit file ("died without exiting"); a clean-up
+        # that hangs is SIGKILLed by the supervisor, its exit file already written
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        rd.mark_rank_exited(rank, int(code))
         if dist.is_initialized() and not (keep_process_group and code in ORDERLY_EXITS):
             try:
                 dist.destroy_process_group()
@@ -533,8 +539,8 @@ def run_rank(run_dir: str | Path, start: Start = Start(), *, keep_process_group:
             # DeepSpeed's CPU all-reduce segments of this rendezvous (never unlinked by DeepSpeed)
             release_shared_memory(os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""))
         heartbeat.close()
-        rd.mark_rank_exited(rank, int(code))
         log.close()
+        signal.signal(signal.SIGTERM, before)  # a test harness's process goes on to its next run
     return int(code)
 
 
