@@ -13,7 +13,9 @@ would have taken them: mmap at 32 MiB and the heap's trim threshold at twice tha
 a fixed mmap threshold alone leaves the trim threshold at 128 KiB, and the heap then gives back and faults
 in again the memory of every step: measured on the ~30M Llama at ZeRO-2 on 2 ranks, 156 k minor faults
 per step against 150 k with the trim threshold raised and 148 k in a process that never set either).
-Elsewhere than glibc it does nothing.
+Elsewhere than glibc it does nothing. An export to HF and a verification run under it too: they read a
+checkpoint one group of tensors at a time, and with the dynamic threshold the freed groups stayed resident
+(a 4-layer export: 839 MiB peak against 712 MiB).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import struct
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -52,19 +53,30 @@ _ST_DTYPES = {
 }  # fmt: skip
 
 
-def write_safetensors(stream: BinaryIO, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+def write_safetensors(
+    stream: BinaryIO,
+    tensors: Mapping[str, torch.Tensor],
+    metadata: dict[str, str],
+    layout: Mapping[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
+) -> None:
     """The safetensors format (u64 header length, JSON header, raw little-endian tensor bytes) written to a
     stream, tensor by tensor. By hand because the safetensors package writes only whole files from its
     own buffer (``save_file``) or a ``bytes`` copy of the whole file (``save``): neither streams into a
     writer that hashes the bytes as they pass, and a copy of every checkpoint would double its memory.
-    Files written here are read back by the safetensors package itself (tests compare both ways)."""
+    Files written here are read back by the safetensors package itself (tests compare both ways).
+
+    ``layout``: name -> (shape, dtype) of every tensor, in the file's order, known before any is read; the
+    header is written from it and then each tensor is asked of ``tensors`` (a lazy mapping) as it is
+    written, so only one is ever needed at a time."""
+    if layout is None:
+        layout = {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
+    for name, (shape, dtype) in layout.items():
+        n = math.prod(shape) * dtype.itemsize
         header[name] = {
-            "dtype": _ST_DTYPES[t.dtype],
-            "shape": list(t.shape),
+            "dtype": _ST_DTYPES[dtype],
+            "shape": list(shape),
             "data_offsets": [offset, offset + n],
         }
         offset += n
@@ -72,7 +84,10 @@ def write_safetensors(stream: BinaryIO, tensors: dict[str, torch.Tensor], metada
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
     stream.write(struct.pack("<Q", len(raw)))
     stream.write(raw)
-    for t in tensors.values():
+    for name, (shape, dtype) in layout.items():
+        t = tensors[name]
+        if tuple(t.shape) != tuple(shape) or t.dtype != dtype:  # internal: the layout promised otherwise
+            raise RuntimeError(f"{name}: {tuple(t.shape)} {t.dtype}, its header says {tuple(shape)} {dtype}")
         if t.numel():
             stream.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
 
@@ -161,3 +176,42 @@ class LazyTensors(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self._where)
+
+
+class TensorView(Mapping[str, torch.Tensor]):
+    """Another mapping's tensors under other names (``names``: name -> the source's key; all of them when
+    None), each detached and cast to ``dtype`` (when given) on access: nothing is read or copied before it
+    is asked for, so a view of a lazy reader stays lazy."""
+
+    def __init__(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        names: Mapping[str, str] | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        self._tensors, self._dtype = tensors, dtype
+        self._names = dict(names) if names is not None else {k: k for k in tensors}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        t = self._tensors[self._names[key]].detach()
+        return t if self._dtype is None else t.to(self._dtype)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._names
+
+    def shapes(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        """Name -> (shape, dtype as read), without reading a tensor where the source can say (a lazy
+        reader's ``shapes``)."""
+        of = getattr(self._tensors, "shapes", None)
+        known = of() if of is not None else {k: (t.shape, t.dtype) for k, t in self._tensors.items()}
+        return {k: (known[src][0], self._dtype or known[src][1]) for k, src in self._names.items()}
+
+    def release(self) -> None:
+        """Let the source go of the tensors it holds between reads (a lazy reader's last group)."""
+        getattr(self._tensors, "release", lambda: None)()

@@ -440,6 +440,26 @@ def test_export_to_hf_reproduces_the_run(runs, tmp_path):
     run logged for step 6."""
     report = assert_hf_export_replays_the_run(runs["_base"] / "resume_tp2", 5, tmp_path / "hf")
     assert report["sharding"] == "megatron-ddp"
+    # read in HF order, the checkpoint's reader holds one group of tensors at a time (q, k and v share
+    # their fused tensor, gate and up theirs) and reads each stored megatron tensor once
+    import torch
+
+    import tessera.engines.megatron_reader as mr
+    from tessera.checkpoint.reader import hf_tensors
+
+    view, _ = hf_tensors(runs["_base"] / "resume_tp2" / "checkpoints" / "step_000005")
+    reader, asked = view._tensors, []
+    read = mr._read_regions
+    mr._read_regions = lambda root, md, requests: asked.extend(requests) or read(root, md, requests)
+    try:
+        for k in view:
+            assert torch.equal(view[k], dict(reader._held[1])[k])
+            assert len(reader._held[1]) <= 3 and set(reader._held[1]) <= {
+                h for h, g in reader._group.items() if g == reader._group[k]
+            }
+    finally:
+        mr._read_regions = read
+    assert sorted(asked) == sorted(reader._source)
 
 
 def test_deepseek_v3_export_reproduces_the_run(runs, tmp_path):

@@ -425,13 +425,14 @@ def test_first_nonfinite_finds_nan_and_inf_but_not_large_finite_values():
 
 
 @pytest.mark.parametrize("recipe", ["recipes/tiny-llama-cpu.yaml", "recipes/tiny-mixtral-cpu.yaml"])
-def test_the_logits_check_runs_on_the_sides_own_tensors(recipe):
-    """verify's model of a side holds the side's tensors (no second copy of the weights) and computes the
-    logits of the model they came from, bit for bit; a state that leaves a parameter without a value falls
-    back to the copying path (None here)."""
+def test_the_logits_check_streams_the_sides_tensors_module_by_module(recipe):
+    """verify's model of a side holds no weights: each module's are read from the side's tensors as it
+    runs (accelerate's offload hooks) and dropped after, each tensor read once per pass, and the logits
+    are the source model's, bit for bit (a dense and an MoE family); a state that leaves a parameter
+    without a value falls back to the copying path (None here)."""
     from transformers import AutoModelForCausalLM
 
-    from tessera.checkpoint.verify import Side, _on_the_sides_tensors
+    from tessera.checkpoint.verify import Side, _streamed
     from tessera.config.loader import load_recipe
     from tessera.models.hf import load_hf_config
 
@@ -440,12 +441,21 @@ def test_the_logits_check_runs_on_the_sides_own_tensors(recipe):
     torch.manual_seed(0)
     source = AutoModelForCausalLM.from_config(cfg).float().eval()
     state = {k: v.clone() for k, v in source.state_dict().items()}
-    model = _on_the_sides_tensors(Side("a", "checkpoint", cfg, state, None, None), torch.float32)
+    reads: dict[str, int] = {}
+
+    class Counting(dict):
+        def __getitem__(self, k):
+            reads[k] = reads.get(k, 0) + 1
+            return super().__getitem__(k)
+
+    model = _streamed(Side("a", "checkpoint", cfg, Counting(state), None, None), torch.float32)
     assert model is not None
-    ptrs = {t.data_ptr() for t in state.values()}
-    assert all(p.data_ptr() in ptrs for p in model.parameters())
+    assert all(p.is_meta for p in model.parameters())  # no weights of its own
     ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, source(input_ids=ids).logits)
+    assert all(p.is_meta for p in model.parameters())  # dropped after use
+    read_for_weights = {k for k in state if "rotary" not in k}
+    assert set(reads) == read_for_weights and set(reads.values()) == {1}
     partial = {k: v for k, v in state.items() if k != "model.layers.0.self_attn.o_proj.weight"}
-    assert _on_the_sides_tensors(Side("a", "checkpoint", cfg, partial, None, None), torch.float32) is None
+    assert _streamed(Side("a", "checkpoint", cfg, partial, None, None), torch.float32) is None

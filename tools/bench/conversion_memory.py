@@ -37,6 +37,10 @@ from checkpoint_io import GB, MODEL, REPO, _write_recipes, measure_tree
 BASELINE = (
     "import resource, torch, transformers, deepspeed, megatron.core, tessera.cli, tessera.train.worker\n"
     "import transformers.models.llama.modeling_llama\n"
+    # the export's and the verification's own: accelerate's hooks, torch's dist-checkpoint metadata,
+    # megatron's layer spec (the reader's key map), tokenizers
+    "import accelerate, tokenizers, torch.distributed.checkpoint, megatron.core.models.gpt.gpt_layer_specs\n"
+    "import tessera.checkpoint.convert, tessera.checkpoint.verify, tessera.engines.megatron_reader\n"
     "print('RSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
 )
 

@@ -16,20 +16,21 @@ import contextlib
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tessera.atomic import write_json_atomic, write_text_atomic
-from tessera.checkpoint.reader import hf_config_of, read_hf_state
+from tessera.checkpoint.reader import hf_config_of, hf_tensors, read_hf_state
 from tessera.checkpoint.sources import is_hf_dir, resolve_source, tokenizer_dir_of
-from tessera.checkpoint.verify import Side, compare, open_side, quiet_libraries
+from tessera.checkpoint.verify import Side, compare, open_side, quiet_libraries, release
 from tessera.errors import CheckpointError, RecipeError
 from tessera.models.adapters import section_dict
 from tessera.plan.layout import LAYOUT_AXES
 from tessera.rundir import RunDir
+from tessera.tensorfile import TensorView
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 REPORT = RunDir.CONVERSION
@@ -65,13 +66,17 @@ def convert_to_hf(
     """Write the HF directory ``out`` from Tessera checkpoint ``src``; returns the conversion record
     (with ``tessera verify``'s report of the checkpoint against the output, unless ``verify`` is off).
     ``merge``: a checkpoint of adapters, merged into its base by peft (``merge_and_unload``)."""
-    with quiet_libraries():  # no progress bars of save_pretrained / from_pretrained on the console
+    from tessera.hostmem import lean_construction
+
+    # no progress bars on the console; every tensor the export frees is given back (one group at a time)
+    with quiet_libraries(), lean_construction():
         return _convert_to_hf(Path(src), Path(out), dtype=dtype, verify=verify, prompts=prompts, merge=merge)
 
 
 def _convert_to_hf(
     src: Path, out: Path, *, dtype: str, verify: bool, prompts: int, merge: bool
 ) -> dict[str, Any]:
+    from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tessera.data.tokenizer import token_ids
@@ -79,7 +84,7 @@ def _convert_to_hf(
 
     check_out(out)
     ckpt = resolve_source(src)
-    state, meta = read_hf_state(ckpt)
+    view, meta = hf_tensors(ckpt)
     adapters = meta.get("peft")
     if adapters is not None and not merge:
         raise RecipeError(
@@ -96,32 +101,44 @@ def _convert_to_hf(
             fix="drop --merge",
         )
     unmerged = None
+    want: Mapping[str, torch.Tensor]
     if adapters is not None:
+        state = dict(view)
         unmerged = Side(str(ckpt), "checkpoint", hf_config_of(meta), state, None, tokenizer_dir_of(ckpt),
                         peft=adapters)  # fmt: skip
-        state = merged_state(hf_config_of(meta), adapters, state)
-    # detached: ZeRO's merged fp32 state comes as parameters that require grad
-    want = {k: v.detach().to(DTYPES[dtype]) for k, v in state.items()}
+        # detached: peft's merge returns parameters
+        want = {
+            k: v.detach().to(DTYPES[dtype])
+            for k, v in merged_state(hf_config_of(meta), adapters, state).items()
+        }
+    else:  # read as written, one group of tensors at a time where the checkpoint's reader can
+        want = TensorView(view, dtype=DTYPES[dtype])
     cfg = hf_config_of(meta)
     tok = tokenizer_dir_of(ckpt)
     tokenizer = AutoTokenizer.from_pretrained(str(tok), local_files_only=True) if tok is not None else None
     ids = token_ids(tokenizer) if tokenizer is not None else None
     if ids is not None:  # before the model is built: its generation config copies them from cfg
         set_token_ids(cfg, ids, keep_own=_pretrained_run(ckpt))
-    model = AutoModelForCausalLM.from_config(cfg).to(DTYPES[dtype])
-    missing, unexpected = model.load_state_dict(want, strict=False, assign=True)  # no second copy
-    tied = {k for k in missing if _is_tied(model, k)}
-    if set(missing) - tied or unexpected:
+    with init_empty_weights():  # the model's names, shapes and configs; no weights
+        model = AutoModelForCausalLM.from_config(cfg).to(DTYPES[dtype])
+    expected = {k: tuple(t.shape) for k, t in model.state_dict().items()}
+    missing = {k for k in expected if k not in want and not _is_tied(model, k)}
+    unexpected = set(want) - set(expected)
+    shapes = (
+        want.shapes() if isinstance(want, TensorView) else {k: (t.shape, t.dtype) for k, t in want.items()}
+    )
+    wrong = sorted(k for k in set(want) & set(expected) if tuple(shapes[k][0]) != expected[k])
+    if missing or unexpected or wrong:
         raise CheckpointError(
-            f"checkpoint and model config disagree: missing {sorted(set(missing) - tied)[:4]}, "
-            f"unexpected {sorted(unexpected)[:4]}",
+            f"checkpoint and model config disagree: missing {sorted(missing)[:4]}, "
+            f"unexpected {sorted(unexpected)[:4]}, other shapes {wrong[:4]}",
             field="checkpoint",
             value=str(ckpt),
             fix="the checkpoint's meta.json model_config must describe the model it holds",
         )
-    model.tie_weights()
     with written_into(out) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True, max_shard_size="5GB")
+        write_pretrained(model, tmp, want)
+        release(want)  # the last group the reader held
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         record: dict[str, Any] = {
@@ -156,6 +173,43 @@ def _convert_to_hf(
                 )
         write_json_atomic(tmp / REPORT, record)
     return record
+
+
+def write_pretrained(
+    model: Any, out: Path, tensors: Mapping[str, torch.Tensor], *, max_shard_size: str = "5GB"
+) -> None:
+    """What ``model.save_pretrained(out)`` writes (``config.json`` with the dtype and architecture it
+    records, ``generation_config.json``, ``model.safetensors`` or 5 GB shards named and indexed as it names
+    them), the weights taken from ``tensors`` one at a time in the model's order: ``model`` may hold no
+    weights (meta), and a lazy ``tensors`` is never read whole. By hand because save_pretrained gathers the
+    whole state dict first (huggingface_hub's ``save_torch_state_dict`` too); its shard plan is
+    huggingface_hub's own (``split_torch_state_dict_into_shards``), and a test compares the two outputs."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    from tessera.tensorfile import write_safetensors
+
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = next(iter(model.parameters())).dtype
+    model.config.dtype = str(dtype).split(".")[1]
+    model.config.architectures = [type(model).__name__]
+    model.config.save_pretrained(out)
+    if model.can_generate():
+        model.generation_config.save_pretrained(out)
+    layout = {k: (tuple(t.shape), t.dtype) for k, t in model.state_dict().items() if k in tensors}
+    plan = split_torch_state_dict_into_shards(
+        {k: torch.empty(shape, dtype=dt, device="meta") for k, (shape, dt) in layout.items()},
+        filename_pattern="model{suffix}.safetensors",
+        max_shard_size=max_shard_size,
+    )
+    for name, keys in plan.filename_to_tensors.items():
+        with open(out / name, "wb") as f:
+            write_safetensors(f, tensors, {"format": "pt"}, layout={k: layout[k] for k in keys})
+    if plan.is_sharded:
+        index = {
+            "metadata": {"total_parameters": model.num_parameters(), **plan.metadata},
+            "weight_map": plan.tensor_to_filename,
+        }
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
 def merged_state(

@@ -24,8 +24,17 @@ from tessera.errors import CheckpointError
 from tessera.models.adapters import canonical
 from tessera.models.hf import hf_config_of
 from tessera.tables.engines import ENGINES, PLUGIN_ENV, engine_hook
+from tessera.tensorfile import TensorView
 
-__all__ = ["base_tensors", "hf_config_of", "read_adam_step", "read_hf_moment", "read_hf_state", "reader_of"]
+__all__ = [
+    "base_tensors",
+    "hf_config_of",
+    "hf_tensors",
+    "read_adam_step",
+    "read_hf_moment",
+    "read_hf_state",
+    "reader_of",
+]
 
 
 def reader_of(ckpt: Path, meta: dict[str, Any]) -> CheckpointReader:
@@ -44,6 +53,14 @@ def reader_of(ckpt: Path, meta: dict[str, Any]) -> CheckpointReader:
 
 def read_hf_state(ckpt: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(HF state dict in fp32, meta) of checkpoint directory ``ckpt``, verified first."""
+    view, meta = hf_tensors(ckpt)
+    return {k: view[k] for k in view}, meta
+
+
+def hf_tensors(ckpt: Path) -> tuple[Mapping[str, torch.Tensor], dict[str, Any]]:
+    """(HF tensors in fp32, meta) of checkpoint directory ``ckpt``, verified first: a mapping that reads
+    each tensor when it is asked for where the engine's reader does (megatron's: one group of tensors
+    held at a time, so an export in HF order never holds the model), else over the read state."""
     ckpt = Path(ckpt)
     meta = verify_or_raise(ckpt)
     if meta.get("format_version") != FORMAT_VERSION:
@@ -54,15 +71,16 @@ def read_hf_state(ckpt: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
             fix="resume it once with this release (its next checkpoint is v2), then convert that",
         )
     name = names_of(meta)
-    state = {name(k): v for k, v in reader_of(ckpt, meta).weights(ckpt, meta).items()}
+    weights: Mapping[str, torch.Tensor] = reader_of(ckpt, meta).weights(ckpt, meta)
     if meta.get("peft") is not None:  # a checkpoint of adapters: the base is the one meta.json names
+        state = {name(k): v for k, v in weights.items()}
         base = base_tensors(ckpt, meta)
-        state = {**{k: base[k] for k in base if k not in state}, **state}
-    if getattr(hf_config_of(meta), "tie_word_embeddings", False):
-        # as save_pretrained writes it: a tied head is the embedding, not a second tensor (DeepSpeed's merge
-        # adds it back as a shared parameter)
-        state = {k: v for k, v in state.items() if not k.endswith("lm_head.weight")}
-    return {k: v.float() for k, v in state.items()}, meta
+        weights, name = {**{k: base[k] for k in base if k not in state}, **state}, str
+    # as save_pretrained writes it: a tied head is the embedding, not a second tensor (DeepSpeed's merge
+    # adds it back as a shared parameter)
+    tied = bool(getattr(hf_config_of(meta), "tie_word_embeddings", False))
+    names = {name(k): k for k in weights if not (tied and name(k).endswith("lm_head.weight"))}
+    return TensorView(weights, names, torch.float32), meta
 
 
 def base_tensors(ckpt: Path, meta: dict[str, Any]) -> Mapping[str, torch.Tensor]:

@@ -13,6 +13,7 @@ differ), logits within ``1e-5`` in fp32, and the special-token ids agreeing.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -22,9 +23,9 @@ from typing import Any
 
 import torch
 
-from tessera.atomic import sha256_bytes
 from tessera.checkpoint.sources import is_hf_dir, resolve_source, tokenizer_dir_of
 from tessera.engines.optim import MOMENTS
+from tessera.tensorfile import TensorView
 
 LOGITS_TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-2}
 #: what peft's save_pretrained writes beside ``adapter_model.safetensors``: a PEFT adapter directory
@@ -95,11 +96,11 @@ def open_side(path: Path) -> Side:
     if is_hf_dir(path):
         with quiet_libraries():
             return _hf_side(path)
-    from tessera.checkpoint.reader import hf_config_of, read_hf_moment, read_hf_state
+    from tessera.checkpoint.reader import hf_config_of, hf_tensors, read_hf_moment
 
     ckpt = resolve_source(path)
     with quiet_libraries():  # the megatron reader imports megatron-core
-        state, meta = read_hf_state(ckpt)
+        state, meta = hf_tensors(ckpt)  # read on access where the format allows
     return Side(
         label=str(ckpt),
         kind="checkpoint",
@@ -154,14 +155,59 @@ def _hf_side(path: Path) -> Side:
     )
 
 
-def _digest(t: torch.Tensor) -> str:
-    return sha256_bytes(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+#: a tensor comparison reads and compares this many bytes of each side at a time (a row block)
+BLOCK_BYTES = 16 << 20
+
+
+def _blocks(
+    state: Mapping[str, torch.Tensor], key: str
+) -> tuple[torch.Size, torch.dtype, Iterator[torch.Tensor]]:
+    """(shape, dtype, row blocks of at most :data:`BLOCK_BYTES`) of one tensor: read block by block from
+    an HF directory's files (safetensors slices), cut from the tensor otherwise (a checkpoint's reader
+    holds its group anyway)."""
+    part = getattr(state, "part", None)
+    if part is None:
+        t = state[key]
+        shape, dtype, rows = t.shape, t.dtype, lambda i, j: t[i:j]
+    else:
+        shape = torch.Size(state.shape_of(key))  # type: ignore[attr-defined]
+        first = part(key, (slice(0, 1),)) if shape else state[key]
+        dtype = first.dtype
+        rows = lambda i, j: part(key, (slice(i, j),))  # noqa: E731
+        del first
+    if not shape or shape[0] == 0:
+        return shape, dtype, iter([state[key] if part is not None else t])  # type: ignore[possibly-undefined]
+    per = max(1, BLOCK_BYTES // max(1, shape[1:].numel() * dtype.itemsize))
+    return shape, dtype, (rows(i, min(i + per, shape[0])) for i in range(0, shape[0], per))
+
+
+def _compare_tensor(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], k: str) -> dict[str, Any]:
+    """One tensor of both sides, row block by row block: never more than a block of each beside what the
+    sides hold."""
+    xs, xd, xb = _blocks(a, k)
+    ys, yd, yb = _blocks(b, k)
+    row: dict[str, Any] = {"name": k, "shape_a": list(xs), "shape_b": list(ys)}
+    row.update(dtype_a=str(xd).removeprefix("torch."), dtype_b=str(yd).removeprefix("torch."))
+    if xs != ys:
+        row.update(max_abs_diff=None, equal=False, same_bytes=False)
+        return row
+    common = xd if xd == yd else torch.promote_types(xd, yd)
+    cast = yd if xd != yd else xd  # a dtype change compares the cast, as the conversion that asked for it did
+    worst, equal, ha, hb = 0.0, True, hashlib.sha256(), hashlib.sha256()
+    for x, y in zip(xb, yb, strict=True):
+        if x.numel():
+            worst = max(worst, float((x.to(common) - y.to(common)).abs().max()))
+        equal = equal and bool(torch.equal(x.to(cast), y.to(cast)))
+        for h, t in ((ha, x), (hb, y)):
+            h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
+    row.update(max_abs_diff=worst, equal=equal, same_bytes=xd == yd and ha.digest() == hb.digest())
+    return row
 
 
 def _model(side: Side, dtype: torch.dtype) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    if side.model_dir is not None:
+    if side.model_dir is not None and (side.adapter_dir is not None or side.peft is not None):
         model = AutoModelForCausalLM.from_pretrained(
             str(side.model_dir), local_files_only=True, dtype=dtype, attn_implementation="eager"
         )
@@ -171,9 +217,9 @@ def _model(side: Side, dtype: torch.dtype) -> torch.nn.Module:
             model = PeftModel.from_pretrained(model, str(side.adapter_dir), torch_dtype=dtype)
         return model.eval()
     if side.peft is None:
-        assigned = _on_the_sides_tensors(side, dtype)
-        if assigned is not None:
-            return assigned
+        streamed = _streamed(side, dtype)
+        if streamed is not None:
+            return streamed
     model = AutoModelForCausalLM.from_config(side.config, attn_implementation="eager").to(dtype)
     if side.peft is not None:
         from tessera.models.adapters import inject
@@ -191,13 +237,14 @@ def _model(side: Side, dtype: torch.dtype) -> torch.nn.Module:
     return model.eval()
 
 
-def _on_the_sides_tensors(side: Side, dtype: torch.dtype) -> torch.nn.Module | None:
-    """The side's model holding the side's own tensors (cast to ``dtype`` where they differ): built with
-    accelerate's ``init_empty_weights`` (parameters on the meta device, no memory; buffers real), then every
-    parameter assigned from the state, so the weights are in memory once, not twice (a model initialised
-    and then copied into). None where the state does not give every parameter a value (the caller's
-    copying path keeps the model's own for the rest)."""
-    from accelerate import init_empty_weights
+def _streamed(side: Side, dtype: torch.dtype) -> torch.nn.Module | None:
+    """The side's model with no weights of its own: built with accelerate's ``init_empty_weights``, then
+    accelerate's ``cpu_offload`` hooks read each module's weights from the side's tensors (cast to
+    ``dtype``) as the module runs and drop them after, so a forward pass holds one module's weights, and
+    a lazy reader one group of tensors, never the model: a verification's memory does not grow with
+    depth. None where the side's tensors do not give every weight a value (the caller's copying path
+    keeps the model's own for the rest)."""
+    from accelerate import cpu_offload, init_empty_weights
     from transformers import AutoModelForCausalLM
 
     from tessera.models.adapters import name_map
@@ -205,17 +252,23 @@ def _on_the_sides_tensors(side: Side, dtype: torch.dtype) -> torch.nn.Module | N
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(side.config, attn_implementation="eager")
     canon = name_map(model)
-    state = {}
-    for name in model.state_dict():
-        key = canon[name]
-        if key in side.state:
-            t = side.state[key].detach()
-            state[name] = t if t.dtype == dtype else t.to(dtype)
-    model.load_state_dict(state, strict=False, assign=True)
-    model.tie_weights()
-    if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
+    names = {n: canon[n] for n in model.state_dict()}
+    out = model.get_output_embeddings()
+    if out is not None and getattr(side.config, "tie_word_embeddings", False):  # the head is the embedding
+        head = next(n for n, p in model.named_parameters(remove_duplicate=False) if p is out.weight)
+        embed = model.get_input_embeddings().weight
+        names[head] = canon[next(n for n, p in model.named_parameters() if p is embed)]
+    if any(k not in side.state for k in names.values()):
         return None
-    return model.to(dtype).eval()
+    if any(b.is_meta for b in model.buffers()):
+        return None
+    return cpu_offload(model.eval(), torch.device("cpu"), state_dict=TensorView(side.state, names, dtype))  # type: ignore[arg-type]
+
+
+def release(state: Mapping[str, torch.Tensor]) -> None:
+    """Let a lazy reader go of the tensors it holds between reads (megatron's reader keeps the last
+    group it read); a plain dict holds its tensors anyway."""
+    getattr(state, "release", lambda: None)()
 
 
 def _prompts(a: Side, b: Side, n: int, vocab: int) -> list[torch.Tensor]:
@@ -254,27 +307,19 @@ def compare(a: Side, b: Side, *, prompts: int = 4, source_tokens: bool = True) -
     conversion read: its own special-token ids are not the conversion's to judge (a pretrained directory
     whose config.json names another eos than its tokenizer is converted as it is; the export of a run
     from it writes the tokenizer's, :func:`tessera.models.hf.set_token_ids`)."""
-    with quiet_libraries(), torch.no_grad():  # a comparison needs no autograd (ZeRO's tensors require grad)
+    from tessera.hostmem import lean_construction
+
+    # no autograd (ZeRO's tensors require grad); every tensor freed is given back (lazy sides read a
+    # group of tensors at a time)
+    with quiet_libraries(), torch.no_grad(), lean_construction():
         return _compare(a, b, prompts=prompts, source_tokens=source_tokens)
 
 
 def _compare(a: Side, b: Side, *, prompts: int, source_tokens: bool) -> dict[str, Any]:
-    shared = sorted(set(a.state) & set(b.state))
-    tensors = []
-    for k in shared:
-        x, y = a.state[k], b.state[k]
-        row: dict[str, Any] = {"name": k, "shape_a": list(x.shape), "shape_b": list(y.shape)}
-        row.update(dtype_a=str(x.dtype).removeprefix("torch."), dtype_b=str(y.dtype).removeprefix("torch."))
-        if x.shape == y.shape:
-            common = x.dtype if x.dtype == y.dtype else torch.promote_types(x.dtype, y.dtype)
-            # a dtype change compares the cast, as the conversion that asked for it did
-            cast = y.dtype if x.dtype != y.dtype else x.dtype
-            row["max_abs_diff"] = float((x.to(common) - y.to(common)).abs().max()) if x.numel() else 0.0
-            row["equal"] = bool(torch.equal(x.to(cast), y.to(cast)))
-            row["same_bytes"] = x.dtype == y.dtype and _digest(x) == _digest(y)
-        else:
-            row.update(max_abs_diff=None, equal=False, same_bytes=False)
-        tensors.append(row)
+    # in the first side's own order (a lazy reader holds one group of tensors: q, k and v share theirs)
+    shared = [k for k in a.state if k in b.state]
+    tensors = sorted((_compare_tensor(a.state, b.state, k) for k in shared), key=lambda r: r["name"])
+    release(a.state)
     report: dict[str, Any] = {
         "a": a.label,
         "b": b.label,
@@ -327,9 +372,15 @@ def compare_logits(a: Side, b: Side, n: int) -> dict[str, Any]:
     prompts = _prompts(a, b, n, min(a.config.vocab_size, b.config.vocab_size))
 
     def logits(side: Side) -> list[torch.Tensor]:  # one model in memory at a time
+        # every prompt in one pass (a streamed model reads its weights once per pass), right-padded: under
+        # the causal mask a prompt's positions never see the padding after them, so each prompt's logits
+        # are its own; both sides run the same batch
+        batch = torch.nn.utils.rnn.pad_sequence([p[0] for p in prompts], batch_first=True)
         model = _model(side, dtype)
         with torch.no_grad():
-            return [model(input_ids=ids).logits.float() for ids in prompts]
+            out = model(input_ids=batch).logits.float()
+        release(side.state)
+        return [out[i, : p.shape[1]] for i, p in enumerate(prompts)]
 
     worst, kls = 0.0, []
     for la, lb in zip(logits(a), logits(b), strict=True):

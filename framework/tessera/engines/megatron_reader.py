@@ -10,8 +10,12 @@ checkpoint was verified before a reader is called; nothing in it is unpickled be
 
 from __future__ import annotations
 
-import pickle
+import contextlib
+import io
 import re
+import struct
+import zipfile
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +28,7 @@ from tessera.errors import CheckpointError
 from tessera.models.hf import hf_config_of
 from tessera.plan.layout import ParallelLayout
 from tessera.safeload import FIX as SAFE_FIX
-from tessera.safeload import dcp_reader_class
+from tessera.safeload import dcp_reader_class, safe_torch_load
 
 _EXPERTS = "mlp.experts.experts."
 #: megatron's optimizer state keys: "optimizer.state.<kind>.<model key>", prefixed "chained_<i>." when the
@@ -76,50 +80,128 @@ def reshards_on_load(meta: dict[str, Any], layout: ParallelLayout) -> bool:
 
 def _megatron(
     ckpt: Path, hf_cfg: Any, moment: str | None = None, peft: dict[str, Any] | None = None
-) -> dict[str, torch.Tensor]:
-    """Global megatron tensors (layers stacked on dim 0 by dist_checkpointing) -> the tp = 1, pp = 1 chunk
-    -> HF, through the same weight map the engine loads with. ``moment``: None for the parameters,
-    ``optimizer.state.exp_avg.`` (or ``exp_avg_sq``) for megatron DDP's Adam moments, saved per parameter."""
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+) -> MegatronTensors:
+    """The checkpoint's HF tensors (``moment``: None for the parameters, ``exp_avg`` or ``exp_avg_sq`` for
+    megatron's Adam moments, saved per parameter), read on access (:class:`MegatronTensors`)."""
+    return MegatronTensors(ckpt, hf_cfg, moment=moment, peft=peft)
 
-    from tessera.models.megatron import Shard
-    from tessera.models.megatron_lora import mcore_adapter
-    from tessera.models.weight_map import mcore_to_hf
 
-    root = ckpt / DIST_DIR
-    reader = dcp_reader_class()(str(root))  # its .metadata through the restricted unpickler
-    md = reader.read_metadata()
-    # tensors only: the byte entries (TransformerEngine "_extra_state") would be unpickled
-    keys = {
-        k
-        for k, m in md.state_dict_metadata.items()
-        if isinstance(m, TensorStorageMetadata)
-        and (_OPTIM.match(k) is None if moment is None else (_OPTIM.match(k) or [None, None])[1] == moment)
-    }
-    if not keys:
-        return {}
+class MegatronTensors(Mapping[str, torch.Tensor]):
+    """The HF tensors of a megatron ``dist_checkpointing`` checkpoint, read on access, one group at a time.
 
-    class _Only(_EmptyStateDictLoadPlanner):
-        # torch's key filter also consults metadata.planner_data, which megatron-core does not write
-        def _should_include_key(self, key: str, metadata: Any) -> bool:
-            return key in keys
+    dist_checkpointing stores every tensor in its global (tp = 1, all stages) form, the layers stacked on
+    dim 0 and saved one stored chunk per layer and TP rank; the HF names come from the same weight map the
+    engine loads with (:func:`tessera.models.weight_map.mcore_to_hf`). An access reads only the stored
+    chunks of the megatron tensors that HF tensor is made from (a *group*: q, k and v share their fused
+    tensor, gate and up theirs), through torch's own distributed-checkpoint reader and a planner that asks
+    for just those regions, and keeps that one group: reading the tensors in order holds one group at a
+    time, never the model (a conversion's memory does not grow with depth). The weight map runs on the
+    group's tensors with every other megatron tensor on the meta device (shapes only, no memory)."""
 
-    glob: dict[str, torch.Tensor] = {}
-    # torch's own single-process reader of a distributed checkpoint (what dcp_to_torch_save uses); it
-    # loads each tensor entry with weights_only=True (the byte entries are never asked for)
-    try:
-        _load_state_dict(glob, storage_reader=reader, planner=_Only(), no_dist=True)
-    except pickle.UnpicklingError as e:
-        raise CheckpointError(
-            f"a tensor entry is not a plain tensor ({str(e).strip().splitlines()[-1][:160]})",
-            field="checkpoint",
-            value=str(root),
-            fix=SAFE_FIX,
-        ) from None
-    adapter = mcore_adapter(hf_cfg, peft)
-    shape = adapter.shape(hf_cfg)
+    def __init__(
+        self, ckpt: Path, hf_cfg: Any, *, moment: str | None = None, peft: dict[str, Any] | None = None
+    ) -> None:
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        from tessera.models.megatron_lora import mcore_adapter
+        from tessera.models.weight_map import hf_sources
+
+        self._root = Path(ckpt) / DIST_DIR
+        self._reader = dcp_reader_class()(str(self._root))  # its .metadata through the restricted unpickler
+        md = self._reader.read_metadata()
+        # tensors only: the byte entries (TransformerEngine "_extra_state") would be unpickled
+        stored = {
+            k: m
+            for k, m in md.state_dict_metadata.items()
+            if isinstance(m, TensorStorageMetadata)
+            and (
+                _OPTIM.match(k) is None if moment is None else (_OPTIM.match(k) or [None, None])[1] == moment
+            )
+        }
+        self._md = {k: stored[k] for k in stored}
+        self._cfg, self._adapter, self._peft = hf_cfg, mcore_adapter(hf_cfg, peft), peft
+        #: the global chunk's megatron key -> (stored key, index of the layer / expert on its leading dims)
+        self._source = _chunk_sources(stored, self._adapter.shape(hf_cfg), moment)
+        self._meta = {
+            c: torch.empty(tuple(stored[f].size)[len(i) :], dtype=stored[f].properties.dtype, device="meta")
+            for c, (f, i) in self._source.items()
+        }
+        hf = self._convert(self._meta) if self._source else {}
+        # groups: the megatron keys that one HF tensor, or several sharing a tensor, are made from
+        deps = hf_sources(self._adapter, hf_cfg)
+        parent: dict[str, str] = {}
+
+        def root(c: str) -> str:
+            while parent.setdefault(c, c) != c:
+                c = parent[c]
+            return c
+
+        for k in hf:
+            first, *rest = sorted(c for c in deps[k] if c in self._source)
+            for c in rest:
+                parent[root(c)] = root(first)
+        self._group = {k: root(min(c for c in deps[k] if c in self._source)) for k in hf}
+        self._members: dict[str, list[str]] = {}
+        for c in self._source:
+            self._members.setdefault(root(c), []).append(c)
+        self._keys = list(hf)
+        self._held: tuple[str | None, dict[str, torch.Tensor]] = (None, {})
+
+    def _convert(self, chunk: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        from tessera.models.megatron import Shard
+        from tessera.models.weight_map import mcore_to_hf
+
+        try:
+            return mcore_to_hf(
+                {Shard(): dict(chunk)}, self._adapter, self._cfg, adapters_only=self._peft is not None
+            )
+        except KeyError as e:
+            raise CheckpointError(
+                f"the megatron checkpoint has no tensor for {e}",
+                field="checkpoint",
+                value=str(self._root),
+                fix="resume the run on its own layout; this checkpoint's tensors do not match its model_config",
+            ) from None
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        group = self._group[key]
+        held, tensors = self._held
+        if held != group:
+            self._held = (None, {})  # the previous group goes before the next is read
+            del tensors
+            real = self._read(self._members[group])
+            out = self._convert({**self._meta, **real})
+            del real
+            self._held = (group, {k: t for k, t in out.items() if not t.is_meta})
+        return self._held[1][key]
+
+    def release(self) -> None:
+        """Let go of the group held (the last one read): a reader kept for later holds no tensor."""
+        self._held = (None, {})
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._group
+
+    def shapes(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        """HF key -> (shape, dtype), read from the checkpoint's metadata only."""
+        return {k: (t.shape, t.dtype) for k, t in self._convert(self._meta).items()}
+
+    def _read(self, members: list[str]) -> dict[str, torch.Tensor]:
+        """The global chunk's megatron tensors ``members``: their stored chunks only."""
+        return _read_regions(self._root, self._reader.read_metadata(), {c: self._source[c] for c in members})
+
+
+def _chunk_sources(
+    stored: Mapping[str, Any], shape: Any, moment: str | None
+) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The global chunk's megatron key (the engine's module names) -> (stored key, the leading index that
+    selects it: () whole, (layer,), (layer, expert) or (expert,))."""
     # megatron-core saves the local spec's separate norms under TransformerEngine's fused names; its layer
     # spec says how (sharded_state_dict_keys_map), and the reverse gives the module keys back
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -130,22 +212,23 @@ def _megatron(
         multi_latent_attention=shape.mla,
     )
     renamed = {v: k for k, v in spec.submodules.sharded_state_dict_keys_map.items()}
-    chunk: dict[str, torch.Tensor] = {}
-    for key, t in glob.items():
-        key = key if moment is None else key[_OPTIM.match(key).end() :]  # type: ignore[union-attr]
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for fqn in stored:
+        key = fqn if moment is None else fqn[_OPTIM.match(fqn).end() :]  # type: ignore[union-attr]
         if not key.startswith("decoder.layers."):
-            chunk[key] = t
+            out[key] = (fqn, ())
             continue
         rest = key[len("decoder.layers.") :]
         layer, dot, after = rest.partition(".")
         if layer.isdigit() and dot:  # not stacked: a model with dense and MoE layers saves each layer apart
             if after.startswith(_EXPERTS):  # its SequentialMLP's tensors: dim 0 is the global expert
                 for e in range(shape.num_experts):
-                    chunk[
-                        f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{after[len(_EXPERTS) :]}"
-                    ] = t[e]
+                    out[f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{after[len(_EXPERTS) :]}"] = (
+                        fqn,
+                        (e,),
+                    )
             else:
-                chunk[key] = t
+                out[key] = (fqn, ())
             continue
         for saved, module in renamed.items():
             if rest.startswith(saved):
@@ -153,20 +236,144 @@ def _megatron(
         for i in range(shape.num_layers):  # dim 0: the global layer index
             if rest.startswith(_EXPERTS):  # SequentialMLP: dim 1 of its saved tensors is the global expert
                 for e in range(shape.num_experts):
-                    chunk[f"decoder.layers.{i}.mlp.experts.local_experts.{e}.{rest[len(_EXPERTS) :]}"] = t[i][
-                        e
-                    ]
+                    out[f"decoder.layers.{i}.mlp.experts.local_experts.{e}.{rest[len(_EXPERTS) :]}"] = (
+                        fqn,
+                        (i, e),
+                    )
             else:
-                chunk[f"decoder.layers.{i}.{rest}"] = t[i]
+                out[f"decoder.layers.{i}.{rest}"] = (fqn, (i,))
+    return out
+
+
+def _read_regions(
+    root: Path, metadata: Any, requests: Mapping[str, tuple[str, tuple[int, ...]]]
+) -> dict[str, torch.Tensor]:
+    """Per request (name -> (stored key, leading index)): the entries of a stored global tensor that the
+    leading index selects, whole along the other dims, the index dims dropped. torch's planner helper
+    says which stored chunks hold them (``create_read_items_for_chunk_list``, its resharding rule); each
+    chunk's bytes are then read straight into the destination where they are a contiguous piece of it
+    (:func:`_read_item`). By hand because torch's reader (``FileSystemReader.read_data``) loads every
+    stored chunk into a tensor of its own and copies it over: 1.5 x the largest tensor at the peak (the
+    embedding's two TP halves and the whole) where reading in place needs 1 x."""
+    from torch.distributed._shard._utils import narrow_tensor_by_index
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    out: dict[str, torch.Tensor] = {}
+    with contextlib.ExitStack() as files:
+        opened: dict[str, Any] = {}
+        for name, (fqn, index) in requests.items():
+            m = metadata.state_dict_metadata[fqn]
+            rest = tuple(m.size)[len(index) :]
+            offsets = (*index, *(0 for _ in rest))
+            sizes = (*(1 for _ in index), *rest)
+            dest = torch.empty(sizes, dtype=m.properties.dtype)
+            chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+            for item in create_read_items_for_chunk_list(fqn, m, [chunk]):
+                info = metadata.storage_data[item.storage_index]
+                if info.relative_path not in opened:
+                    opened[info.relative_path] = files.enter_context(open(root / info.relative_path, "rb"))
+                into = narrow_tensor_by_index(dest, item.dest_offsets, item.lengths)
+                _read_item(
+                    opened[info.relative_path], info, item, into, where=f"{root / info.relative_path}:{fqn}"
+                )
+            out[name] = dest.reshape(rest)
+    return out
+
+
+class _Window(io.RawIOBase):
+    """``length`` bytes of an open file from ``offset``, as a file of their own (one stored chunk: a
+    ``torch.save`` archive inside a ``.distcp`` file)."""
+
+    def __init__(self, f: Any, offset: int, length: int) -> None:
+        self._f, self._start, self._len, self._pos = f, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self._pos = max(0, min(self._len, pos + (0, self._pos, self._len)[whence]))
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        n = min(len(view), self._len - self._pos)
+        self._f.seek(self._start + self._pos)
+        got = self._f.readinto(view[:n]) if n else 0
+        self._pos += got
+        return got
+
+
+def _read_item(f: Any, info: Any, item: Any, into: torch.Tensor, *, where: str) -> None:
+    """One stored chunk's part ``item`` into ``into``. Where the chunk is a whole contiguous tensor read
+    whole into a contiguous destination, its bytes go straight from its archive's storage record into
+    the destination (the archive's pickle is loaded onto the meta device first: shape, strides, dtype,
+    no data); otherwise the chunk is loaded (``weights_only``, the allow-list) and its part copied."""
+    from torch.distributed._shard._utils import narrow_tensor_by_index
+
+    window = _Window(f, info.offset, info.length)
+    if not info.transform_descriptors:
+        stored = safe_torch_load(window, map_location="meta", where=where)
+        nbytes = stored.numel() * stored.element_size()
+        record = (
+            _storage_record(window, nbytes)
+            if torch.is_tensor(stored)
+            and stored.is_contiguous()
+            and stored.storage_offset() == 0
+            and stored.untyped_storage().nbytes() == nbytes
+            and stored.dtype == into.dtype
+            and into.is_contiguous()
+            and all(o == 0 for o in item.storage_offsets)
+            and tuple(item.lengths) == tuple(stored.shape)
+            else None
+        )
+        if record is not None:
+            f.seek(info.offset + record)
+            view = memoryview(into.reshape(-1).view(torch.uint8).numpy())
+            got = 0
+            while got < nbytes and (n := f.readinto(view[got:])):
+                got += n
+            if got != nbytes:
+                raise CheckpointError(
+                    f"a stored tensor ends early ({got} of {nbytes} bytes)",
+                    field="checkpoint",
+                    value=where,
+                    fix=SAFE_FIX,
+                )
+            return
+        window.seek(0)
+    stored = safe_torch_load(io.BufferedReader(window), map_location="cpu", where=where)
+    into.copy_(narrow_tensor_by_index(stored, item.storage_offsets, item.lengths))
+
+
+def _storage_record(window: _Window, nbytes: int) -> int | None:
+    """The offset in the archive of the raw bytes of its one storage record (``<archive>/data/<key>``,
+    stored uncompressed, ``nbytes`` long); None for any other archive (read the general way)."""
+    window.seek(0)
     try:
-        return mcore_to_hf({Shard(): chunk}, adapter, hf_cfg, adapters_only=peft is not None)
-    except KeyError as e:
-        raise CheckpointError(
-            f"the megatron checkpoint has no tensor for {e}",
-            field="checkpoint",
-            value=str(root),
-            fix="resume the run on its own layout; this checkpoint's tensors do not match its model_config",
-        ) from None
+        with zipfile.ZipFile(window) as z:
+            records = [i for i in z.infolist() if "/data/" in i.filename and not i.filename.endswith(".pkl")]
+            if (
+                len(records) != 1
+                or records[0].compress_type != zipfile.ZIP_STORED
+                or records[0].file_size != nbytes
+            ):
+                return None
+            at = records[0].header_offset
+        window.seek(at)
+        header = window.read(30)
+        if len(header) != 30 or header[:4] != b"PK\x03\x04":
+            return None
+        name_len, extra_len = struct.unpack("<HH", header[26:30])
+        return at + 30 + name_len + extra_len
+    except zipfile.BadZipFile:
+        return None
 
 
 def _megatron_deepspeed(ckpt: Path, meta: dict[str, Any], kind: str | None = None) -> dict[str, torch.Tensor]:

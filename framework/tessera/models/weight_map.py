@@ -234,12 +234,12 @@ def mcore_to_hf(
         expert = ident[2]
         ranks = [shards[i] for i in sorted(shards)]
         if rule.split == ROW:
-            full = [torch.cat(ranks, dim=1)]
+            full = [_cat(ranks, dim=1)]
         elif rule.fuse in ("gate_up", "gate_up_fused"):
             halves = [t.chunk(2, dim=0) for t in ranks]
-            full = [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+            full = [_cat([h[0] for h in halves]), _cat([h[1] for h in halves])]
         elif rule.split in (COL, VOCAB):
-            full = [torch.cat(ranks, dim=0)]
+            full = [_cat(ranks, dim=0)]
         else:
             full = [ranks[0]]
         if rule.split == VOCAB:
@@ -262,11 +262,27 @@ def mcore_to_hf(
             elif rule.stage == "output" and k in out:
                 continue  # tied head: the embedding already gave this tensor
             else:
-                out[k] = t.clone().contiguous()
+                out[k] = _own(t)
     for k, per_expert in stacked.items():
         blocks = [per_expert[e] for e in sorted(per_expert)]
         out[k] = (pack_experts(blocks, packing[k]) if k in packing else torch.stack(blocks)).contiguous()
     return out
+
+
+def _cat(ts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """``torch.cat``, without the copy of a single piece (a tp = 1 tensor: the embedding of a global
+    checkpoint is the largest tensor an offline reader holds)."""
+    return ts[0] if len(ts) == 1 else torch.cat(ts, dim=dim)
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """``t`` holding no more memory than its own elements: a view of a larger tensor (one of q / k / v,
+    vocabulary padding cut off) is copied, so that the input it was cut from can be freed; a tensor that
+    is its whole storage is kept as it is (no second copy of it)."""
+    whole = t.is_contiguous() and t.storage_offset() == 0
+    if whole and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def tp_splits(adapter: Adapter, hf_cfg: Any, shard: Shard) -> dict[str, str]:
@@ -278,6 +294,22 @@ def tp_splits(adapter: Adapter, hf_cfg: Any, shard: Shard) -> dict[str, str]:
         if _stage_has(rule, shard, shape)
         for key, _, _ in _instances(rule, shape, shard)
     }
+
+
+def hf_sources(adapter: Adapter, hf_cfg: Any) -> dict[str, set[str]]:
+    """HF key -> the megatron keys of the global (tp = 1, pp = 1) chunk that :func:`mcore_to_hf` makes it
+    from (q, k and v from one fused tensor; a packed expert tensor from every expert's): an offline reader
+    reads just those for one HF tensor."""
+    shape = adapter.shape(hf_cfg)
+    out: dict[str, set[str]] = {}
+    for rule in adapter.rules(hf_cfg):
+        if not _stage_has(rule, Shard(), shape):
+            continue
+        names = rule.hf if isinstance(rule.hf, tuple) else (rule.hf,)
+        for key, hf_key, _ in _instances(rule, shape, Shard()):
+            for n in names:
+                out.setdefault(hf_key(n), set()).add(key)
+    return out
 
 
 def hf_keys_covered(adapter: Adapter, hf_cfg: Any) -> set[str]:
