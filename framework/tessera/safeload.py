@@ -198,8 +198,9 @@ def _zip_globals(archive: IO[bytes]) -> list[str]:
     return out
 
 
-class _Window(io.RawIOBase):
-    """Bytes ``[start, start + length)`` of an open file, seekable: one entry of a ``.distcp`` file."""
+class FileWindow(io.RawIOBase):
+    """Bytes ``[start, start + length)`` of an open file, as a seekable file of their own: one entry of a
+    ``.distcp`` file (a ``torch.save`` archive)."""
 
     def __init__(self, f: IO[bytes], start: int, length: int) -> None:
         self.f, self.start, self.length, self.pos = f, start, length, 0
@@ -214,16 +215,18 @@ class _Window(io.RawIOBase):
         return self.pos
 
     def seek(self, offset: int, whence: int = 0) -> int:
-        self.pos = max(0, {0: offset, 1: self.pos + offset, 2: self.length + offset}[whence])
+        self.pos = max(
+            0, min(self.length, {0: offset, 1: self.pos + offset, 2: self.length + offset}[whence])
+        )
         return self.pos
 
     def readinto(self, b: Any) -> int:
-        n = max(0, min(len(b), self.length - self.pos))
+        view = memoryview(b).cast("B")
+        n = max(0, min(len(view), self.length - self.pos))
         self.f.seek(self.start + self.pos)
-        data = self.f.read(n)
-        b[: len(data)] = data
-        self.pos += len(data)
-        return len(data)
+        got = self.f.readinto(view[:n]) if n else 0  # type: ignore[attr-defined]
+        self.pos += got or 0
+        return got or 0
 
 
 def _torch_blob_problem(stream: IO[bytes], length: int, what: str) -> str | None:
@@ -295,7 +298,7 @@ def file_problem(root: Path, rel: str, cache: dict[str, Any] | None = None) -> s
                     return f"{what} is stored through a stream transform, which Tessera does not read"
                 if off < 0 or n < 0 or off + n > size:
                     return f"{what} ({n} bytes) lies outside the file ({size} bytes)"
-                problem = _torch_blob_problem(io.BufferedReader(_Window(fh, off, n)), n, what)  # type: ignore[arg-type]
+                problem = _torch_blob_problem(io.BufferedReader(FileWindow(fh, off, n)), n, what)  # type: ignore[arg-type]
                 if problem is not None:
                     return problem
     except (ValueError, EOFError, UnicodeDecodeError) as e:

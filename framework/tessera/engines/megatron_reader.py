@@ -28,7 +28,7 @@ from tessera.errors import CheckpointError
 from tessera.models.hf import hf_config_of
 from tessera.plan.layout import ParallelLayout
 from tessera.safeload import FIX as SAFE_FIX
-from tessera.safeload import dcp_reader_class, safe_torch_load
+from tessera.safeload import FileWindow, dcp_reader_class, safe_torch_load
 
 _EXPERTS = "mlp.experts.experts."
 #: megatron's optimizer state keys: "optimizer.state.<kind>.<model key>", prefixed "chained_<i>." when the
@@ -281,35 +281,6 @@ def _read_regions(
     return out
 
 
-class _Window(io.RawIOBase):
-    """``length`` bytes of an open file from ``offset``, as a file of their own (one stored chunk: a
-    ``torch.save`` archive inside a ``.distcp`` file)."""
-
-    def __init__(self, f: Any, offset: int, length: int) -> None:
-        self._f, self._start, self._len, self._pos = f, offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        self._pos = max(0, min(self._len, pos + (0, self._pos, self._len)[whence]))
-        return self._pos
-
-    def readinto(self, b: Any) -> int:
-        view = memoryview(b).cast("B")
-        n = min(len(view), self._len - self._pos)
-        self._f.seek(self._start + self._pos)
-        got = self._f.readinto(view[:n]) if n else 0
-        self._pos += got
-        return got
-
-
 def _read_item(f: Any, info: Any, item: Any, into: torch.Tensor, *, where: str) -> None:
     """One stored chunk's part ``item`` into ``into``. Where the chunk is a whole contiguous tensor read
     whole into a contiguous destination, its bytes go straight from its archive's storage record into
@@ -317,7 +288,7 @@ def _read_item(f: Any, info: Any, item: Any, into: torch.Tensor, *, where: str) 
     no data); otherwise the chunk is loaded (``weights_only``, the allow-list) and its part copied."""
     from torch.distributed._shard._utils import narrow_tensor_by_index
 
-    window = _Window(f, info.offset, info.length)
+    window = FileWindow(f, info.offset, info.length)
     if not info.transform_descriptors:
         stored = safe_torch_load(window, map_location="meta", where=where)
         nbytes = stored.numel() * stored.element_size()
@@ -352,7 +323,7 @@ def _read_item(f: Any, info: Any, item: Any, into: torch.Tensor, *, where: str) 
     into.copy_(narrow_tensor_by_index(stored, item.storage_offsets, item.lengths))
 
 
-def _storage_record(window: _Window, nbytes: int) -> int | None:
+def _storage_record(window: FileWindow, nbytes: int) -> int | None:
     """The offset in the archive of the raw bytes of its one storage record (``<archive>/data/<key>``,
     stored uncompressed, ``nbytes`` long); None for any other archive (read the general way)."""
     window.seek(0)
