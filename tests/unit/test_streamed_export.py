@@ -74,11 +74,14 @@ def test_stored_chunks_are_read_in_place_where_contiguous_and_copied_otherwise(t
     assert loads.count("cpu") == 3  # two column halves, one view: each loaded, then copied
 
 
-@pytest.mark.parametrize("shard", ["5GB", "300KB"])
-def test_write_pretrained_writes_what_save_pretrained_writes(tmp_path, shard):
+@pytest.mark.parametrize(
+    ("shard", "dtype"), [("5GB", torch.float32), ("300KB", torch.float32), ("5GB", torch.bfloat16)]
+)
+def test_write_pretrained_writes_what_save_pretrained_writes(tmp_path, shard, dtype):
     """The export's writer, from a model with no weights and a mapping read tensor by tensor, writes the
     files save_pretrained writes: the same names, config.json / generation_config.json byte for byte, the
-    same index (sharded), every tensor equal; each tensor asked for once, in the model's order."""
+    same index (sharded), every tensor equal (fp32, and bf16: the dtype config.json records); each tensor
+    asked for once, in the model's order."""
     from accelerate import init_empty_weights
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -90,7 +93,7 @@ def test_write_pretrained_writes_what_save_pretrained_writes(tmp_path, shard):
         num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False,
     )  # fmt: skip
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).float()
+    model = AutoModelForCausalLM.from_config(cfg).to(dtype)
     model.save_pretrained(tmp_path / "ref", safe_serialization=True, max_shard_size=shard)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     asked: list[str] = []
@@ -101,7 +104,7 @@ def test_write_pretrained_writes_what_save_pretrained_writes(tmp_path, shard):
             return super().__getitem__(k)
 
     with init_empty_weights():
-        empty = AutoModelForCausalLM.from_config(cfg).float()
+        empty = AutoModelForCausalLM.from_config(cfg).to(dtype)
     write_pretrained(empty, tmp_path / "ours", Lazy(state), max_shard_size=shard)
     ref, ours = tmp_path / "ref", tmp_path / "ours"
     assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in ref.iterdir())
