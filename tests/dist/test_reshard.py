@@ -225,6 +225,57 @@ def test_convert_to_an_engine_layout_and_resume_it(runs, tmp_path):
     assert rec["step"] == 0 and rec["verify"]["weights_ok"] and rec["verify"]["optimizer"] is None
 
 
+def test_hf_to_megatron_is_written_without_the_model_as_the_engine_writes_it(runs, tmp_path):
+    """`tessera convert HF --to megatron --layout tp=2` (fp32, megatron's DDP: the conversion writer, which
+    holds no weights and makes each tensor as megatron-core's writer reaches it): the checkpoint verifies
+    against the HF directory bit for bit, its moments are zeros at step 0, its keys, stored chunks, dtypes
+    and common state are those of a checkpoint the engine itself wrote for the same recipe and layout, and
+    `tessera run --resume` of it starts from the HF model's own loss."""
+    from transformers import AutoModelForCausalLM
+
+    from tessera.engines.megatron_reader import OPTIM_KEY, _read_regions
+    from tessera.safeload import dcp_reader_class, safe_torch_load
+
+    out = tmp_path / "mc"
+    p = _convert(str(runs["_hf"]), "--to", "megatron", "--layout", "tp=2", "--recipe", str(R / "tiny-llama-cpu-mcore-tp2.yaml"), "--out", str(out))  # fmt: skip
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rec = json.loads((out / "tessera_conversion.json").read_text())
+    assert rec["step"] == 0 and rec["verify"]["ok"] and rec["verify"]["weights_ok"]
+    mine = RunDir(out).checkpoints / step_dir_name(0) / "megatron"
+    engine = RunDir(runs["_base"] / "mc_tp2").checkpoints / step_dir_name(5) / "megatron"
+    ma, mb = (dcp_reader_class()(str(d)).read_metadata() for d in (mine, engine))
+    assert set(ma.state_dict_metadata) == set(mb.state_dict_metadata)
+
+    def layout_of(m):
+        return (tuple(m.size), m.properties.dtype, sorted((tuple(c.offsets), tuple(c.sizes)) for c in m.chunks))
+
+    moments = 0
+    for k, m in ma.state_dict_metadata.items():
+        if hasattr(m, "chunks"):
+            assert layout_of(m) == layout_of(mb.state_dict_metadata[k]), k
+            if (OPTIM_KEY.match(k) or [None, None])[1] in ("exp_avg", "exp_avg_sq"):
+                assert not _read_regions(mine, ma, {k: (k, ())})[k].any(), k
+                moments += 1
+    assert moments >= 8
+
+    def keys(d, pre=""):
+        if isinstance(d, dict):
+            return {x for k, v in d.items() for x in keys(v, f"{pre}{k}.")}
+        return {pre}
+
+    # a trained checkpoint's common state also records the step every parameter shares (none at step 0)
+    common = keys(safe_torch_load(engine / "common.pt")) - {"optimizer.state.common_step."}
+    assert keys(safe_torch_load(mine / "common.pt")) == common
+    r = subprocess.run(
+        [sys.executable, "-m", "tessera.cli", "run", str(out / RunDir.RECIPE), "train.steps=1",
+         "tracking.wandb.mode=disabled", EVAL, "--resume"],  # fmt: skip
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    model = AutoModelForCausalLM.from_pretrained(str(runs["_hf"]), local_files_only=True).eval()
+    assert_close_rel(losses(RunDir(out).read_metrics()), [hf_loss_on_step(model, out, 1)], 1e-5)
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
 def test_convert_refuses_a_damaged_source(runs, tmp_path, capsys, damage):
     """A damaged checkpoint or HF directory: exit 2 naming the file, before any rank starts, and nothing

@@ -312,8 +312,8 @@ if role == "agent":
     sys.exit(0)
 import signal
 from tessera.rundir import RunDir
-from tessera.train.guard import _die_with_parent
-_die_with_parent()
+from tessera.train.guard import die_with_parent
+die_with_parent()
 rd, rank = RunDir(run_dir), int(role)
 signal.signal(signal.SIGTERM, lambda *a: (rd.mark_rank_exited(rank, 143), sys.exit(143)))
 rd.mark_rank_started(rank, os.getpid())

@@ -271,9 +271,12 @@ def build_model_chunks(
     layout: ParallelLayout,
     ps: Any,
     peft: Mapping[str, Any] | None = None,
+    *,
+    fill: bool = True,
 ) -> list[torch.nn.Module]:
     """One ``GPTModel`` per virtual stage of this rank, each loaded with its shard of ``hf_state`` (read
-    part by part: megatron makes only the local slices, uninitialised, and they are filled here); with
+    part by part: megatron makes only the local slices, uninitialised, and they are filled here; not with
+    ``fill`` False: a conversion's writer writes each from ``hf_state`` as it saves it); with
     ``peft`` (the recipe's section as a dict), the LoRA adapters of :mod:`tessera.engines.megatron_adapters`
     on its linears, filled from ``hf_state`` by their canonical names like the rest."""
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -306,6 +309,10 @@ def build_model_chunks(
                 f"{shard}: megatron placed layers {placed}, the weight map expects "
                 f"{list(layer_range(shape, shard))}"
             )
+        if not fill:
+            check_tp_attributes(model, hf_cfg, shard, adapter)
+            chunks.append(model)
+            continue
         # one tensor at a time into the parameters: never a second copy of the chunk
         own = {k: v for k, v in model.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")}
         unexpected, filled = [], set()
@@ -322,6 +329,43 @@ def build_model_chunks(
         check_tp_attributes(model, hf_cfg, shard, adapter)
         chunks.append(model)
     return chunks
+
+
+def _per_optimizer(optimizer: Any, loaded: Any) -> list[tuple[Any, Any]]:
+    opts = chained(optimizer)
+    return list(zip(opts, [loaded] if len(opts) == 1 else [loaded[i] for i in range(len(opts))], strict=True))
+
+
+def with_adam_steps(optimizer: Any, loaded: Any) -> Any:
+    """The optimizer state megatron-core loaded, every parameter's state holding a "step" (torch AdamW's
+    ``load_state_dict`` requires one): megatron-core saves the per-parameter step as one common step, and
+    a checkpoint at step 0 (a conversion from an HF directory) has none; it becomes 0 here, and
+    :func:`restore_adam_steps` then sets the saved one."""
+    for _, sd in _per_optimizer(optimizer, loaded):
+        inner = sd if "state" in sd else sd.get("optimizer", {})  # megatron's DDP optimizer: torch's own
+        for st in (inner.get("state") or {}).values():
+            if isinstance(st, dict) and "exp_avg" in st and "step" not in st:
+                st["step"] = torch.zeros((), dtype=torch.float32)
+    return loaded
+
+
+def restore_adam_steps(optimizer: Any, loaded: Any) -> None:
+    """megatron-core 0.16.1 without Apex / TE mishandles torch AdamW's per-parameter "step" on load: it
+    assigns one tensor shared by every parameter (AdamW then adds 1 to it once per parameter per step)
+    and then overwrites it from the load template. Each parameter gets its own tensor holding the step
+    saved in the optimizer's common state (measured: without this, the resumed run's second step
+    differed)."""
+    for opt, sd in _per_optimizer(optimizer, loaded):
+        groups = sd.get("optimizer", {}).get("param_groups", [])
+        steps = {float(g["step"]) for g in groups if g.get("step") is not None}
+        if len(steps) > 1:  # internal: one optimizer, one step count
+            raise RuntimeError(f"checkpoint has several optimizer steps: {sorted(steps)}")
+        step = next(iter(steps)) if steps else None
+        for st in opt.optimizer.state.values():
+            if step is not None and "exp_avg" in st:
+                st["step"] = torch.full((), step, dtype=torch.float32)
+            elif torch.is_tensor(st.get("step")):
+                st["step"] = st["step"].clone()
 
 
 def shard_of(ps: Any, layout: ParallelLayout, vp_stage: int) -> Shard:

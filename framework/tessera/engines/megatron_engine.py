@@ -45,10 +45,12 @@ from tessera.engines.megatron_build import (
     chained,
     check_tp_attributes,
     init_parallel_state,
+    restore_adam_steps,
     shard_of,
     sharding_of,
     transformer_config,
     verify_deepspeed_groups,
+    with_adam_steps,
 )
 from tessera.engines.megatron_saving import save_through
 from tessera.engines.optim import MOMENTS, LRSchedule, materialize_adam_state, set_adam_step
@@ -96,6 +98,8 @@ def _shifted(mb: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.T
 class MegatronEngine(Engine):
     """megatron-core GPTModel chunks + (DistributedOptimizer | DeepSpeed ZeRO); one train_step = one update."""
 
+    fills, written = True, None  # :class:`tessera.engines.megatron_writer.MegatronWriter` changes both
+
     def __init__(self, source: ModelSource, recipe: Recipe, layout: ParallelLayout, *, device: str) -> None:
         self.layout = layout
         self.device = torch.device(device if device == "cpu" else f"cuda:{torch.cuda.current_device()}")
@@ -122,7 +126,7 @@ class MegatronEngine(Engine):
             raise refused
         self.adapter = mcore_adapter(hf_cfg, self.peft)
         with lean_construction():
-            chunks = build_model_chunks(hf_cfg, hf_state, self.config, layout, ps, self.peft)
+            chunks = build_model_chunks(hf_cfg, hf_state, self.config, layout, ps, self.peft, fill=self.fills)
         del hf_state
         if self.peft is not None:
             freeze_base(chunks)
@@ -469,9 +473,8 @@ class MegatronEngine(Engine):
         dist.barrier()
         writes = current()
         if writes is not None:  # a Tessera checkpoint save: its writer writes the buckets
-            save_through(
-                writes, self._sharded_state_dict(is_loading=False), path, coordinator=dist.get_rank() == 0
-            )
+            sd, rank0 = self._sharded_state_dict(is_loading=False), dist.get_rank() == 0
+            save_through(writes, sd, path, coordinator=rank0, resolve=self.written)
             return
         dist_checkpointing.save(self._sharded_state_dict(is_loading=False), str(path))
         dist.barrier()
@@ -507,28 +510,8 @@ class MegatronEngine(Engine):
                 )
         with torch.no_grad(), _model_space_step_fix(self.optimizer):
             # the distributed optimizer copies into views of the fp32 parameters
-            self.optimizer.load_state_dict(state["optimizer"])
-        self._restore_adam_steps(state["optimizer"])
-
-    def _restore_adam_steps(self, loaded: dict[str, Any]) -> None:
-        """megatron-core 0.16.1 without Apex / TE mishandles torch AdamW's per-parameter "step" on load:
-        it assigns one tensor shared by every parameter (AdamW then adds 1 to it once per parameter per
-        step) and then overwrites it from the load template. Each parameter gets its own tensor holding
-        the step saved in the optimizer's common state (measured: without this, the resumed run's
-        second step differed)."""
-        opts = chained(self.optimizer)
-        per_opt = [loaded] if len(opts) == 1 else [loaded[i] for i in range(len(opts))]
-        for opt, sd in zip(opts, per_opt, strict=True):
-            groups = sd.get("optimizer", {}).get("param_groups", [])
-            steps = {float(g["step"]) for g in groups if g.get("step") is not None}
-            if len(steps) > 1:  # internal: one optimizer, one step count
-                raise RuntimeError(f"checkpoint has several optimizer steps: {sorted(steps)}")
-            step = next(iter(steps)) if steps else None
-            for st in opt.optimizer.state.values():
-                if step is not None and "exp_avg" in st:
-                    st["step"] = torch.full((), step, dtype=torch.float32)
-                elif torch.is_tensor(st.get("step")):
-                    st["step"] = st["step"].clone()
+            self.optimizer.load_state_dict(with_adam_steps(self.optimizer, state["optimizer"]))
+        restore_adam_steps(self.optimizer, state["optimizer"])
 
     def _materialize_optimizer_state(self) -> None:
         """A fresh torch AdamW creates its state at the first step, but the load template needs it (and

@@ -33,7 +33,7 @@ from tessera.safeload import FileWindow, dcp_reader_class, safe_torch_load
 _EXPERTS = "mlp.experts.experts."
 #: megatron's optimizer state keys: "optimizer.state.<kind>.<model key>", prefixed "chained_<i>." when the
 #: optimizer is chained (dense + expert parameters); "optimizer.*" also covers its other entries
-_OPTIM = re.compile(r"^(?:chained_\d+\.)?optimizer\.(?:state\.(\w+?)\.)?")
+OPTIM_KEY = re.compile(r"^(?:chained_\d+\.)?optimizer\.(?:state\.(\w+?)\.)?")
 #: the directory of megatron-core's dist_checkpointing inside a step directory
 DIST_DIR = "megatron"
 
@@ -115,7 +115,9 @@ class MegatronTensors(Mapping[str, torch.Tensor]):
             for k, m in md.state_dict_metadata.items()
             if isinstance(m, TensorStorageMetadata)
             and (
-                _OPTIM.match(k) is None if moment is None else (_OPTIM.match(k) or [None, None])[1] == moment
+                OPTIM_KEY.match(k) is None
+                if moment is None
+                else (OPTIM_KEY.match(k) or [None, None])[1] == moment
             )
         }
         self._md = {k: stored[k] for k in stored}
@@ -214,7 +216,7 @@ def _chunk_sources(
     renamed = {v: k for k, v in spec.submodules.sharded_state_dict_keys_map.items()}
     out: dict[str, tuple[str, tuple[int, ...]]] = {}
     for fqn in stored:
-        key = fqn if moment is None else fqn[_OPTIM.match(fqn).end() :]  # type: ignore[union-attr]
+        key = fqn if moment is None else fqn[OPTIM_KEY.match(fqn).end() :]  # type: ignore[union-attr]
         if not key.startswith("decoder.layers."):
             out[key] = (fqn, ())
             continue

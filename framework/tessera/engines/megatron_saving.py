@@ -21,6 +21,7 @@ the files itself), in the writer thread, off the step loop.
 from __future__ import annotations
 
 import queue
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,9 +46,18 @@ def _strategy_class() -> type:
     return KeepPlan
 
 
-def save_through(writes: Writes, sharded_state_dict: Any, path: Path, *, coordinator: bool) -> None:
+def save_through(
+    writes: Writes,
+    sharded_state_dict: Any,
+    path: Path,
+    *,
+    coordinator: bool,
+    resolve: Callable[[Any, Any], Any] | None = None,
+) -> None:
     """Plan the save of ``sharded_state_dict`` into ``path`` (every rank, collectives), then hand the
-    bucket writes to ``writes`` and, on the ``coordinator``, the metadata to its commit."""
+    bucket writes to ``writes`` and, on the ``coordinator``, the metadata to its commit. ``resolve``: the
+    state's tensors hold no data of their own (a conversion's writer): each bucket item's tensor is
+    ``resolve(write_item, tensor)``, made as it is written and dropped after, in line."""
     from megatron.core import dist_checkpointing
 
     strategy = _strategy_class()("torch_dist", 1, thread_count=1)
@@ -58,7 +68,9 @@ def save_through(writes: Writes, sharded_state_dict: Any, path: Path, *, coordin
     buckets: list[Any] = list(request.async_fn_args[1]) if request.async_fn is not None else []
     if buckets:
         transforms = request.async_fn.args[0]  # partial(write_preloaded_data_multiproc, transforms, msc)
-        if any(t.device.type != "cpu" for _, _, (_, tensors) in buckets for _, t in tensors):
+        if resolve is not None:
+            buckets = [(f, key, (raw, _made(tensors, resolve))) for f, key, (raw, tensors) in buckets]
+        elif any(t.device.type != "cpu" for _, _, (_, tensors) in buckets for _, t in tensors):
             buckets = request.preload_fn()  # megatron-core's own device-to-host copy
         elif writes.background:
             buckets = [
@@ -100,6 +112,13 @@ def save_through(writes: Writes, sharded_state_dict: Any, path: Path, *, coordin
             save_config(CheckpointingConfig(strategy.backend, strategy.version), str(path))
 
         writes.commits.append(commit)
+
+
+def _made(tensors: list[tuple[Any, Any]], resolve: Callable[[Any, Any], Any]) -> Iterator[tuple[Any, Any]]:
+    """A bucket's (item, tensor) pairs with each tensor made by ``resolve(item, tensor)`` as the writer
+    reaches it (megatron-core's writer iterates them once, writing each before it asks for the next)."""
+    for item, held in tensors:
+        yield item, resolve(item, held)
 
 
 def _encode(result: Any) -> dict[str, Any]:

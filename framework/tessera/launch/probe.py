@@ -65,6 +65,9 @@ def _model_figures(
 
 
 def _rank_main(rank: int, world: int, port: int, spec: dict[str, Any], q: Any) -> None:
+    from tessera.train.guard import die_with_parent
+
+    die_with_parent()  # a probe rank never outlives the `tessera plan --probe` that started it (one killed)
     cuda = spec["device"] == "cuda"
     threads = max(1, (os.cpu_count() or 1) // world) if not cuda else 1
     # the environment a launcher gives a rank (DeepSpeed's comm reads it), before torch starts its threads

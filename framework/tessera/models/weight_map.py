@@ -179,8 +179,18 @@ def iter_hf_to_mcore(
     """(megatron key, tensor) of one model chunk (its TP / EP shard), one tensor at a time, from the HF
     tensors by name. Only the parts the chunk holds are read (:func:`~tessera.models.init.read_part`: a
     lazy safetensors reader or the seeded initial weights read / draw just those rows and columns)."""
+    for key, make in hf_to_mcore_thunks(hf, adapter, hf_cfg, shard).items():
+        yield key, make()
+
+
+def hf_to_mcore_thunks(
+    hf: Mapping[str, torch.Tensor], adapter: Adapter, hf_cfg: Any, shard: Shard
+) -> dict[str, Callable[[], torch.Tensor]]:
+    """megatron key -> a function making that tensor of the chunk from the HF tensors when called (what
+    :func:`iter_hf_to_mcore` yields, in its order): a writer asks for each as it writes it."""
     shape = adapter.shape(hf_cfg)
     fresh = hasattr(hf, "part")  # a reader's parts are new tensors; a dict's are views of the caller's
+    out: dict[str, Callable[[], torch.Tensor]] = {}
     for rule in adapter.rules(hf_cfg):
         if not _stage_has(rule, shard, shape):
             continue
@@ -188,8 +198,13 @@ def iter_hf_to_mcore(
         for key, hf_key, expert in _instances(rule, shape, shard):
             if rule.buffer and hf_key(str(rule.hf)) not in hf:  # Adam moments: none for a buffer
                 continue
-            t = _local_mcore(rule, hf, hf_key, expert, shape, tp, r)
-            yield key, t.contiguous() if fresh else t.clone(memory_format=torch.contiguous_format)
+
+            def make(rule=rule, hf_key=hf_key, expert=expert, tp=tp, r=r) -> torch.Tensor:
+                t = _local_mcore(rule, hf, hf_key, expert, shape, tp, r)
+                return t.contiguous() if fresh else t.clone(memory_format=torch.contiguous_format)
+
+            out[key] = make
+    return out
 
 
 def hf_to_mcore(
@@ -262,7 +277,7 @@ def mcore_to_hf(
             elif rule.stage == "output" and k in out:
                 continue  # tied head: the embedding already gave this tensor
             else:
-                out[k] = _own(t)
+                out[k] = compact(t)
     for k, per_expert in stacked.items():
         blocks = [per_expert[e] for e in sorted(per_expert)]
         out[k] = (pack_experts(blocks, packing[k]) if k in packing else torch.stack(blocks)).contiguous()
@@ -275,7 +290,7 @@ def _cat(ts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
     return ts[0] if len(ts) == 1 else torch.cat(ts, dim=dim)
 
 
-def _own(t: torch.Tensor) -> torch.Tensor:
+def compact(t: torch.Tensor) -> torch.Tensor:
     """``t`` holding no more memory than its own elements: a view of a larger tensor (one of q / k / v,
     vocabulary padding cut off) is copied, so that the input it was cut from can be freed; a tensor that
     is its whole storage is kept as it is (no second copy of it)."""

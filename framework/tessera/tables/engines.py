@@ -274,6 +274,9 @@ class EngineSpec:
     #: ``fn(meta, layout) -> bool``: the engine loads checkpoint ``meta`` at ``layout`` itself, resharding
     #: it (``Engine.load_resharded``), with no layout-free stage. None: always through the stage.
     reshard_on_load: str | None = None
+    #: ``fn(recipe, layout) -> class | None``: the class that writes a conversion from an HF directory at
+    #: that layout without the model in memory (built as the engine is), or None: the engine itself
+    writer: str | None = None
 
 
 ENGINES: dict[str, EngineSpec] = {
@@ -316,6 +319,7 @@ ENGINES: dict[str, EngineSpec] = {
             layout_checks="tessera.engines.megatron_layout:check_layout",
             prelaunch="tessera.engines.megatron_layout:check_before_launch",
             reshard_on_load="tessera.engines.megatron_reader:reshards_on_load",
+            writer="tessera.engines.megatron_writer:writer_for",
         ),
         EngineSpec(
             name="ddp",
@@ -369,7 +373,7 @@ def hook(ref: str) -> Any:
 
 
 def engine_hook(engine: str, what: str) -> Any | None:
-    """Engine ``engine``'s ``what`` (``reader``, ``layout_checks``, ``prelaunch``, ``reshard_on_load``),
+    """Engine ``engine``'s ``what`` (``reader``, ``layout_checks``, ``prelaunch``, ``reshard_on_load``, ``writer``),
     imported; None where the entry has none."""
     ref = getattr(ENGINES[engine], what)
     return hook(ref) if ref else None

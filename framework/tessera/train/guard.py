@@ -47,7 +47,7 @@ def supervisor_pid() -> int | None:
     return int(pid) if pid.isdigit() and host == socket.gethostname() else None
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     if not sys.platform.startswith("linux"):
         return
     try:
@@ -60,7 +60,7 @@ def _die_with_parent() -> None:
 def guard_rank(on_orphaned) -> None:
     """Arm both mechanisms for this rank; ``on_orphaned()`` runs (then the process exits) when the
     supervisor is gone."""
-    _die_with_parent()
+    die_with_parent()
     token, _, host = os.environ.get(SUPERVISOR_ENV, "").partition("@")
     pid_s, _, ticks = token.partition(":")
     if not pid_s.isdigit() or not ticks:

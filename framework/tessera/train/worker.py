@@ -177,7 +177,7 @@ def setup(run_dir: RunDir, start: Start, heartbeat: Any = None) -> tuple[RunCont
     from tessera.data import StepSampler
     from tessera.engines.base import ModelSource
     from tessera.models.adapters import section_dict
-    from tessera.tables.engines import engine_class
+    from tessera.tables.engines import engine_class, engine_hook
     from tessera.train.faults import fault_from_env
 
     use_venv_build_tools()  # DeepSpeed's CPU comm op as make setup built it, not rebuilt here
@@ -239,7 +239,11 @@ def setup(run_dir: RunDir, start: Start, heartbeat: Any = None) -> tuple[RunCont
     source = ModelSource.of(
         recipe, vocab_size=data.vocab_size, weights=src if hf_source else stage_dir, token_ids=data.token_ids
     )
-    engine = engine_class(layout.engine)(source, recipe, layout, device=device)
+    cls = engine_class(layout.engine)
+    if hf_source:  # a conversion from an HF directory: the engine's writer where it has one
+        writer = engine_hook(layout.engine, "writer")
+        cls = (writer(recipe, layout) if writer is not None else None) or cls
+    engine = cls(source, recipe, layout, device=device)
     counter.namer = group_namer(layout, engine.named_groups())
     sampler = StepSampler.for_data(data, layout, rank=rank, seed=recipe.train.seed)
     manifest = _manifest(recipe, layout, data, run_dir, device)
