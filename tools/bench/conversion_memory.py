@@ -154,7 +154,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax.set_xticks(xs, [f"{r['layers']} layers\n({r['hf_bytes'] / GB:.2f} GB fp32)" for r in rows])
     ax.set_ylabel("peak RSS (GB)")
     ax.set_title("Conversion memory against model depth")
-    ax.legend(fontsize=8)
+    top = max(r[k]["peak_rss_largest_process"] for r in rows for k, _ in names) / GB
+    ax.set_ylim(0, top * 1.45)  # room for the legend above the bars
+    ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
