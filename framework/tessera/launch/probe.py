@@ -127,7 +127,19 @@ def _rank_main(rank: int, world: int, port: int, spec: dict[str, Any], q: Any) -
                         dist.all_to_all_single(gathered[: x.numel()], x)
 
                 dist.barrier()
-                seconds = _timed(call, budget * 0.4 / (len(OPS) * len(SIZES)), sync, at_least=5)
+                # every rank makes the same number of calls (each deciding by its own clock, one rank
+                # went on to the next collective while the other waited in this one: a deadlock): the
+                # slowest rank's time of one call sets the count for all
+                call()
+                sync()
+                t0 = time.perf_counter()
+                call()
+                sync()
+                one = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+                dist.all_reduce(one, op=dist.ReduceOp.MAX)
+                share = budget * 0.4 / (len(OPS) * len(SIZES))
+                calls = int(min(50, max(5, share // max(float(one), 1e-9))))
+                seconds = _timed(call, 0.0, sync, at_least=calls)  # exactly `calls` timed calls
                 collectives.append({"op": op, "bytes": size, "seconds": seconds})
         dist.barrier()
     out["collectives"] = collectives
