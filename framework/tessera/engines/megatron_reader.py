@@ -147,6 +147,7 @@ class MegatronTensors(Mapping[str, torch.Tensor]):
         for c in self._source:
             self._members.setdefault(root(c), []).append(c)
         self._keys = list(hf)
+        self._shapes = {k: (t.shape, t.dtype) for k, t in hf.items()}  # the weight map on meta, once
         self._held: tuple[str | None, dict[str, torch.Tensor]] = (None, {})
 
     def _convert(self, chunk: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -192,7 +193,7 @@ class MegatronTensors(Mapping[str, torch.Tensor]):
 
     def shapes(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
         """HF key -> (shape, dtype), read from the checkpoint's metadata only."""
-        return {k: (t.shape, t.dtype) for k, t in self._convert(self._meta).items()}
+        return dict(self._shapes)
 
     def _read(self, members: list[str]) -> dict[str, torch.Tensor]:
         """The global chunk's megatron tensors ``members``: their stored chunks only."""
