@@ -23,7 +23,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import math
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
@@ -53,3 +58,31 @@ def lean_construction() -> Iterator[None]:
             libc.malloc_trim(0)
             libc.mallopt(M_MMAP_THRESHOLD, AFTER_THRESHOLD)
             libc.mallopt(M_TRIM_THRESHOLD, 2 * AFTER_THRESHOLD)
+
+
+def give_back() -> None:
+    """Collect Python's garbage and return the heap's free memory to the system (glibc's ``malloc_trim``):
+    after a phase that made and freed large tensors (a conversion's save, before its verification), so
+    the next phase starts from what is still alive, not from the freed phase's high-water mark."""
+    import gc
+
+    gc.collect()
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+def zeros(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous tensor of zeros that takes no memory until it is written: a private anonymous mapping
+    of its own (the kernel maps every page read before it is written to its one zero page), where
+    ``torch.zeros`` writes every byte. What a conversion writes for AdamW's initial moments: read once
+    by the checkpoint's writer, never written."""
+    import mmap
+
+    import torch
+
+    n = math.prod(shape) * dtype.itemsize
+    if n == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buf, dtype=dtype).view(shape)

@@ -424,15 +424,21 @@ def test_first_nonfinite_finds_nan_and_inf_but_not_large_finite_values():
     assert first_nonfinite([("pair", pair), ("ints", torch.arange(3))]) == "pair"
 
 
+@pytest.mark.parametrize("block", [None, 4096])
 @pytest.mark.parametrize("recipe", ["recipes/tiny-llama-cpu.yaml", "recipes/tiny-mixtral-cpu.yaml"])
-def test_the_logits_check_streams_the_sides_tensors_module_by_module(recipe):
+def test_the_logits_check_streams_the_sides_tensors_module_by_module(recipe, block, monkeypatch):
     """verify's model of a side holds no weights: each module's are read from the side's tensors as it
-    runs (accelerate's offload hooks) and dropped after, each tensor read once per pass, and the logits
+    runs (accelerate's offload hooks; the embedding and the LM head a block of rows at a time, here also
+    in blocks of 4 KiB: many per tensor) and dropped after, each tensor read once per pass, and the logits
     are the source model's, bit for bit (a dense and an MoE family); a state that leaves a parameter
     without a value falls back to the copying path (None here)."""
     from transformers import AutoModelForCausalLM
 
+    import tessera.checkpoint.verify as verify
     from tessera.checkpoint.verify import Side, _streamed
+
+    if block is not None:
+        monkeypatch.setattr(verify, "BLOCK_BYTES", block)
     from tessera.config.loader import load_recipe
     from tessera.models.hf import load_hf_config
 
@@ -455,6 +461,8 @@ def test_the_logits_check_streams_the_sides_tensors_module_by_module(recipe):
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, source(input_ids=ids).logits)
     assert all(p.is_meta for p in model.parameters())  # dropped after use
+    assert type(model.get_output_embeddings()).__name__ == "_RowsHead"
+    assert type(model.get_input_embeddings()).__name__ == "_RowsEmbedding"
     read_for_weights = {k for k in state if "rotary" not in k}
     assert set(reads) == read_for_weights and set(reads.values()) == {1}
     partial = {k: v for k, v in state.items() if k != "model.layers.0.self_attn.o_proj.weight"}

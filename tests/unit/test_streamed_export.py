@@ -72,6 +72,30 @@ def test_stored_chunks_are_read_in_place_where_contiguous_and_copied_otherwise(t
     got = mr._read_regions(tmp_path, md, {"r1": ("row", (1,)), "v0": ("view", (0,))})
     assert torch.equal(got["r1"], full[1]) and torch.equal(got["v0"], full[0])
     assert loads.count("cpu") == 3  # two column halves, one view: each loaded, then copied
+    # a range of rows alone (an embedding's block): from one TP half, and across both, still in place
+    loads.clear()
+    for lo, hi in ((1, 3), (2, 5), (0, 6), (4, 4)):
+        got = mr._read_regions(tmp_path, md, {"p": ("col", (1,))}, rows={"p": (lo, hi)})
+        assert torch.equal(got["p"], full[1, lo:hi])
+    assert set(loads) == {"meta"}
+    got = mr._read_regions(tmp_path, md, {"p": ("row", (0,))}, rows={"p": (1, 4)})
+    assert torch.equal(got["p"], full[0, 1:4])  # rows of column halves: loaded and copied, still exact
+
+
+def test_byte_span_is_the_one_run_of_bytes_a_region_covers():
+    """Where a region of a C-contiguous tensor is one run of its bytes, its first byte and length; None
+    where it is not."""
+    from tessera.engines.megatron_reader import _byte_span
+
+    shape = torch.Size((2, 6, 4))
+    t = torch.arange(48).reshape(shape)
+    for offsets, lengths in (((0, 0, 0), (2, 6, 4)), ((1, 2, 0), (1, 3, 4)), ((1, 0, 0), (1, 6, 4)),
+                             ((0, 5, 1), (1, 1, 2)), ((1, 3, 0), (1, 0, 4))):  # fmt: skip
+        start, n = _byte_span(shape, offsets, lengths, 8)  # type: ignore[misc]
+        region = t[tuple(slice(o, o + n_) for o, n_ in zip(offsets, lengths, strict=True))]
+        assert torch.equal(t.reshape(-1)[start // 8 : (start + n) // 8], region.reshape(-1))
+    for offsets, lengths in (((0, 0, 0), (2, 3, 4)), ((0, 1, 0), (1, 2, 2))):
+        assert _byte_span(shape, offsets, lengths, 8) is None
 
 
 @pytest.mark.parametrize(
@@ -120,3 +144,67 @@ def test_write_pretrained_writes_what_save_pretrained_writes(tmp_path, shard, dt
             for k in a.keys():  # noqa: SIM118
                 assert torch.equal(a.get_tensor(k), b.get_tensor(k)), k
     assert asked == [k for k in model.state_dict() if k in state]
+
+
+def test_lazy_safetensors_reads_tensors_and_row_ranges_with_memory_of_their_own(tmp_path):
+    """An HF directory's tensors read by hand: every tensor, and every range of rows, equals what
+    safetensors reads (float, bf16, integer, 0-dim, empty); a tensor owns its memory (no view of a
+    mapping of the file); shapes and dtypes come from the header and ``in`` reads nothing; a column part
+    still goes through safetensors; a file cut short after its header is an error naming it."""
+    from safetensors.torch import load_file, save_file
+
+    from tessera.errors import CheckpointError
+    from tessera.tensorfile import LazyTensors
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "w": torch.randn(7, 5, generator=g),
+        "h": torch.randn(6, 3, generator=g).bfloat16(),
+        "i": torch.arange(12, dtype=torch.int64).reshape(4, 3),
+        "s": torch.tensor(2.5),
+        "e": torch.zeros(0, 4),
+    }
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    want = load_file(str(tmp_path / "model.safetensors"))
+    lazy = LazyTensors.of_dir(tmp_path)
+    reads = []
+    real = lazy._rows
+    lazy._rows = lambda *a: reads.append(a) or real(*a)  # type: ignore[method-assign]
+    assert "w" in lazy and "nope" not in lazy and not reads
+    assert {k: (tuple(s), d) for k, (s, d) in lazy.shapes().items()} == {
+        k: (tuple(t.shape), t.dtype) for k, t in want.items()
+    }
+    for k, t in want.items():
+        got = lazy[k]
+        assert torch.equal(got, t) and got.dtype == t.dtype
+        assert got.untyped_storage().nbytes() == t.numel() * t.element_size()
+        for lo, hi in ((0, 1), (1, 3), (2, 100)) if t.dim() else ():
+            assert torch.equal(lazy.part(k, (slice(lo, hi),)), t[lo:hi])
+    assert torch.equal(lazy.part("w", (slice(None), slice(1, 3))), want["w"][:, 1:3])
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[:-8])
+    with pytest.raises(CheckpointError, match="not a readable safetensors") as e:
+        for k in want:  # the last tensor in the file lost its end
+            lazy[k]
+    assert e.value.value == str(tmp_path / "model.safetensors")
+
+
+def test_the_writers_zeros_take_no_memory_until_written(tmp_path):
+    """AdamW's initial moments as the HF -> megatron writer makes them: zeros of the shape and dtype,
+    saved and loaded as zeros, and read without growing the process's anonymous memory (64 MiB read:
+    under 4 MiB more); writing into them works like any tensor's."""
+    from tessera.hostmem import zeros
+
+    def anon_kb() -> int:
+        return int(next(line for line in open("/proc/self/status") if line.startswith("RssAnon")).split()[1])
+
+    before = anon_kb()
+    z = zeros((4096, 4096), torch.float32)
+    assert z.shape == (4096, 4096) and z.dtype == torch.float32 and z.is_contiguous()
+    assert int(torch.count_nonzero(z)) == 0
+    assert anon_kb() - before < 4096
+    torch.save(z, tmp_path / "z.pt")
+    assert torch.equal(torch.load(tmp_path / "z.pt"), torch.zeros(4096, 4096))
+    assert torch.equal(zeros((0, 3), torch.bfloat16), torch.zeros(0, 3, dtype=torch.bfloat16))
+    z[1, 2] = 5.0
+    assert float(z.sum()) == 5.0

@@ -195,9 +195,10 @@ def _compare_tensor(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]
     cast = yd if xd != yd else xd  # a dtype change compares the cast, as the conversion that asked for it did
     worst, equal, ha, hb = 0.0, True, hashlib.sha256(), hashlib.sha256()
     for x, y in zip(xb, yb, strict=True):
-        if x.numel():
+        same = bool(torch.equal(x.to(cast), y.to(cast)))
+        if x.numel() and not same:  # the difference's temporaries only where there is one
             worst = max(worst, float((x.to(common) - y.to(common)).abs().max()))
-        equal = equal and bool(torch.equal(x.to(cast), y.to(cast)))
+        equal = equal and same
         for h, t in ((ha, x), (hb, y)):
             h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
     row.update(max_abs_diff=worst, equal=equal, same_bytes=xd == yd and ha.digest() == hb.digest())
@@ -262,7 +263,65 @@ def _streamed(side: Side, dtype: torch.dtype) -> torch.nn.Module | None:
         return None
     if any(b.is_meta for b in model.buffers()):
         return None
+    _rows_read(model, names, side.state, dtype)
     return cpu_offload(model.eval(), torch.device("cpu"), state_dict=TensorView(side.state, names, dtype))  # type: ignore[arg-type]
+
+
+def _rows_read(
+    model: torch.nn.Module, names: dict[str, str], state: Mapping[str, torch.Tensor], dtype: torch.dtype
+) -> None:
+    """The streamed model's input embedding and LM head (plain ``nn.Embedding`` / ``nn.Linear`` without a
+    bias; any other kind stays with accelerate's hooks) replaced by modules reading their weight a block
+    of rows at a time as they run (:class:`_RowsEmbedding`, :class:`_RowsHead`): these are a model's
+    largest tensors, and accelerate's hooks would load each whole. ``names`` loses their entries."""
+    swaps = (
+        (model.get_input_embeddings(), torch.nn.Embedding, _RowsEmbedding, model.set_input_embeddings),
+        (model.get_output_embeddings(), torch.nn.Linear, _RowsHead, model.set_output_embeddings),
+    )
+    for module, kind, rows, put in swaps:
+        if type(module) is not kind or getattr(module, "bias", None) is not None:
+            continue
+        if getattr(module, "max_norm", None) is not None:
+            continue
+        name = next(n for n, p in model.named_parameters(remove_duplicate=False) if p is module.weight)
+        put(rows(state, names.pop(name), dtype))
+
+
+class _RowsEmbedding(torch.nn.Module):
+    """An embedding lookup reading the table a block of rows at a time (:func:`_blocks`) and taking the
+    rows the ids ask for from each: one block in memory, never the table."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor], key: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self._state, self._key, self._dtype = state, key, dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        shape, _, blocks = _blocks(self._state, self._key)
+        out = torch.empty(*ids.shape, *shape[1:], dtype=self._dtype)
+        at = 0
+        for w in blocks:
+            hit = (ids >= at) & (ids < at + w.shape[0])
+            out[hit] = w[ids[hit] - at].to(self._dtype)
+            at += w.shape[0]
+        return out
+
+
+class _RowsHead(torch.nn.Module):
+    """An LM head without a bias computing its logits a block of output rows at a time (the weight's row
+    blocks, :func:`_blocks`): one block of the weight in memory, never the whole."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor], key: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self._state, self._key, self._dtype = state, key, dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, _, blocks = _blocks(self._state, self._key)
+        out = x.new_empty(*x.shape[:-1], shape[0])
+        at = 0
+        for w in blocks:
+            out[..., at : at + w.shape[0]] = torch.nn.functional.linear(x, w.to(self._dtype))
+            at += w.shape[0]
+        return out
 
 
 def release(state: Mapping[str, torch.Tensor]) -> None:
@@ -320,6 +379,7 @@ def _compare(a: Side, b: Side, *, prompts: int, source_tokens: bool) -> dict[str
     shared = [k for k in a.state if k in b.state]
     tensors = sorted((_compare_tensor(a.state, b.state, k) for k in shared), key=lambda r: r["name"])
     release(a.state)
+    release(b.state)
     report: dict[str, Any] = {
         "a": a.label,
         "b": b.label,
@@ -364,11 +424,18 @@ def _compare_moments(a: Side, b: Side) -> dict[str, Any] | None:
             "ok": not differ and not missing}  # fmt: skip
 
 
+def _first_dtype(state: Mapping[str, torch.Tensor]) -> torch.dtype:
+    """The dtype of a side's first tensor: from a lazy reader's ``shapes`` (nothing read), else read."""
+    first = next(iter(state))
+    of = getattr(state, "shapes", None)
+    return of()[first][1] if of is not None else state[first].dtype
+
+
 def compare_logits(a: Side, b: Side, n: int) -> dict[str, Any]:
-    dtype = min(
-        (s.state[k].dtype for s in (a, b) for k in list(s.state)[:1]), key=lambda d: torch.finfo(d).bits
-    )
+    dtype = min((_first_dtype(s.state) for s in (a, b)), key=lambda d: torch.finfo(d).bits)
     dtype = dtype if dtype in LOGITS_TOL else torch.float32
+    from tessera.hostmem import give_back
+
     prompts = _prompts(a, b, n, min(a.config.vocab_size, b.config.vocab_size))
 
     def logits(side: Side) -> list[torch.Tensor]:  # one model in memory at a time
@@ -380,6 +447,8 @@ def compare_logits(a: Side, b: Side, n: int) -> dict[str, Any]:
         with torch.no_grad():
             out = model(input_ids=batch).logits.float()
         release(side.state)
+        del model
+        give_back()  # accelerate's hooks make the model a reference cycle: it goes before the next side's
         return [out[i, : p.shape[1]] for i, p in enumerate(prompts)]
 
     worst, kls = 0.0, []

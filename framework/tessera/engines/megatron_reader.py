@@ -104,7 +104,7 @@ class MegatronTensors(Mapping[str, torch.Tensor]):
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         from tessera.models.megatron_lora import mcore_adapter
-        from tessera.models.weight_map import hf_sources
+        from tessera.models.weight_map import hf_row_sources, hf_sources
 
         self._root = Path(ckpt) / DIST_DIR
         self._reader = dcp_reader_class()(str(self._root))  # its .metadata through the restricted unpickler
@@ -149,6 +149,16 @@ class MegatronTensors(Mapping[str, torch.Tensor]):
         self._keys = list(hf)
         self._shapes = {k: (t.shape, t.dtype) for k, t in hf.items()}  # the weight map on meta, once
         self._held: tuple[str | None, dict[str, torch.Tensor]] = (None, {})
+        # HF tensors that are the first rows of one megatron tensor, alone in their group: a range of
+        # their rows is read alone (:meth:`part`)
+        self._rows: dict[str, str] = {}
+        for k, c in hf_row_sources(self._adapter, hf_cfg).items():
+            shp, m = self._shapes.get(k), self._meta.get(c)
+            if shp is None or m is None or self._members.get(self._group[k]) != [c] or not m.dim():
+                continue
+            size, dtype = shp
+            if len(size) and size[1:] == m.shape[1:] and size[0] <= m.shape[0] and dtype == m.dtype:
+                self._rows[k] = c
 
     def _convert(self, chunk: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         from tessera.models.megatron import Shard
@@ -177,6 +187,33 @@ class MegatronTensors(Mapping[str, torch.Tensor]):
             del real
             self._held = (group, {k: t for k, t in out.items() if not t.is_meta})
         return self._held[1][key]
+
+    def part(self, key: str, index: tuple[int | slice, ...]) -> torch.Tensor:
+        """``self[key][index]``; a range of rows of an HF tensor that is one megatron tensor's rows (the
+        embedding, the LM head: the largest tensors) is read alone, from the stored chunks holding them,
+        without the rest of the tensor or the group."""
+        rows = index[0] if index else None
+        c = self._rows.get(key)
+        if (
+            c is None
+            or self._held[0] == self._group[key]
+            or not isinstance(rows, slice)
+            or rows.step not in (None, 1)
+            or any(i != slice(None) for i in index[1:])
+        ):
+            return self[key][index]
+        start, stop, _ = rows.indices(self._shapes[key][0][0])
+        got = _read_regions(
+            self._root,
+            self._reader.read_metadata(),
+            {c: self._source[c]},
+            rows={c: (start, max(start, stop))},
+        )
+        return got[c]
+
+    def shape_of(self, key: str) -> tuple[int, ...]:
+        """The HF tensor's shape, from the checkpoint's metadata."""
+        return tuple(self._shapes[key][0])
 
     def release(self) -> None:
         """Let go of the group held (the last one read): a reader kept for later holds no tensor."""
@@ -249,10 +286,14 @@ def _chunk_sources(
 
 
 def _read_regions(
-    root: Path, metadata: Any, requests: Mapping[str, tuple[str, tuple[int, ...]]]
+    root: Path,
+    metadata: Any,
+    requests: Mapping[str, tuple[str, tuple[int, ...]]],
+    rows: Mapping[str, tuple[int, int]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per request (name -> (stored key, leading index)): the entries of a stored global tensor that the
-    leading index selects, whole along the other dims, the index dims dropped. torch's planner helper
+    leading index selects, whole along the other dims (``rows``: name -> [start, stop) of the first of
+    them, where only those are wanted), the index dims dropped. torch's planner helper
     says which stored chunks hold them (``create_read_items_for_chunk_list``, its resharding rule); each
     chunk's bytes are then read straight into the destination where they are a contiguous piece of it
     (:func:`_read_item`). By hand because torch's reader (``FileSystemReader.read_data``) loads every
@@ -268,8 +309,10 @@ def _read_regions(
         for name, (fqn, index) in requests.items():
             m = metadata.state_dict_metadata[fqn]
             rest = tuple(m.size)[len(index) :]
-            offsets = (*index, *(0 for _ in rest))
-            sizes = (*(1 for _ in index), *rest)
+            lo, hi = (rows or {}).get(name, (0, rest[0] if rest else 0))
+            first = ((lo,), (hi - lo,)) if rest else ((), ())
+            offsets = (*index, *first[0], *(0 for _ in rest[1:]))
+            sizes = (*(1 for _ in index), *first[1], *rest[1:])
             dest = torch.empty(sizes, dtype=m.properties.dtype)
             chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
             for item in create_read_items_for_chunk_list(fqn, m, [chunk]):
@@ -280,7 +323,7 @@ def _read_regions(
                 _read_item(
                     opened[info.relative_path], info, item, into, where=f"{root / info.relative_path}:{fqn}"
                 )
-            out[name] = dest.reshape(rest)
+            out[name] = dest.reshape(sizes[len(index) :])
     return out
 
 
@@ -295,20 +338,21 @@ def _read_item(f: Any, info: Any, item: Any, into: torch.Tensor, *, where: str) 
     if not info.transform_descriptors:
         stored = safe_torch_load(window, map_location="meta", where=where)
         nbytes = stored.numel() * stored.element_size()
-        record = (
-            _storage_record(window, nbytes)
+        span = (
+            _byte_span(stored.shape, item.storage_offsets, item.lengths, stored.element_size())
             if torch.is_tensor(stored)
             and stored.is_contiguous()
             and stored.storage_offset() == 0
             and stored.untyped_storage().nbytes() == nbytes
             and stored.dtype == into.dtype
             and into.is_contiguous()
-            and all(o == 0 for o in item.storage_offsets)
-            and tuple(item.lengths) == tuple(stored.shape)
             else None
         )
+        record = _storage_record(window, nbytes) if span is not None else None
         if record is not None:
-            f.seek(info.offset + record)
+            assert span is not None
+            start, nbytes = span
+            f.seek(info.offset + record + start)
             view = memoryview(into.reshape(-1).view(torch.uint8).numpy())
             got = 0
             while got < nbytes and (n := f.readinto(view[got:])):
@@ -324,6 +368,24 @@ def _read_item(f: Any, info: Any, item: Any, into: torch.Tensor, *, where: str) 
         window.seek(0)
     stored = safe_torch_load(io.BufferedReader(window), map_location="cpu", where=where)
     into.copy_(narrow_tensor_by_index(stored, item.storage_offsets, item.lengths))
+
+
+def _byte_span(shape: torch.Size, offsets: Any, lengths: Any, itemsize: int) -> tuple[int, int] | None:
+    """(first byte, bytes) of the region ``offsets`` / ``lengths`` of a C-contiguous tensor of ``shape``
+    where it is one contiguous run of its bytes (every dim after some dim whole, every dim before it of
+    length 1), else None."""
+    dims = len(shape)
+    k = next((d for d in range(dims - 1, -1, -1) if offsets[d] != 0 or lengths[d] != shape[d]), -1)
+    if any(lengths[d] != 1 for d in range(k)):
+        return None
+    stride, start = 1, 0
+    for d in range(dims - 1, -1, -1):
+        start += offsets[d] * stride
+        stride *= shape[d]
+    count = 1
+    for n in lengths:
+        count *= n
+    return start * itemsize, count * itemsize
 
 
 def _storage_record(window: FileWindow, nbytes: int) -> int | None:

@@ -23,6 +23,7 @@ import torch
 from tessera.engines.megatron_build import chained, shard_of
 from tessera.engines.megatron_engine import MegatronEngine
 from tessera.engines.megatron_reader import OPTIM_KEY
+from tessera.hostmem import zeros
 from tessera.models.weight_map import compact, hf_to_mcore_thunks
 
 
@@ -101,7 +102,7 @@ class MegatronWriter(MegatronEngine):
         from the HF files by the weight map. The last parameter made is kept for its next view."""
         m = OPTIM_KEY.match(item.index.fqn)
         if m is not None and m.group(1) in ("exp_avg", "exp_avg_sq"):
-            return torch.zeros(held.shape, dtype=held.dtype)
+            return zeros(held.shape, held.dtype)  # no memory: megatron holds each item till the next
         if self._made is None:
             self._made = self._makers()
         base = held
@@ -117,6 +118,11 @@ class MegatronWriter(MegatronEngine):
         full = self._last[1]
         assert full is not None and tuple(full.shape) == tuple(param.shape)
         return full.as_strided(held.shape, held.stride(), held.storage_offset() - param.storage_offset())
+
+    def close(self) -> None:
+        """The tensors kept between the save's items go with the writer."""
+        self._last, self._made = (None, None), None
+        super().close()
 
     def _makers(self) -> dict[int, tuple[torch.Tensor, Callable[[], torch.Tensor]]]:
         """Each parameter, by identity and by its storage's, -> (the parameter, the function making it from

@@ -327,6 +327,31 @@ def hf_sources(adapter: Adapter, hf_cfg: Any) -> dict[str, set[str]]:
     return out
 
 
+def hf_row_sources(adapter: Adapter, hf_cfg: Any) -> dict[str, str]:
+    """HF key -> the megatron key of the global chunk whose first rows it is, row for row (no fusing,
+    transposing or expert packing: the embedding and the LM head, the vocabulary's padding after its
+    rows; a norm; a dense layer's projections): a range of its rows is that range of the megatron
+    tensor's, which an offline reader reads alone."""
+    shape = adapter.shape(hf_cfg)
+    out: dict[str, str] = {}
+    seen: set[str] = set()
+    for rule in adapter.rules(hf_cfg):
+        if not _stage_has(rule, Shard(), shape):
+            continue
+        plain = isinstance(rule.hf, str) and rule.fuse is None and not rule.transpose
+        plain = plain and not rule.hf_expert_dim and rule.hf_experts is None
+        for key, hf_key, _ in _instances(rule, shape, Shard()):
+            names = rule.hf if isinstance(rule.hf, tuple) else (rule.hf,)
+            for n in names:
+                k = hf_key(n)
+                if k in seen:  # made from more than one rule (a tied head): read whole
+                    out.pop(k, None)
+                elif plain:
+                    out[k] = key
+                seen.add(k)
+    return out
+
+
 def hf_keys_covered(adapter: Adapter, hf_cfg: Any) -> set[str]:
     """Every HF key the rules read (the coverage check of a conversion)."""
     shape = adapter.shape(hf_cfg)

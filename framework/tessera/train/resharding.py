@@ -118,11 +118,11 @@ def import_reshard(
         ctx.ckpt.background = background
     ctx.ckpt.finish()  # complete before it is checked and named in the manifest
     if release:  # its weights, gradients and moments are not needed beside the verification's models
-        import gc
+        from tessera.hostmem import give_back
 
         ctx.engine.close()
         ctx.engine = None  # type: ignore[assignment]
-        gc.collect()
+        give_back()
 
     def check() -> dict[str, Any] | None:
         if not verify:
