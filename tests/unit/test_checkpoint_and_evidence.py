@@ -106,6 +106,36 @@ def test_a_checkpoint_recording_sha256_is_verified_by_it(tmp_path):
     assert e.value.value == str(shard)
 
 
+def test_checksums_deferred_to_the_load_still_refuse_a_damaged_file(tmp_path):
+    """A resume's verification leaves the checksums to a thread (the model is built and the engine loads
+    meanwhile): the load waits for them, and a flipped byte in a data file is refused naming the file
+    after the engine's load, before anything trains; a load that fails on the damaged file reports the
+    checksum, not its own error; an undamaged checkpoint loads as before."""
+    m = _mgr(tmp_path)
+    p = _save(m, 1, TensorFileEngine(1))
+    meta = m.verify(p, defer_checksums=True)
+    assert m.load(p, meta, TensorFileEngine(0)) == {"consumed_samples": 1}
+    shard = p / "shard_rank0.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1  # the last tensor's data: the file still parses
+    shard.write_bytes(bytes(data))
+    meta = m.verify(p, defer_checksums=True)  # no problem seen yet: the checksum is running
+    with pytest.raises(CheckpointError, match=r"blake3 does not match meta\.json") as e:
+        m.load(p, meta, TensorFileEngine(0))
+    assert e.value.value == str(shard)
+
+    class Failing(TensorFileEngine):
+        def load(self, path):
+            raise RuntimeError("unreadable (the damaged bytes)")
+
+    meta = m.verify(p, defer_checksums=True)
+    with pytest.raises(CheckpointError, match="blake3 does not match") as e:
+        m.load(p, meta, Failing(0))
+    assert e.value.value == str(shard)
+    with pytest.raises(CheckpointError, match="blake3 does not match"):
+        m.verify(p)  # not deferred: refused at once, as before
+
+
 def test_rng_state_round_trips_without_pickle(tmp_path):
     import random
 

@@ -13,7 +13,9 @@ directory under ``runs/``, or ``--dir``):
    save (untimed for it) is reported as "left dirty after save": ~0 s when nothing was left to flush.
    Both sides keep one copy: the save prunes the previous checkpoint, and each plain write deletes the
    previous repetition's files (rank 0, after the writes), both inside the timing.
-2. **Load**: the resume path (``pick`` the latest, ``verify`` every file against meta.json, ``load``).
+2. **Load**: the resume path (``pick`` the latest, ``verify`` every file against meta.json, ``load``; as
+   the worker resumes, the checksums are computed by a thread beside the engine's load, which waits for
+   them).
    Baseline: each rank reads its files in 16 MiB chunks. Both start cold: every file is fsynced and
    evicted from the page cache (``posix_fadvise(DONTNEED)``) before each timed read.
 3. **Conversion**: ``tessera convert HF_DIR --to megatron --layout tp=2`` (the CLI, its ranks, the
@@ -223,9 +225,9 @@ def _rank(rank: int, world: int, port: int, spec: dict[str, Any], q: Any) -> Non
     def save(step: int) -> None:
         ckpt.save(step, engine, describe=describe, sampler={"position": step}, manifest=manifest)
 
-    def load() -> None:  # the worker's resume: pick, verify every file, load
+    def load() -> None:  # the worker's resume: pick, verify every file (checksums beside the load), load
         path = ckpt.pick(None)
-        ckpt.load(path, ckpt.verify(path), engine)
+        ckpt.load(path, ckpt.verify(path, defer_checksums=True), engine)
 
     def cold(paths: list[Path]) -> float:
         flush = evict(paths) if rank == 0 else 0.0

@@ -151,12 +151,14 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     for x, r in zip(xs, rows, strict=True):
         ax.hlines(r["bound_bytes"] / GB, x - width, x + width, colors="black", linestyles="--",
                   label="bound: baseline + 1.5 x largest layer" if x == 0 else None)  # fmt: skip
+        ax.hlines(r["baseline_bytes"] / GB, x - width, x + width, colors="gray", linestyles=":",
+                  label="baseline: the libraries imported" if x == 0 else None)  # fmt: skip
     ax.set_xticks(xs, [f"{r['layers']} layers\n({r['hf_bytes'] / GB:.2f} GB fp32)" for r in rows])
     ax.set_ylabel("peak RSS (GB)")
     ax.set_title("Conversion memory against model depth")
-    top = max(r[k]["peak_rss_largest_process"] for r in rows for k, _ in names) / GB
-    ax.set_ylim(0, top * 1.45)  # room for the legend above the bars
-    ax.legend(fontsize=8, loc="upper left")
+    top = max([r[k]["peak_rss_largest_process"] for r in rows for k, _ in names] + [r["bound_bytes"] for r in rows])
+    ax.set_ylim(0, top / GB * 1.35)  # room for the legend above the bars and the bound
+    ax.legend(fontsize=8, loc="upper center", ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -294,13 +294,17 @@ def share_by_bytes(files: list[tuple[str, int]], world: int) -> list[set[str]]:
     return out
 
 
-def verify_checkpoint(path: Path, *, rank: int = 0, world: int = 1) -> tuple[dict[str, Any], list[str]]:
+def verify_checkpoint(
+    path: Path, *, rank: int = 0, world: int = 1, defer: list[tuple[Path, dict[str, Any]]] | None = None
+) -> tuple[dict[str, Any], list[str]]:
     """Check a checkpoint against its meta.json before anything loads it: only regular files under it
     (raised at once, before any file is opened), meta.json valid, every listed file present with its
     size, nothing unlisted, and this rank's share of the files (``world`` ranks split the work): (v2) its
     checksum, then the static scan of its pickles (:func:`tessera.safeload.file_problem`: a global off the
     allow-list is refused, nothing is unpickled). Returns (meta, problems): each problem names the file;
-    the caller raises."""
+    the caller raises. ``defer``: the share's checksums are not computed but appended to it as (file, its
+    meta.json entry), for :func:`checksum_problems` later (a file whose scan fails is checksummed now: a
+    corrupted file is reported as such)."""
     from tessera.safeload import file_problem
 
     path = Path(path)
@@ -323,13 +327,21 @@ def verify_checkpoint(path: Path, *, rank: int = 0, world: int = 1) -> tuple[dic
             problems.append(f"{f}: {size} bytes, meta.json says {entry['bytes']} (truncated or altered)")
         elif rel not in mine:
             continue
-        elif v2 and (bad := checksum_problem(f, entry)) is not None:
+        elif v2 and defer is None and (bad := checksum_problem(f, entry)) is not None:
             problems.append(f"{f}: {bad}")
         elif (why := file_problem(path, rel, scans)) is not None:
-            problems.append(f"{f}: {why}")
+            bad = checksum_problem(f, entry) if v2 and defer is not None else None
+            problems.append(f"{f}: {bad or why}")
+        elif v2 and defer is not None:
+            defer.append((f, entry))
     for rel in sorted(present - listed - {META}):
         problems.append(f"{path / rel}: not listed in meta.json")
     return meta, problems
+
+
+def checksum_problems(files: list[tuple[Path, dict[str, Any]]]) -> list[str]:
+    """The problems of the checksums :func:`verify_checkpoint` deferred, each naming its file."""
+    return [f"{f}: {bad}" for f, entry in files if (bad := checksum_problem(f, entry)) is not None]
 
 
 def checksum_problem(path: Path, entry: dict[str, Any]) -> str | None:
@@ -434,11 +446,13 @@ class CheckpointIndex:
     def _names(self) -> str:
         return ", ".join(p.name for p in self.complete()) or "none left: start fresh"
 
-    def verify(self, path: Path, *, any_world: bool = False) -> dict[str, Any]:
+    def verify(self, path: Path, *, any_world: bool = False, defer_checksums: bool = False) -> dict[str, Any]:
         """Check ``path`` before anything loads it, and (unless ``any_world``: it is to be resharded) that
         it was written by ``world_size`` ranks; returns its meta. This process hashes every file (the CLI
-        before launch); the ranks share the hashing (:class:`~tessera.checkpoint.manager.CheckpointManager`)."""
-        meta, problems = self._verify_files(path)
+        before launch); the ranks share the hashing (:class:`~tessera.checkpoint.manager.CheckpointManager`).
+        ``defer_checksums``: a manager hashes the files in the background, and its :meth:`load` waits for
+        the checksums (everything else is checked now)."""
+        meta, problems = self._verify_files(path, defer=defer_checksums)
         raise_problems(problems)
         if meta.get("format_version") != FORMAT_VERSION and self.rank == 0:
             print(f"[tessera] warning: {path} is a v1 checkpoint: it carries no checksums", file=sys.stderr)
@@ -451,5 +465,5 @@ class CheckpointIndex:
             )
         return meta
 
-    def _verify_files(self, path: Path) -> tuple[dict[str, Any], list[str]]:
+    def _verify_files(self, path: Path, *, defer: bool = False) -> tuple[dict[str, Any], list[str]]:
         return verify_checkpoint(path)

@@ -29,6 +29,7 @@ import random
 import shutil
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,8 @@ from tessera.checkpoint.index import (
     META,
     CheckpointIndex,
     checkpoint_files,
+    checksum_problems,
+    raise_problems,
     step_dir_name,
     verify_checkpoint,
 )
@@ -131,6 +134,8 @@ class CheckpointManager(CheckpointIndex):
         #: ``watch(step, where, bytes)`` hears of every block written ("bytes", this rank's total so far)
         #: and, on rank 0, of the rename ("renamed"): the fault injection's kill points
         self.watch: Callable[[int, str, int], None] | None = None
+        #: checksums :meth:`verify` left running, by checkpoint (:meth:`settle` waits for them)
+        self._checksums: dict[Path, Future[list[str]]] = {}
 
     # ---- save ------------------------------------------------------------------------------------
     def save(self, step: int, engine: Any, *, describe: dict[str, Any], sampler: dict[str, Any],
@@ -251,16 +256,47 @@ class CheckpointManager(CheckpointIndex):
             shutil.rmtree(old, ignore_errors=True)
 
     # ---- verify + load ---------------------------------------------------------------------------
-    def _verify_files(self, path: Path) -> tuple[dict[str, Any], list[str]]:
-        """With a process group, every rank hashes its share of the files and all see every problem."""
+    def _verify_files(self, path: Path, *, defer: bool = False) -> tuple[dict[str, Any], list[str]]:
+        """With a process group, every rank hashes its share of the files and all see every problem.
+        ``defer``: the share's checksums are computed by a thread while the caller goes on (the model is
+        built, the engine loads: the one read of the files serves both); :meth:`load` waits for them."""
+        rank, world = (dist.get_rank(), dist.get_world_size()) if multi_rank() else (0, 1)
+        later: list[tuple[Path, dict[str, Any]]] | None = [] if defer else None
+        meta, problems = verify_checkpoint(path, rank=rank, world=world, defer=later)
+        if later is not None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tessera-checksums")
+            self._checksums[Path(path)] = pool.submit(checksum_problems, later)
+            pool.shutdown(wait=False)
+        return meta, self._everyones(problems)
+
+    def _everyones(self, problems: list[str]) -> list[str]:
         if not multi_rank():
-            return super()._verify_files(path)
-        meta, problems = verify_checkpoint(path, rank=dist.get_rank(), world=dist.get_world_size())
-        return meta, list(dict.fromkeys(p for part in all_gather_object(problems) for p in part))
+            return problems
+        return list(dict.fromkeys(p for part in all_gather_object(problems) for p in part))
+
+    def settle(self, path: Path, *, gather: bool = True) -> None:
+        """Wait for the checksums :meth:`verify` left running for ``path`` and raise the first problem
+        (``gather``: every rank's, called on every rank; else this rank's own); nothing to do when none
+        were deferred."""
+        future = self._checksums.pop(Path(path), None)
+        if future is not None:
+            raise_problems(self._everyones(future.result()) if gather else future.result())
 
     def load(self, path: Path, meta: dict[str, Any], engine: Any) -> dict[str, Any]:
-        """Restore the engine and this rank's RNG from a verified checkpoint; returns the sampler state."""
-        engine.load(path)
+        """Restore the engine and this rank's RNG from a verified checkpoint; returns the sampler state.
+        Checksums left running by :meth:`verify` are waited for after the engine's load (it reads the
+        files the hashing reads, from the page cache the first of them filled): a mismatch is raised
+        then, before anything trains, and a load that failed on a corrupted file reports the file."""
+        try:
+            engine.load(path)
+        except BaseException:
+            # this rank's checksum problem explains the failure: raised instead of it (no collective here:
+            # the other ranks may be inside the engine's load)
+            self.settle(path, gather=False)
+            raise
+        self.settle(path)
         failed: CheckpointError | None = None
         try:  # every rank reads its own RNG file; a bad one on any rank stops all of them together
             if meta.get("format_version") == FORMAT_VERSION:

@@ -26,8 +26,16 @@ def resume_point(
             value=str(run_dir.path),
             fix="run without --resume to start fresh",
         )
-    meta = ckpt.verify(latest, any_world=not same_layout)
-    diff = check_resume_layout(meta, layout, latest, same_layout=same_layout)
+    # the checksums run while the model is built and the engine loads (CheckpointManager.load waits for
+    # them); a checkpoint to reshard is read by the resharding first: its checksums are waited for here
+    meta = ckpt.verify(latest, any_world=not same_layout, defer_checksums=True)
+    try:
+        diff = check_resume_layout(meta, layout, latest, same_layout=same_layout)
+    except BaseException:
+        ckpt.settle(latest, gather=False)
+        raise
+    if diff:
+        ckpt.settle(latest)
     if diff and ckpt.rank == 0:
         print(
             f"tessera: {latest.name} was written with "
