@@ -156,7 +156,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax.set_xticks(xs, [f"{r['layers']} layers\n({r['hf_bytes'] / GB:.2f} GB fp32)" for r in rows])
     ax.set_ylabel("peak RSS (GB)")
     ax.set_title("Conversion memory against model depth")
-    top = max([r[k]["peak_rss_largest_process"] for r in rows for k, _ in names] + [r["bound_bytes"] for r in rows])
+    top = max(
+        [r[k]["peak_rss_largest_process"] for r in rows for k, _ in names] + [r["bound_bytes"] for r in rows]
+    )
     ax.set_ylim(0, top / GB * 1.35)  # room for the legend above the bars and the bound
     ax.legend(fontsize=8, loc="upper center", ncol=2)
     fig.tight_layout()
