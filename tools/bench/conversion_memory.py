@@ -8,7 +8,8 @@ layer's bytes of each other). This measures both, for the checkpoint benchmark's
 ``save_pretrained``; nothing downloaded):
 
 1. ``tessera convert HF --to megatron --layout tp=2`` (the CLI, its 2 ranks: stage, engine, save, verify);
-2. ``tessera convert <that run> --to hf`` (back: read, write, verify).
+2. ``tessera convert <that run> --to hf`` (back: read, write, verify);
+3. with ``--zero``, the same to DeepSpeed ZeRO-2 over 2 data-parallel ranks and back (through the engine).
 
 Per process: its peak RSS (polled every 0.1 s, and the largest process's exact peak from the kernel), the
 *baseline* (the RSS of a process that has imported what a conversion imports: torch, transformers,
@@ -16,7 +17,7 @@ megatron-core, DeepSpeed, Tessera, and nothing else), the largest layer's bytes 
 embedding / LM head, whichever is larger, in fp32) and the bound. Writes bench-results/conversion_memory.json
 and conversion_memory.png.
 
-    python tools/bench/conversion_memory.py [--layers 2,24] [--out bench-results] [--dir runs]
+    python tools/bench/conversion_memory.py [--layers 2,24] [--out bench-results] [--dir runs] [--zero]
 """
 
 from __future__ import annotations
@@ -43,6 +44,15 @@ BASELINE = (
     "import tessera.checkpoint.convert, tessera.checkpoint.verify, tessera.engines.megatron_reader\n"
     "print('RSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
 )
+
+
+#: each direction measured: its key in the JSON, its label in the plot
+NAMES = {
+    "hf_to_megatron_tp2": "HF -> megatron TP2",
+    "megatron_tp2_to_hf": "megatron TP2 -> HF",
+    "hf_to_deepspeed_z2_dp2": "HF -> DeepSpeed ZeRO-2 dp2",
+    "deepspeed_z2_dp2_to_hf": "DeepSpeed ZeRO-2 dp2 -> HF",
+}
 
 
 def baseline_rss() -> int:
@@ -78,6 +88,8 @@ def main() -> int:
     ap.add_argument("--layers", default="2,24", help="comma-separated depths")
     ap.add_argument("--out", default=str(REPO / "bench-results"))
     ap.add_argument("--dir", default=str(REPO / "runs"), help="parent of the temporary directory")
+    ap.add_argument("--zero", action="store_true",
+                    help="also HF -> DeepSpeed ZeRO-2 dp2 and back (through the engine: not bounded yet)")  # fmt: skip
     args = ap.parse_args()
     depths = [int(x) for x in args.layers.split(",")]
     parent = Path(args.dir).resolve()
@@ -101,10 +113,18 @@ def main() -> int:
                         "--layout", "tp=2", "--recipe", str(conv_recipe), "--out", str(d / "mcore")]  # fmt: skip
             back = [sys.executable, "-m", "tessera.cli", "convert", str(d / "mcore"), "--to", "hf",
                     "--out", str(d / "hf-back")]  # fmt: skip
-            for name, cmd, out in (
+            runs = [
                 ("hf_to_megatron_tp2", to_mcore, d / "mcore"),
                 ("megatron_tp2_to_hf", back, d / "hf-back"),
-            ):
+            ]
+            if args.zero:
+                to_zero = [sys.executable, "-m", "tessera.cli", "convert", str(d / "hf"), "--to", "deepspeed",
+                           "--layout", "dp=2,zero=2", "--recipe", str(conv_recipe), "--out", str(d / "zero")]  # fmt: skip
+                zero_back = [sys.executable, "-m", "tessera.cli", "convert", str(d / "zero"), "--to", "hf",
+                             "--out", str(d / "hf-back-zero")]  # fmt: skip
+                runs += [("hf_to_deepspeed_z2_dp2", to_zero, d / "zero"),
+                         ("deepspeed_z2_dp2_to_hf", zero_back, d / "hf-back-zero")]  # fmt: skip
+            for name, cmd, out in runs:
                 m = measure_tree(cmd, out, d / f"{name}.log")
                 procs = [{"cmd": p["cmd"], "peak_rss": p.get("peak_rss", 0)} for p in m["processes_polled"]]
                 peak = max([m["peak_rss_largest_process"] or 0, *(p["peak_rss"] for p in procs)])
@@ -120,7 +140,7 @@ def main() -> int:
     if len(rows) >= 2:
         lo, hi = rows[0], rows[-1]
         layer = max(r["largest_layer_bytes"] for r in rows)
-        for name in ("hf_to_megatron_tp2", "megatron_tp2_to_hf"):
+        for name in [k for k in NAMES if k in hi]:
             growth = hi[name]["peak_rss_largest_process"] - lo[name]["peak_rss_largest_process"]
             result[f"{name}_peak_growth_bytes"] = growth
             result[f"{name}_growth_over_one_layer"] = growth / layer
@@ -141,17 +161,17 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [("hf_to_megatron_tp2", "HF -> megatron TP2"), ("megatron_tp2_to_hf", "megatron TP2 -> HF")]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    width = 0.35
+    names = [(k, label) for k, label in NAMES.items() if k in rows[0]]
+    fig, ax = plt.subplots(figsize=(7 if len(names) <= 2 else 9, 4))
+    width = 0.7 / len(names)
     xs = list(range(len(rows)))
     for i, (key, label) in enumerate(names):
-        ax.bar([x + (i - 0.5) * width for x in xs], [r[key]["peak_rss_largest_process"] / GB for r in rows],
+        ax.bar([x + (i - (len(names) - 1) / 2) * width for x in xs], [r[key]["peak_rss_largest_process"] / GB for r in rows],
                width, label=f"{label}: peak RSS, largest process")  # fmt: skip
     for x, r in zip(xs, rows, strict=True):
-        ax.hlines(r["bound_bytes"] / GB, x - width, x + width, colors="black", linestyles="--",
+        ax.hlines(r["bound_bytes"] / GB, x - 0.4, x + 0.4, colors="black", linestyles="--",
                   label="bound: baseline + 1.5 x largest layer" if x == 0 else None)  # fmt: skip
-        ax.hlines(r["baseline_bytes"] / GB, x - width, x + width, colors="gray", linestyles=":",
+        ax.hlines(r["baseline_bytes"] / GB, x - 0.4, x + 0.4, colors="gray", linestyles=":",
                   label="baseline: the libraries imported" if x == 0 else None)  # fmt: skip
     ax.set_xticks(xs, [f"{r['layers']} layers\n({r['hf_bytes'] / GB:.2f} GB fp32)" for r in rows])
     ax.set_ylabel("peak RSS (GB)")
