@@ -11,7 +11,7 @@ import contextlib
 import json
 import math
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -267,15 +267,22 @@ class TensorView(Mapping[str, torch.Tensor]):
     def __contains__(self, key: object) -> bool:
         return key in self._names
 
-    def part(self, key: str, index: tuple[int | slice, ...]) -> torch.Tensor:
-        """``self[key][index]``, read alone where the source reads parts (a lazy reader's ``part``)."""
-        of = getattr(self._tensors, "part", None)
-        t = (
-            of(self._names[key], index) if of is not None else self._tensors[self._names[key]][index]
-        ).detach()
-        return t if self._dtype is None else t.to(self._dtype)
+    @property
+    def part(self) -> Callable[[str, tuple[int | slice, ...]], torch.Tensor] | None:
+        """``part(key, index)``: ``self[key][index]`` read alone, where the source reads parts (a lazy
+        reader's ``part`` and ``shape_of``); None where it does not (a caller reads the tensor once)."""
+        of, shape_of = getattr(self._tensors, "part", None), getattr(self._tensors, "shape_of", None)
+        if of is None or shape_of is None:
+            return None
+
+        def part(key: str, index: tuple[int | slice, ...]) -> torch.Tensor:
+            t = of(self._names[key], index).detach()
+            return t if self._dtype is None else t.to(self._dtype)
+
+        return part
 
     def shape_of(self, key: str) -> tuple[int, ...]:
+        """The tensor's shape, from the source without reading it where it can say."""
         of = getattr(self._tensors, "shape_of", None)
         return tuple(of(self._names[key])) if of is not None else tuple(self.shapes()[key][0])
 

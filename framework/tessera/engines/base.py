@@ -287,10 +287,11 @@ class CheckpointReader(ABC):
     checkpoint first and calls it. ``meta`` is the checkpoint's ``meta.json`` (format v2)."""
 
     @abstractmethod
-    def weights(self, ckpt: Path, meta: dict[str, Any]) -> dict[str, torch.Tensor]:
-        """Every parameter (and buffer the format keeps) by HF name, whole."""
+    def weights(self, ckpt: Path, meta: dict[str, Any]) -> Mapping[str, torch.Tensor]:
+        """Every parameter (and buffer the format keeps) by HF name, whole; a reader may read each when it
+        is asked for (megatron's, ZeRO's), so a caller reading them in turn never holds the model."""
 
-    def moment(self, ckpt: Path, meta: dict[str, Any], kind: str) -> dict[str, torch.Tensor] | None:
+    def moment(self, ckpt: Path, meta: dict[str, Any], kind: str) -> Mapping[str, torch.Tensor] | None:
         """One Adam moment (``exp_avg`` or ``exp_avg_sq``) of every trainable parameter by HF name; None
         where the format's moments are not readable offline."""
         return None

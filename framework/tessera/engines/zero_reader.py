@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,22 +31,32 @@ MODEL_STATES = "mp_rank_*_model_states.pt"
 class ZeroReader(CheckpointReader):
     """The deepspeed engine's checkpoints (``sharding`` ``deepspeed-zero<stage>``)."""
 
-    def weights(self, ckpt: Path, meta: dict[str, Any]) -> dict[str, torch.Tensor]:
+    def weights(self, ckpt: Path, meta: dict[str, Any]) -> Mapping[str, torch.Tensor]:
         if not meta["sharding"].startswith(SHARDING_PREFIX):
             raise unreadable_sharding(ckpt, meta["sharding"])
         zero = int(meta["layout"]["zero"])
         if zero == 0:  # no partitions: the module's own state dict
             files = sorted(ckpt.glob(MODEL_STATES))
             return dict(safe_torch_load(files[0], map_location="cpu")["module"])
-        return zero_merge(ckpt, zero, None)
+        return zero_tensors(ckpt, zero, None)
 
-    def moment(self, ckpt: Path, meta: dict[str, Any], kind: str) -> dict[str, torch.Tensor] | None:
+    def moment(self, ckpt: Path, meta: dict[str, Any], kind: str) -> Mapping[str, torch.Tensor] | None:
         sharding = meta["sharding"]
         if sharding == f"{SHARDING_PREFIX}0":
             return _zero0_moment(ckpt, meta, kind)
         if sharding.startswith(SHARDING_PREFIX):
-            return zero_merge(ckpt, int(meta["layout"]["zero"]), kind)
+            return zero_tensors(ckpt, int(meta["layout"]["zero"]), kind)
         return None
+
+
+def zero_tensors(ckpt: Path, zero: int, kind: str | None) -> Mapping[str, torch.Tensor]:
+    """The full tensors of a ZeRO 1-3 checkpoint, read one parameter at a time where the partition files
+    are laid out as :class:`~tessera.engines.zero_lazy.ZeroTensors` knows (every checkpoint DeepSpeed's
+    pinned version writes), else merged whole by DeepSpeed (:func:`zero_merge`)."""
+    from tessera.engines.zero_lazy import ZeroTensors
+
+    lazy = ZeroTensors(ckpt, zero, kind)
+    return lazy if lazy.plan is not None else zero_merge(ckpt, zero, kind)
 
 
 READER = ZeroReader()
