@@ -30,7 +30,6 @@ import torch
 
 from tessera.errors import CheckpointError
 from tessera.safeload import FIX as SAFE_FIX
-from tessera.safeload import forced_weights_only, safe_torch_load
 
 #: (file, byte offset of the first element, elements): one contiguous run of a parameter's elements
 Piece = tuple[Path, int, int]
@@ -44,37 +43,17 @@ class ZeroTensors(Mapping[str, torch.Tensor]):
     reader knows: the caller merges through DeepSpeed instead."""
 
     def __init__(self, ckpt: Path, zero: int, kind: str | None, mp: int | None = None) -> None:
-        from deepspeed.checkpoint.constants import (
-            FP32_FLAT_GROUPS,
-            OPTIMIZER_STATE_DICT,
-            PARAM_ALIGNMENT_PADDINGS,
-            SINGLE_PARTITION_OF_FP32_GROUPS,
-        )
         from deepspeed.utils import zero_to_fp32 as z
 
-        def mine(files: list[str]) -> list[str]:
-            return [f for f in files if mp is None or f"mp_rank_{mp:02d}_" in Path(f).name]
+        from tessera.engines.zero_reader import flat_partitions, model_states
 
-        states = []
-        for f in mine(z.get_model_state_files(str(ckpt))):
-            with forced_weights_only(f):  # as zero_merge: one file at a time, a refusal names it
-                states += z.parse_model_states([f])
-        groups: list[
-            list[tuple[Path, int, int]] | None
-        ] = []  # per rank, per flat group: (file, offset, numel)
+        states = model_states(ckpt, mp)
+        groups: list[list[tuple[Path, int, int]] | None] = []  # per rank, per group: (file, offset, numel)
         paddings = None
-        for f in mine(z.get_optim_files(str(ckpt))):
-            whole = safe_torch_load(f, map_location="cpu", mmap=True)
-            sd = whole[OPTIMIZER_STATE_DICT]
-            paddings = sd.get(PARAM_ALIGNMENT_PADDINGS)
-            if kind is None:
-                flats = sd[SINGLE_PARTITION_OF_FP32_GROUPS if zero <= 2 else FP32_FLAT_GROUPS]
-            else:
-                state = (sd.get("base_optimizer_state") or sd["optimizer_state_dict"])["state"]
-                flats = [state[g][kind] for g in sorted(state)]
-            flats = list(flats) if isinstance(flats, (list, tuple)) else [flats]
-            groups.append(_locate(Path(f), flats, list(_tensors(whole))))
-            del whole, sd, flats
+        for f, whole, flats, pads in flat_partitions(ckpt, zero, kind, mp):
+            groups.append(_locate(f, flats, list(_tensors(whole))))
+            paddings = pads  # the same in every rank's file
+            del whole, flats
         shapes = states[0].param_shapes
         located = [g for g in groups if g is not None]
         plan = None

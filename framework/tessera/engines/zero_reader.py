@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import io
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -98,14 +98,28 @@ def _zero0_moment(ckpt: Path, meta: dict[str, Any], kind: str) -> dict[str, torc
     return {order[k]: opt["state"][i][kind].float() for k, i in enumerate(got) if i in opt["state"]}
 
 
-def zero_merge(ckpt: Path, zero: int, kind: str | None, mp: int | None = None) -> dict[str, torch.Tensor]:
-    """DeepSpeed's own zero_to_fp32 merge, which undoes the partitioning, alignment padding and ZeRO-3
-    per-parameter split of the fp32 master partitions (``kind`` None: the weights, with the buffers and
-    shared parameters zero_to_fp32 adds), or of one Adam moment: ZeRO 1-3 keep each moment as flat
-    partitions laid out exactly like the masters (the optimizer steps on those flat tensors), so the merge
-    is fed the moment's partitions in their place. ``mp``: only the files of that model-parallel (TP) rank
-    (megatron with DeepSpeed ZeRO: one ZeRO checkpoint per TP rank). The merge functions are private to
-    DeepSpeed (pinned version); the files are memory-mapped, so only what is merged is read."""
+def model_states(ckpt: Path, mp: int | None = None) -> list[Any]:
+    """DeepSpeed's parse of the model-states files (buffers, parameter shapes, frozen parameters, tied
+    names), of model-parallel rank ``mp`` only where given. zero_to_fp32 calls torch.load(weights_only=
+    False) itself and takes no loader: torch's own switch makes that load weights_only (with the
+    allow-list) for this call; one file at a time, so a refusal names the file."""
+    from deepspeed.utils import zero_to_fp32 as z
+
+    states: list[Any] = []
+    for f in _of_rank(z.get_model_state_files(str(ckpt)), mp):
+        with forced_weights_only(f):
+            states += z.parse_model_states([f])
+    return states
+
+
+def flat_partitions(
+    ckpt: Path, zero: int, kind: str | None, mp: int | None = None
+) -> Iterator[tuple[Path, Any, list[torch.Tensor], Any]]:
+    """Per data-parallel rank, in rank order: (its optim-states file, the file's loaded object, its flat
+    fp32 partitions of the master weights (``kind`` None) or of that Adam moment, one per parameter group,
+    the alignment paddings). ZeRO 1-3 keep each moment as flat partitions laid out exactly like the
+    masters (the optimizer steps on those flat tensors). DeepSpeed's own pickles, verified and scanned
+    first, loaded with weights_only, the allow-list and ``mmap=True`` (nothing read but the pickle)."""
     from deepspeed.checkpoint.constants import (
         FP32_FLAT_GROUPS,
         OPTIMIZER_STATE_DICT,
@@ -114,37 +128,42 @@ def zero_merge(ckpt: Path, zero: int, kind: str | None, mp: int | None = None) -
     )
     from deepspeed.utils import zero_to_fp32 as z
 
-    def mine(files: list[str]) -> list[str]:
-        return [f for f in files if mp is None or f"mp_rank_{mp:02d}_" in Path(f).name]
-
-    model_states = []
-    for f in mine(z.get_model_state_files(str(ckpt))):
-        # zero_to_fp32 calls torch.load(weights_only=False) itself and takes no loader: torch's own switch
-        # makes that load weights_only (with the allow-list) for this call; one file at a time, so a
-        # refusal names the file
-        with forced_weights_only(f):
-            model_states += z.parse_model_states([f])
-    flat_groups = []
-    paddings = None
-    for f in mine(z.get_optim_files(str(ckpt))):
-        # DeepSpeed's own pickles, verified and scanned first, loaded with weights_only and the allow-list
-        sd = safe_torch_load(f, map_location="cpu", mmap=True)[OPTIMIZER_STATE_DICT]
-        paddings = sd.get(PARAM_ALIGNMENT_PADDINGS)
+    for f in _of_rank(z.get_optim_files(str(ckpt)), mp):
+        whole = safe_torch_load(f, map_location="cpu", mmap=True)
+        sd = whole[OPTIMIZER_STATE_DICT]
         if kind is None:
-            flat_groups.append(sd[SINGLE_PARTITION_OF_FP32_GROUPS if zero <= 2 else FP32_FLAT_GROUPS])
+            flats = sd[SINGLE_PARTITION_OF_FP32_GROUPS if zero <= 2 else FP32_FLAT_GROUPS]
         else:
             state = (sd.get("base_optimizer_state") or sd["optimizer_state_dict"])["state"]  # ZeRO 1-2 / 3
-            flat_groups.append([state[g][kind] for g in sorted(state)])
-        del sd
+            flats = [state[g][kind] for g in sorted(state)]
+        yield Path(f), whole, list(flats), sd.get(PARAM_ALIGNMENT_PADDINGS)
+
+
+def _of_rank(files: list[str], mp: int | None) -> list[str]:
+    return [f for f in files if mp is None or f"mp_rank_{mp:02d}_" in Path(f).name]
+
+
+def zero_merge(ckpt: Path, zero: int, kind: str | None, mp: int | None = None) -> dict[str, torch.Tensor]:
+    """DeepSpeed's own zero_to_fp32 merge, which undoes the partitioning, alignment padding and ZeRO-3
+    per-parameter split of the fp32 master partitions (``kind`` None: the weights, with the buffers and
+    shared parameters zero_to_fp32 adds), or of one Adam moment, fed the moment's partitions in the
+    masters' place (:func:`flat_partitions`). ``mp``: only the files of that model-parallel (TP) rank
+    (megatron with DeepSpeed ZeRO: one ZeRO checkpoint per TP rank). The merge functions are private to
+    DeepSpeed (pinned version); the files are memory-mapped, so only what is merged is read."""
+    from deepspeed.utils import zero_to_fp32 as z
+
+    states = model_states(ckpt, mp)
+    flat_groups, paddings = [], None
+    for _, _, flats, pads in flat_partitions(ckpt, zero, kind, mp):
+        flat_groups.append(flats)
+        paddings = pads  # the same in every rank's file
     world = len(flat_groups)
     # its progress prints (stdout) and its tqdm bar "Gathering sharded weights" (stderr; ZeRO-3)
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         if zero <= 2:
-            merged = z._get_fp32_state_dict_from_zero2_checkpoint(
-                world, flat_groups, model_states, False, paddings
-            )
+            merged = z._get_fp32_state_dict_from_zero2_checkpoint(world, flat_groups, states, False, paddings)
         else:
-            merged = z._get_fp32_state_dict_from_zero3_checkpoint(world, flat_groups, model_states, False)
-    trainable = {n for group in model_states[0].param_shapes for n in group}
+            merged = z._get_fp32_state_dict_from_zero3_checkpoint(world, flat_groups, states, False)
+    trainable = {n for group in states[0].param_shapes for n in group}
     keep = (lambda n: True) if kind is None else (lambda n: n in trainable)
     return {n: t.float() for n, t in z.to_torch_tensor(merged).items() if keep(n)}  # fresh copies
