@@ -30,9 +30,55 @@ import torch
 
 from tessera.errors import CheckpointError
 from tessera.safeload import FIX as SAFE_FIX
+from tessera.safeload import forced_weights_only, safe_torch_load
 
 #: (file, byte offset of the first element, elements): one contiguous run of a parameter's elements
 Piece = tuple[Path, int, int]
+
+
+def model_states(ckpt: Path, mp: int | None = None) -> list[Any]:
+    """DeepSpeed's parse of the model-states files (buffers, parameter shapes, frozen parameters, tied
+    names), of model-parallel rank ``mp`` only where given. zero_to_fp32 calls torch.load(weights_only=
+    False) itself and takes no loader: torch's own switch makes that load weights_only (with the
+    allow-list) for this call; one file at a time, so a refusal names the file."""
+    from deepspeed.utils import zero_to_fp32 as z
+
+    states: list[Any] = []
+    for f in _of_rank(z.get_model_state_files(str(ckpt)), mp):
+        with forced_weights_only(f):
+            states += z.parse_model_states([f])
+    return states
+
+
+def flat_partitions(
+    ckpt: Path, zero: int, kind: str | None, mp: int | None = None
+) -> Iterator[tuple[Path, Any, list[torch.Tensor], Any]]:
+    """Per data-parallel rank, in rank order: (its optim-states file, the file's loaded object, its flat
+    fp32 partitions of the master weights (``kind`` None) or of that Adam moment, one per parameter group,
+    the alignment paddings). ZeRO 1-3 keep each moment as flat partitions laid out exactly like the
+    masters (the optimizer steps on those flat tensors). DeepSpeed's own pickles, verified and scanned
+    first, loaded with weights_only, the allow-list and ``mmap=True`` (nothing read but the pickle)."""
+    from deepspeed.checkpoint.constants import (
+        FP32_FLAT_GROUPS,
+        OPTIMIZER_STATE_DICT,
+        PARAM_ALIGNMENT_PADDINGS,
+        SINGLE_PARTITION_OF_FP32_GROUPS,
+    )
+    from deepspeed.utils import zero_to_fp32 as z
+
+    for f in _of_rank(z.get_optim_files(str(ckpt)), mp):
+        whole = safe_torch_load(f, map_location="cpu", mmap=True)
+        sd = whole[OPTIMIZER_STATE_DICT]
+        if kind is None:
+            flats = sd[SINGLE_PARTITION_OF_FP32_GROUPS if zero <= 2 else FP32_FLAT_GROUPS]
+        else:
+            state = (sd.get("base_optimizer_state") or sd["optimizer_state_dict"])["state"]  # ZeRO 1-2 / 3
+            flats = [state[g][kind] for g in sorted(state)]
+        yield Path(f), whole, list(flats), sd.get(PARAM_ALIGNMENT_PADDINGS)
+
+
+def _of_rank(files: list[str], mp: int | None) -> list[str]:
+    return [f for f in files if mp is None or f"mp_rank_{mp:02d}_" in Path(f).name]
 
 
 class ZeroTensors(Mapping[str, torch.Tensor]):
@@ -44,8 +90,6 @@ class ZeroTensors(Mapping[str, torch.Tensor]):
 
     def __init__(self, ckpt: Path, zero: int, kind: str | None, mp: int | None = None) -> None:
         from deepspeed.utils import zero_to_fp32 as z
-
-        from tessera.engines.zero_reader import flat_partitions, model_states
 
         states = model_states(ckpt, mp)
         groups: list[list[tuple[Path, int, int]] | None] = []  # per rank, per group: (file, offset, numel)

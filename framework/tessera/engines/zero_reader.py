@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import io
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +20,10 @@ import torch
 
 from tessera.engines.base import CheckpointReader, unreadable_sharding
 from tessera.engines.zero import SHARDING_PREFIX
+from tessera.engines.zero_lazy import ZeroTensors, flat_partitions, model_states
 from tessera.errors import CheckpointError
 from tessera.models.hf import hf_config_of
-from tessera.safeload import forced_weights_only, safe_torch_load
+from tessera.safeload import safe_torch_load
 
 #: DeepSpeed's file of the module (and, without ZeRO, the optimizer) state of a model-parallel rank
 MODEL_STATES = "mp_rank_*_model_states.pt"
@@ -53,8 +54,6 @@ def zero_tensors(ckpt: Path, zero: int, kind: str | None) -> Mapping[str, torch.
     """The full tensors of a ZeRO 1-3 checkpoint, read one parameter at a time where the partition files
     are laid out as :class:`~tessera.engines.zero_lazy.ZeroTensors` knows (every checkpoint DeepSpeed's
     pinned version writes), else merged whole by DeepSpeed (:func:`zero_merge`)."""
-    from tessera.engines.zero_lazy import ZeroTensors
-
     lazy = ZeroTensors(ckpt, zero, kind)
     return lazy if lazy.plan is not None else zero_merge(ckpt, zero, kind)
 
@@ -96,51 +95,6 @@ def _zero0_moment(ckpt: Path, meta: dict[str, Any], kind: str) -> dict[str, torc
             fix="resume it on its own layout (--same-layout), or export only the weights (--to hf)",
         )
     return {order[k]: opt["state"][i][kind].float() for k, i in enumerate(got) if i in opt["state"]}
-
-
-def model_states(ckpt: Path, mp: int | None = None) -> list[Any]:
-    """DeepSpeed's parse of the model-states files (buffers, parameter shapes, frozen parameters, tied
-    names), of model-parallel rank ``mp`` only where given. zero_to_fp32 calls torch.load(weights_only=
-    False) itself and takes no loader: torch's own switch makes that load weights_only (with the
-    allow-list) for this call; one file at a time, so a refusal names the file."""
-    from deepspeed.utils import zero_to_fp32 as z
-
-    states: list[Any] = []
-    for f in _of_rank(z.get_model_state_files(str(ckpt)), mp):
-        with forced_weights_only(f):
-            states += z.parse_model_states([f])
-    return states
-
-
-def flat_partitions(
-    ckpt: Path, zero: int, kind: str | None, mp: int | None = None
-) -> Iterator[tuple[Path, Any, list[torch.Tensor], Any]]:
-    """Per data-parallel rank, in rank order: (its optim-states file, the file's loaded object, its flat
-    fp32 partitions of the master weights (``kind`` None) or of that Adam moment, one per parameter group,
-    the alignment paddings). ZeRO 1-3 keep each moment as flat partitions laid out exactly like the
-    masters (the optimizer steps on those flat tensors). DeepSpeed's own pickles, verified and scanned
-    first, loaded with weights_only, the allow-list and ``mmap=True`` (nothing read but the pickle)."""
-    from deepspeed.checkpoint.constants import (
-        FP32_FLAT_GROUPS,
-        OPTIMIZER_STATE_DICT,
-        PARAM_ALIGNMENT_PADDINGS,
-        SINGLE_PARTITION_OF_FP32_GROUPS,
-    )
-    from deepspeed.utils import zero_to_fp32 as z
-
-    for f in _of_rank(z.get_optim_files(str(ckpt)), mp):
-        whole = safe_torch_load(f, map_location="cpu", mmap=True)
-        sd = whole[OPTIMIZER_STATE_DICT]
-        if kind is None:
-            flats = sd[SINGLE_PARTITION_OF_FP32_GROUPS if zero <= 2 else FP32_FLAT_GROUPS]
-        else:
-            state = (sd.get("base_optimizer_state") or sd["optimizer_state_dict"])["state"]  # ZeRO 1-2 / 3
-            flats = [state[g][kind] for g in sorted(state)]
-        yield Path(f), whole, list(flats), sd.get(PARAM_ALIGNMENT_PADDINGS)
-
-
-def _of_rank(files: list[str], mp: int | None) -> list[str]:
-    return [f for f in files if mp is None or f"mp_rank_{mp:02d}_" in Path(f).name]
 
 
 def zero_merge(ckpt: Path, zero: int, kind: str | None, mp: int | None = None) -> dict[str, torch.Tensor]:
