@@ -308,6 +308,81 @@ def test_zero_partitions_read_one_parameter_at_a_time_equal_deepspeeds_merge(zer
         assert any(bool(t.abs().sum()) for t in whole.values())  # trained values, not zeros
 
 
+#: what only an engine that has stepped changes in its files: its counters, and the LR its schedule set
+STEPPED = ("global_steps", "global_samples", "lr")
+
+
+def _differences(a, b, path: str = "") -> list[str]:
+    """Where two loaded pickles differ: keys (and their order), types, values, each tensor's dtype, shape,
+    requires_grad and bits; an object by its attributes. ``STEPPED`` paths are left out."""
+    last = path.rsplit(".", 1)[-1]
+    if last in STEPPED and (last != "lr" or ".param_groups[" in path):
+        return []
+    if torch.is_tensor(a) and torch.is_tensor(b):
+        same = (a.dtype, a.shape, a.requires_grad) == (b.dtype, b.shape, b.requires_grad) and torch.equal(
+            a, b
+        )
+        return [] if same else [f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"]
+    if type(a) is not type(b):
+        return [f"{path}: {type(a).__name__} vs {type(b).__name__}"]
+    if isinstance(a, dict):
+        head = [] if list(a) == list(b) else [f"{path}: keys {list(a)} vs {list(b)}"]
+        return head + [d for k in a if k in b for d in _differences(a[k], b[k], f"{path}.{k}")]
+    if isinstance(a, (list, tuple)) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{path}[{i}]")]
+    if hasattr(a, "__dict__") and not isinstance(a, type):
+        return _differences(vars(a), vars(b), path)
+    return [] if a == b else [f"{path}: {a!r} vs {b!r}"]
+
+
+@pytest.mark.parametrize("name", ["z1", "z2", "bf16"])
+def test_the_conversion_writer_writes_the_files_deepspeeds_engine_wrote(zero_runs, tmp_path, name):
+    """The ZeRO 1-2 conversion writer (`engines/zero_writer.py`: DeepSpeed's files made without its engine,
+    each tensor's bytes made as torch's writer reaches its record), given a trained checkpoint's weights,
+    fp32 masters, Adam moments and step, writes each rank's files as DeepSpeed's engine wrote them: the
+    same keys in the same order, the same values, every tensor bit for bit (module, partitions, moments),
+    except what only a stepping engine changes. `writer_for` takes these layouts and declines ZeRO-3."""
+    from tessera.config.loader import load_run_recipe
+    from tessera.engines.deepspeed_engine import PARAM_DTYPE
+    from tessera.engines.ds_config import build_ds_config
+    from tessera.engines.optim import MOMENTS, build_optimizer
+    from tessera.engines.zero_lazy import ZeroTensors
+    from tessera.engines.zero_reader import READER
+    from tessera.engines.zero_writer import ZeroWriter, save_filled, writer_for, zero_files
+    from tessera.models.hf import empty_model, hf_config_of
+    from tessera.plan.layout import layout_from_recipe
+    from tessera.safeload import safe_torch_load
+    from tessera.writes import write_hashed
+
+    run = RunDir(zero_runs["_base"] / name)
+    ckpt = sorted(run.checkpoints.glob("step_*"))[-1]
+    meta, recipe = read_meta(ckpt), load_run_recipe(run)
+    layout = layout_from_recipe(recipe)
+    assert writer_for(recipe, layout) is ZeroWriter
+    assert writer_for(load_run_recipe(RunDir(zero_runs["_base"] / "z3")), layout_from_recipe(
+        load_run_recipe(RunDir(zero_runs["_base"] / "z3")))) is None  # fmt: skip
+    dtype = PARAM_DTYPE[recipe.train.precision]
+    model = empty_model(hf_config_of(meta), dtype=dtype, device="meta")
+    masters = ZeroTensors(ckpt, layout.zero, None)
+    moments = {k: ZeroTensors(ckpt, layout.zero, k) for k in MOMENTS}
+    config = build_ds_config(recipe, layout, device="cpu")
+    optimizer = build_optimizer(recipe, model.named_parameters(), device="cpu", offload=False)
+    written = []
+    for rank in range(layout.dp):
+        files = zero_files(
+            model, optimizer, config, zero=layout.zero, dp=layout.dp, rank=rank, dtype=dtype,
+            weights=masters, masters=masters, moments=moments, step=READER.adam_step(ckpt, meta),
+        )  # fmt: skip
+        for file, obj, fills in files:
+            write_hashed(tmp_path / file, lambda f, obj=obj, fills=fills: save_filled(obj, fills, f))
+            written.append(file)
+    assert sorted(written) == sorted(p.name for p in ckpt.glob("*.pt"))
+    for file in written:
+        mine, engine = safe_torch_load(tmp_path / file), safe_torch_load(ckpt / file)
+        assert not _differences(mine, engine, file), _differences(mine, engine, file)[:8]
+    assert name != "bf16" or "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt" in written
+
+
 @pytest.mark.parametrize("name", ["z3", "ddp"])
 def test_export_to_hf_reproduces_the_run(zero_runs, tmp_path, name):
     """`tessera convert --to hf` of the step-10 checkpoint (ZeRO-3 partitions through DeepSpeed's

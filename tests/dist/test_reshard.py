@@ -200,8 +200,11 @@ def _convert(*args: str) -> subprocess.CompletedProcess:
 def test_convert_to_an_engine_layout_and_resume_it(runs, tmp_path):
     """`tessera convert STEP5 --to ddp --layout dp=1`: the target layout's ranks write a run directory
     whose checkpoint verifies against the source (moments bit-exact) and which `tessera run --resume`
-    continues: step 6 as the original run logged it. From an HF directory (with --recipe): step 0, the
-    HF weights bit-exact, no optimizer state to compare."""
+    continues: step 6 as the original run logged it. From an HF directory (with --recipe) to DeepSpeed
+    ZeRO-2 (the conversion writer: DeepSpeed's files made without its engine): step 0, the HF weights
+    bit-exact, no optimizer state to compare, the HF model's own loss at the first step of its resume."""
+    from transformers import AutoModelForCausalLM
+
     src = RunDir(runs["_base"] / "ds_z2").checkpoints / step_dir_name(5)
     out = tmp_path / "ddp1"
     p = _convert(str(src), "--to", "ddp", "--layout", "dp=1", "--out", str(out))
@@ -219,10 +222,19 @@ def test_convert_to_an_engine_layout_and_resume_it(runs, tmp_path):
     assert_close_rel(losses(RunDir(out).read_metrics())[5:6], losses(runs["ds_z2"])[5:6], 1e-5)
 
     hf_out = tmp_path / "from_hf"
-    p = _convert(str(runs["_hf"]), "--to", "ddp", "--layout", "dp=1", "--recipe", str(LLAMA), "--out", str(hf_out))
+    p = _convert(str(runs["_hf"]), "--to", "deepspeed", "--layout", "zero=2", "--recipe", str(LLAMA), "--out", str(hf_out))  # fmt: skip
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rec = json.loads((hf_out / "tessera_conversion.json").read_text())
     assert rec["step"] == 0 and rec["verify"]["weights_ok"] and rec["verify"]["optimizer"] is None
+    assert read_meta(RunDir(hf_out).checkpoints / step_dir_name(0))["sharding"] == "deepspeed-zero2"
+    r = subprocess.run(
+        [sys.executable, "-m", "tessera.cli", "run", str(hf_out / RunDir.RECIPE), "train.steps=1",
+         "tracking.wandb.mode=disabled", EVAL, "--resume"],  # fmt: skip
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    model = AutoModelForCausalLM.from_pretrained(str(runs["_hf"]), local_files_only=True).eval()
+    assert_close_rel(losses(RunDir(hf_out).read_metrics()), [hf_loss_on_step(model, hf_out, 1)], 1e-5)
 
 
 def test_hf_to_megatron_is_written_without_the_model_as_the_engine_writes_it(runs, tmp_path):

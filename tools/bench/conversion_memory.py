@@ -9,7 +9,8 @@ layer's bytes of each other). This measures both, for the checkpoint benchmark's
 
 1. ``tessera convert HF --to megatron --layout tp=2`` (the CLI, its 2 ranks: stage, engine, save, verify);
 2. ``tessera convert <that run> --to hf`` (back: read, write, verify);
-3. with ``--zero``, the same to DeepSpeed ZeRO-2 over 2 data-parallel ranks and back (through the engine).
+3. with ``--zero``, the same to DeepSpeed ZeRO-2 over 2 data-parallel ranks and back (the ZeRO writer and
+   reader), and megatron TP2 -> ZeRO-2 dp2 (a reshard: rank 0 stages the checkpoint, the writer writes it).
 
 Per process: its peak RSS (polled every 0.1 s, and the largest process's exact peak from the kernel), the
 *baseline* (the RSS of a process that has imported what a conversion imports: torch, transformers,
@@ -52,6 +53,7 @@ NAMES = {
     "megatron_tp2_to_hf": "megatron TP2 -> HF",
     "hf_to_deepspeed_z2_dp2": "HF -> DeepSpeed ZeRO-2 dp2",
     "deepspeed_z2_dp2_to_hf": "DeepSpeed ZeRO-2 dp2 -> HF",
+    "megatron_tp2_to_deepspeed_z2_dp2": "megatron TP2 -> ZeRO-2 dp2 (stage)",
 }
 
 
@@ -89,7 +91,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(REPO / "bench-results"))
     ap.add_argument("--dir", default=str(REPO / "runs"), help="parent of the temporary directory")
     ap.add_argument("--zero", action="store_true",
-                    help="also HF -> DeepSpeed ZeRO-2 dp2 and back (through the engine: not bounded yet)")  # fmt: skip
+                    help="also HF -> DeepSpeed ZeRO-2 dp2 and back, and megatron TP2 -> ZeRO-2 dp2")  # fmt: skip
     args = ap.parse_args()
     depths = [int(x) for x in args.layers.split(",")]
     parent = Path(args.dir).resolve()
@@ -122,8 +124,11 @@ def main() -> int:
                            "--layout", "dp=2,zero=2", "--recipe", str(conv_recipe), "--out", str(d / "zero")]  # fmt: skip
                 zero_back = [sys.executable, "-m", "tessera.cli", "convert", str(d / "zero"), "--to", "hf",
                              "--out", str(d / "hf-back-zero")]  # fmt: skip
+                reshard = [sys.executable, "-m", "tessera.cli", "convert", str(d / "mcore"), "--to", "deepspeed",
+                           "--layout", "dp=2,zero=2", "--out", str(d / "mcore-zero")]  # fmt: skip
                 runs += [("hf_to_deepspeed_z2_dp2", to_zero, d / "zero"),
-                         ("deepspeed_z2_dp2_to_hf", zero_back, d / "hf-back-zero")]  # fmt: skip
+                         ("deepspeed_z2_dp2_to_hf", zero_back, d / "hf-back-zero"),
+                         ("megatron_tp2_to_deepspeed_z2_dp2", reshard, d / "mcore-zero")]  # fmt: skip
             for name, cmd, out in runs:
                 m = measure_tree(cmd, out, d / f"{name}.log")
                 procs = [{"cmd": p["cmd"], "peak_rss": p.get("peak_rss", 0)} for p in m["processes_polled"]]

@@ -113,15 +113,15 @@ def base_tensors(ckpt: Path, meta: dict[str, Any]) -> Mapping[str, torch.Tensor]
     )
 
 
-def read_hf_moment(ckpt: Path, meta: dict[str, Any], kind: str) -> dict[str, torch.Tensor] | None:
+def read_hf_moment(ckpt: Path, meta: dict[str, Any], kind: str) -> Mapping[str, torch.Tensor] | None:
     """One Adam moment (``exp_avg`` or ``exp_avg_sq``) of every trainable parameter, keyed by HF name, in
-    fp32; None where the format's moments are not readable offline (DeepSpeed's bf16 / fp16 optimizer
-    wrappers without ZeRO). One kind at a time, so a caller never holds the weights and both moments
-    together. ``ckpt`` is verified."""
+    fp32, each read when asked for where the engine's reader reads lazily; None where the format's moments
+    are not readable offline (DeepSpeed's bf16 / fp16 optimizer wrappers without ZeRO). One kind at a
+    time, so a caller never holds the weights and both moments together. ``ckpt`` is verified."""
     ckpt = Path(ckpt)
     moment = reader_of(ckpt, meta).moment(ckpt, meta, kind)
     name = names_of(meta)
-    return None if moment is None else {name(k): v for k, v in moment.items()}
+    return None if moment is None else TensorView(moment, {name(k): k for k in moment})
 
 
 def names_of(meta: dict[str, Any]) -> Any:

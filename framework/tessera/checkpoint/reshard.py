@@ -26,9 +26,9 @@ import torch
 from tessera.atomic import write_json_atomic
 from tessera.checkpoint.reader import (
     hf_config_of,
+    hf_tensors,
     read_adam_step,
     read_hf_moment,
-    read_hf_state,
 )
 from tessera.checkpoint.sources import tokenizer_dir_of
 from tessera.engines.base import Moments
@@ -36,7 +36,7 @@ from tessera.engines.optim import MOMENTS
 from tessera.errors import CheckpointError
 from tessera.plan.layout import LAYOUT_AXES, MODEL_AXES
 from tessera.tables.engines import ENGINES, ZERO_IMPLS
-from tessera.tensorfile import LazyTensors, save_tensors
+from tessera.tensorfile import LazyTensors, write_safetensors
 
 STAGE_INFO = "tessera_stage.json"
 WEIGHTS = "model.safetensors"
@@ -75,12 +75,14 @@ def _chosen_zero_impl(layout: dict[str, Any]) -> str | None:
 
 
 def stage(ckpt: Path, out: Path) -> dict[str, Any]:
-    """Write the stage of checkpoint ``ckpt`` into the new directory ``out`` (one process, offline)."""
-    state, meta = read_hf_state(ckpt)  # verified first
+    """Write the stage of checkpoint ``ckpt`` into the new directory ``out`` (one process, offline), each
+    file one tensor at a time from the source's readers (lazy where the engine's reader is: megatron's,
+    DeepSpeed ZeRO 1-3's), so no more than one tensor of the source is held."""
+    state, meta = hf_tensors(ckpt)  # verified first
     moments_missing = "moments cannot be read offline from this format, so resharding would drop them"
     out.mkdir(parents=True)
     hf_config_of(meta).save_pretrained(out)
-    save_tensors(out / WEIGHTS, state)
+    _write_streamed(out / WEIGHTS, state)
     names = set(state)
     del state
     for kind in MOMENTS:
@@ -94,7 +96,7 @@ def stage(ckpt: Path, out: Path) -> dict[str, Any]:
             )
         if not set(moment) <= names:  # internal: a reader's names must be the weights' names
             raise RuntimeError(f"moments for unknown parameters: {sorted(set(moment) - names)[:3]}")
-        save_tensors(out / f"{kind}.safetensors", moment)
+        _write_streamed(out / f"{kind}.safetensors", moment)
         del moment
     info = {
         "source": str(ckpt),
@@ -125,6 +127,16 @@ class ZeroMoments(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self._w)
+
+
+def _write_streamed(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
+    """``tensors`` as the safetensors file :func:`~tessera.tensorfile.save_tensors` writes, each tensor read
+    from the (lazy) mapping as it is written, after a header made from the shapes the mapping knows."""
+    of = getattr(tensors, "shapes", None)
+    known = of() if of is not None else {k: (t.shape, t.dtype) for k, t in tensors.items()}
+    layout = {k: (tuple(shape), dtype) for k, (shape, dtype) in known.items()}
+    with open(path, "xb") as f:
+        write_safetensors(f, tensors, {"tessera": "{}"}, layout=layout)
 
 
 def stage_moments(stage_dir: Path) -> Moments:

@@ -27,10 +27,10 @@ from tessera.hostmem import zeros
 from tessera.models.weight_map import compact, hf_to_mcore_thunks
 
 
-def writer_for(recipe: Any, layout: Any) -> type | None:
-    """The writer's class where it can write the layout's checkpoint (megatron's own DDP and optimizer,
-    no adapters), else None (the engine itself converts)."""
-    if layout.zero_impl != "megatron" or layout.zero != 0 or recipe.peft is not None:
+def writer_for(recipe: Any, layout: Any, *, from_hf: bool = True) -> type | None:
+    """The writer's class where it can write the layout's checkpoint (from an HF directory, megatron's own
+    DDP and optimizer, no adapters), else None (the engine itself converts)."""
+    if not from_hf or layout.zero_impl != "megatron" or layout.zero != 0 or recipe.peft is not None:
         return None
     if recipe.train.precision != "fp32":  # bf16: megatron's fp32 masters are copies (not written yet)
         return None

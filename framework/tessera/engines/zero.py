@@ -167,12 +167,8 @@ class DeepSpeedRunner:
         return isinstance(self.engine.checkpoint_engine, safe_checkpoint_engine_class())
 
     def save(self, path: Path) -> None:
-        # DeepSpeed's own format (pickled .pt files); Tessera's state goes in meta.json, not client_state.
-        # Rank 0 of DeepSpeed copies its recovery scripts beside the step dirs with shutil.copyfile, which
-        # writes through a link: a link planted there goes first (the copy is then a file of its own)
-        for script in ("zero_to_fp32.py", "zero_to_torch.py"):
-            if (path.parent / script).is_symlink():
-                (path.parent / script).unlink(missing_ok=True)
+        # DeepSpeed's own format (pickled .pt files); Tessera's state goes in meta.json, not client_state
+        remove_planted_scripts(path.parent)
         # a frozen base (adapters) is not saved: the model source rebuilds it, meta.json records which
         self.engine.save_checkpoint(
             str(path.parent),
@@ -209,6 +205,14 @@ class DeepSpeedRunner:
         # the optimizer keeps the moments its load handed it; on CPU (a CPU run, ZeRO-Offload) those map
         # this checkpoint's file (:class:`SafeTorchCheckpointEngine` loads mapped): copied once, here
         into_memory(inner.state, reuse=replaced)
+
+
+def remove_planted_scripts(root: Path) -> None:
+    """Rank 0 of DeepSpeed copies its recovery scripts beside the step dirs with shutil.copyfile, which
+    writes through a link: a link planted there goes first (the copy is then a file of its own)."""
+    for script in ("zero_to_fp32.py", "zero_to_torch.py"):
+        if (root / script).is_symlink():
+            (root / script).unlink(missing_ok=True)
 
 
 def _load_safely(engine: Any) -> None:

@@ -274,8 +274,9 @@ class EngineSpec:
     #: ``fn(meta, layout) -> bool``: the engine loads checkpoint ``meta`` at ``layout`` itself, resharding
     #: it (``Engine.load_resharded``), with no layout-free stage. None: always through the stage.
     reshard_on_load: str | None = None
-    #: ``fn(recipe, layout) -> class | None``: the class that writes a conversion from an HF directory at
-    #: that layout without the model in memory (built as the engine is), or None: the engine itself
+    #: ``fn(recipe, layout, *, from_hf) -> class | None``: the class that writes a ``tessera convert`` at
+    #: that layout without the model in memory (built as the engine is), from an HF directory (``from_hf``)
+    #: or from a checkpoint's layout-free stage, or None: the engine itself
     writer: str | None = None
 
 
@@ -298,6 +299,7 @@ ENGINES: dict[str, EngineSpec] = {
             libraries="DeepSpeed",
             reader="tessera.engines.zero_reader:READER",
             prelaunch="tessera.engines.ds_config:check_before_launch",
+            writer="tessera.engines.zero_writer:writer_for",
         ),
         EngineSpec(
             name="megatron",

@@ -240,9 +240,9 @@ def setup(run_dir: RunDir, start: Start, heartbeat: Any = None) -> tuple[RunCont
         recipe, vocab_size=data.vocab_size, weights=src if hf_source else stage_dir, token_ids=data.token_ids
     )
     cls = engine_class(layout.engine)
-    if hf_source:  # a conversion from an HF directory: the engine's writer where it has one
+    if src is not None:  # `tessera convert`: the engine's writer where it has one
         writer = engine_hook(layout.engine, "writer")
-        cls = (writer(recipe, layout) if writer is not None else None) or cls
+        cls = (writer(recipe, layout, from_hf=hf_source) if writer is not None else None) or cls
     engine = cls(source, recipe, layout, device=device)
     counter.namer = group_namer(layout, engine.named_groups())
     sampler = StepSampler.for_data(data, layout, rank=rank, seed=recipe.train.seed)
