@@ -313,23 +313,25 @@ STEPPED = ("global_steps", "global_samples", "lr")
 
 
 def _differences(a, b, path: str = "") -> list[str]:
-    """Where two loaded pickles differ: keys (and their order), types, values, each tensor's dtype, shape,
-    requires_grad and bits; an object by its attributes. ``STEPPED`` paths are left out."""
+    """Where two loaded pickles differ: keys (and their order), types, values, each tensor's dtype, shape
+    and bits; an object by its attributes. ``STEPPED`` paths are left out. Not requires_grad: DeepSpeed's
+    saved fp32 partitions are slices of its trained flat tensors, requiring grad when the save's grad mode
+    made them so (a conversion's save: yes, as the writer writes them; the runs' saves here: no); its load
+    copies their values only."""
     last = path.rsplit(".", 1)[-1]
     if last in STEPPED and (last != "lr" or ".param_groups[" in path):
         return []
     if torch.is_tensor(a) and torch.is_tensor(b):
-        same = (a.dtype, a.shape, a.requires_grad) == (b.dtype, b.shape, b.requires_grad) and torch.equal(
-            a, b
-        )
+        same = (a.dtype, a.shape) == (b.dtype, b.shape) and torch.equal(a, b)
         return [] if same else [f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"]
     if type(a) is not type(b):
         return [f"{path}: {type(a).__name__} vs {type(b).__name__}"]
     if isinstance(a, dict):
         head = [] if list(a) == list(b) else [f"{path}: keys {list(a)} vs {list(b)}"]
         return head + [d for k in a if k in b for d in _differences(a[k], b[k], f"{path}.{k}")]
-    if isinstance(a, (list, tuple)) and len(a) == len(b):
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{path}[{i}]")]
+    if isinstance(a, (list, tuple)):
+        head = [] if len(a) == len(b) else [f"{path}: {len(a)} items vs {len(b)}"]
+        return head + [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{path}[{i}]")]
     if hasattr(a, "__dict__") and not isinstance(a, type):
         return _differences(vars(a), vars(b), path)
     return [] if a == b else [f"{path}: {a!r} vs {b!r}"]

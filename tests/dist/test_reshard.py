@@ -203,7 +203,6 @@ def test_convert_to_an_engine_layout_and_resume_it(runs, tmp_path):
     continues: step 6 as the original run logged it. From an HF directory (with --recipe) to DeepSpeed
     ZeRO-2 (the conversion writer: DeepSpeed's files made without its engine): step 0, the HF weights
     bit-exact, no optimizer state to compare, the HF model's own loss at the first step of its resume."""
-    from transformers import AutoModelForCausalLM
 
     src = RunDir(runs["_base"] / "ds_z2").checkpoints / step_dir_name(5)
     out = tmp_path / "ddp1"
@@ -227,14 +226,8 @@ def test_convert_to_an_engine_layout_and_resume_it(runs, tmp_path):
     rec = json.loads((hf_out / "tessera_conversion.json").read_text())
     assert rec["step"] == 0 and rec["verify"]["weights_ok"] and rec["verify"]["optimizer"] is None
     assert read_meta(RunDir(hf_out).checkpoints / step_dir_name(0))["sharding"] == "deepspeed-zero2"
-    r = subprocess.run(
-        [sys.executable, "-m", "tessera.cli", "run", str(hf_out / RunDir.RECIPE), "train.steps=1",
-         "tracking.wandb.mode=disabled", EVAL, "--resume"],  # fmt: skip
-        cwd=REPO, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    model = AutoModelForCausalLM.from_pretrained(str(runs["_hf"]), local_files_only=True).eval()
-    assert_close_rel(losses(RunDir(hf_out).read_metrics()), [hf_loss_on_step(model, hf_out, 1)], 1e-5)
+    assert rec["by"] == "stage + ZeroWriter (no model in memory)"
+    _assert_resume_starts_at_the_hf_loss(runs["_hf"], hf_out)
 
 
 def test_hf_to_megatron_is_written_without_the_model_as_the_engine_writes_it(runs, tmp_path):
@@ -243,8 +236,6 @@ def test_hf_to_megatron_is_written_without_the_model_as_the_engine_writes_it(run
     against the HF directory bit for bit, its moments are zeros at step 0, its keys, stored chunks, dtypes
     and common state are those of a checkpoint the engine itself wrote for the same recipe and layout, and
     `tessera run --resume` of it starts from the HF model's own loss."""
-    from transformers import AutoModelForCausalLM
-
     from tessera.engines.megatron_reader import OPTIM_KEY, _read_regions
     from tessera.safeload import dcp_reader_class, safe_torch_load
 
@@ -278,13 +269,21 @@ def test_hf_to_megatron_is_written_without_the_model_as_the_engine_writes_it(run
     # a trained checkpoint's common state also records the step every parameter shares (none at step 0)
     common = keys(safe_torch_load(engine / "common.pt")) - {"optimizer.state.common_step."}
     assert keys(safe_torch_load(mine / "common.pt")) == common
+    _assert_resume_starts_at_the_hf_loss(runs["_hf"], out)
+
+
+def _assert_resume_starts_at_the_hf_loss(hf, out) -> None:
+    """`tessera run --resume` of conversion ``out`` from HF directory ``hf``: its first step's loss is the
+    HF model's own on that batch."""
+    from transformers import AutoModelForCausalLM
+
     r = subprocess.run(
         [sys.executable, "-m", "tessera.cli", "run", str(out / RunDir.RECIPE), "train.steps=1",
          "tracking.wandb.mode=disabled", EVAL, "--resume"],  # fmt: skip
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    model = AutoModelForCausalLM.from_pretrained(str(runs["_hf"]), local_files_only=True).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(hf), local_files_only=True).eval()
     assert_close_rel(losses(RunDir(out).read_metrics()), [hf_loss_on_step(model, out, 1)], 1e-5)
 
 

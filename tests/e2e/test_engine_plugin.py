@@ -83,6 +83,7 @@ def test_a_toy_fourth_engine_needs_only_its_module_and_registry_line(tmp_path):
     _run([*tessera, "convert", str(ckpt), "--to", "deepspeed", "--layout", "zero=2", "--out", str(z2)], env)
     rec = json.loads((z2 / "tessera_conversion.json").read_text())
     assert rec["verify"]["ok"] and rec["verify"]["optimizer"]["ok"], rec["verify"]
+    assert rec["by"] == "stage + ZeroWriter (no model in memory)"  # DeepSpeed's files, without its engine
     assert read_meta(RunDir(z2).checkpoints / step_dir_name(2))["sharding"] == "deepspeed-zero2"
 
     calls = log.read_text().split("\n")

@@ -95,7 +95,7 @@ class ZeroTensors(Mapping[str, torch.Tensor]):
         groups: list[list[tuple[Path, int, int]] | None] = []  # per rank, per group: (file, offset, numel)
         paddings = None
         for f, whole, flats, pads in flat_partitions(ckpt, zero, kind, mp):
-            groups.append(_locate(f, flats, list(_tensors(whole))))
+            groups.append(_locate(f, flats, list(tensors_in(whole))))
             paddings = pads  # the same in every rank's file
             del whole, flats
         shapes = states[0].param_shapes
@@ -148,16 +148,17 @@ class ZeroTensors(Mapping[str, torch.Tensor]):
         return key in self._keys
 
 
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in a loaded checkpoint object (dicts, lists, tuples)."""
+def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a checkpoint object (dicts, lists, tuples), in the order pickle reaches them: dicts
+    in insertion order, lists and tuples in order."""
     if torch.is_tensor(obj):
         yield obj
     elif isinstance(obj, dict):
         for v in obj.values():
-            yield from _tensors(v)
+            yield from tensors_in(v)
     elif isinstance(obj, (list, tuple)):
         for v in obj:
-            yield from _tensors(v)
+            yield from tensors_in(v)
 
 
 def _locate(

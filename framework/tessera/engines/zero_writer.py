@@ -39,6 +39,7 @@ import torch
 
 from tessera.engines.optim import MOMENTS
 from tessera.engines.zero import SHARDING_PREFIX, remove_planted_scripts
+from tessera.engines.zero_lazy import tensors_in
 from tessera.hostmem import zeros
 from tessera.writes import current, without_zip_crc
 
@@ -405,21 +406,6 @@ def _model_states(
     )
 
 
-def _storages(obj: Any, out: dict[int, torch.UntypedStorage]) -> dict[int, torch.UntypedStorage]:
-    """Every tensor storage in ``obj`` by ``_cdata``, in the order pickle first reaches it (dicts in
-    insertion order, lists and tuples in order): the order ``torch.save`` writes their records in."""
-    if torch.is_tensor(obj):
-        s = obj.untyped_storage()
-        out.setdefault(s._cdata, s)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _storages(v, out)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _storages(v, out)
-    return out
-
-
 class _Filling:
     """The stream ``torch.save`` writes into under ``skip_data``: it writes the pickle and the records'
     headers itself and asks the stream to ``seek`` past each record's bytes (a storage of no bytes has
@@ -462,9 +448,12 @@ class _Filling:
 def save_filled(obj: Any, fills: Mapping[int, Fill], stream: Any) -> None:
     """``torch.save(obj)`` into ``stream`` with every storage's bytes from its fill in ``fills`` (a
     storage without one: its own bytes), each made when torch reaches its record."""
+    storages: dict[int, torch.UntypedStorage] = {}  # torch.save writes them in the order pickle reaches them
+    for t in tensors_in(obj):
+        storages.setdefault(t.untyped_storage()._cdata, t.untyped_storage())
     records = [
         (s.nbytes(), fills.get(key) or (lambda s=s: iter([torch.tensor([], dtype=torch.uint8).set_(s)])))
-        for key, s in _storages(obj, {}).items()
+        for key, s in storages.items()
         if s.nbytes()
     ]
     filling = _Filling(stream, records)

@@ -91,7 +91,9 @@ def import_reshard(
     from tessera.engines.optim import MOMENTS
     from tessera.tensorfile import LazyTensors, load_tensors_and_meta
 
-    by = "stage + engine import"
+    # a conversion's writer (the engine's registry entry names one) writes the files without the model
+    writer = getattr(ctx.engine, "holds_state", True) is False
+    by = f"stage + {type(ctx.engine).__name__} (no model in memory)" if writer else "stage + engine import"
     if stage_dir is None:
         assert src is not None
         by = ctx.engine.load_resharded(src[0])
