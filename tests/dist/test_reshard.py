@@ -198,20 +198,26 @@ def _convert(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_convert_to_an_engine_layout_and_resume_it(runs, tmp_path):
-    """`tessera convert STEP5 --to ddp --layout dp=1`: the target layout's ranks write a run directory
-    whose checkpoint verifies against the source (moments bit-exact) and which `tessera run --resume`
-    continues: step 6 as the original run logged it. From an HF directory (with --recipe) to DeepSpeed
-    ZeRO-2 (the conversion writer: DeepSpeed's files made without its engine): step 0, the HF weights
-    bit-exact, no optimizer state to compare, the HF model's own loss at the first step of its resume."""
-
+    """`tessera convert STEP5 --to megatron --layout tp=2,zero=0` (the conversion writer: megatron-core's files
+    made without the model, weights and Adam moments from the stage) and `--to ddp --layout dp=1` (the
+    engine imports the stage): the target layout's ranks write a run directory whose checkpoint verifies
+    against the source (moments bit-exact); `tessera run --resume` continues the megatron one: step 6 as
+    the original run logged it. From an HF directory (with --recipe) to DeepSpeed ZeRO-2 (the conversion
+    writer: DeepSpeed's files made without its engine): step 0, the HF weights bit-exact, no optimizer
+    state to compare, the HF model's own loss at the first step of its resume."""
     src = RunDir(runs["_base"] / "ds_z2").checkpoints / step_dir_name(5)
-    out = tmp_path / "ddp1"
-    p = _convert(str(src), "--to", "ddp", "--layout", "dp=1", "--out", str(out))
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    rec = json.loads((out / "tessera_conversion.json").read_text())
-    assert rec["verify"]["ok"] and rec["verify"]["optimizer"]["ok"] and rec["layout"]["dp"] == 1
-    assert read_meta(out / "checkpoints" / step_dir_name(5))["sharding"] == "torch-ddp"
+    for to, layout, sharding, by in (
+        ("megatron", "tp=2,zero=0", "megatron-ddp", "stage + MegatronWriter (no model in memory)"),
+        ("ddp", "dp=1", "torch-ddp", "stage + engine import"),
+    ):
+        out = tmp_path / to
+        p = _convert(str(src), "--to", to, "--layout", layout, "--out", str(out))
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        rec = json.loads((out / "tessera_conversion.json").read_text())
+        assert rec["verify"]["ok"] and rec["verify"]["optimizer"]["ok"] and rec["by"] == by
+        assert read_meta(out / "checkpoints" / step_dir_name(5))["sharding"] == sharding
     assert not list(tmp_path.glob(".tmp-*"))
+    out = tmp_path / "megatron"
     r = subprocess.run(
         [sys.executable, "-m", "tessera.cli", "run", str(out / RunDir.RECIPE), "train.steps=6",
          "tracking.wandb.mode=disabled", "--resume"],  # fmt: skip

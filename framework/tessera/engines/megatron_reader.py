@@ -29,6 +29,7 @@ from tessera.models.hf import hf_config_of
 from tessera.plan.layout import ParallelLayout
 from tessera.safeload import FIX as SAFE_FIX
 from tessera.safeload import FileWindow, dcp_reader_class, safe_torch_load
+from tessera.tensorfile import TensorView
 
 _EXPERTS = "mlp.experts.experts."
 #: megatron's optimizer state keys: "optimizer.state.<kind>.<model key>", prefixed "chained_<i>." when the
@@ -50,11 +51,11 @@ class MegatronReader(CheckpointReader):
             return _megatron_deepspeed(ckpt, meta)
         raise unreadable_sharding(ckpt, sharding)
 
-    def moment(self, ckpt: Path, meta: dict[str, Any], kind: str) -> dict[str, torch.Tensor] | None:
+    def moment(self, ckpt: Path, meta: dict[str, Any], kind: str) -> Mapping[str, torch.Tensor] | None:
         sharding = meta["sharding"]
         if sharding.startswith(SHARDING_PREFIX):  # megatron DDP and the distributed optimizer save them alike
             got = _megatron(ckpt, hf_config_of(meta), moment=kind, peft=meta.get("peft"))
-            return {k: v.float() for k, v in got.items()} or None
+            return TensorView(got, dtype=torch.float32) if len(got) else None  # read as asked for
         if sharding.startswith(DEEPSPEED_SHARDING_PREFIX):
             return _megatron_deepspeed(ckpt, meta, kind)
         return None
