@@ -290,7 +290,8 @@ def test_zero_partitions_read_one_parameter_at_a_time_equal_deepspeeds_merge(zer
     """The ZeRO reader's per-parameter reads (`ZeroTensors`: each parameter's elements read from the
     partition files by hand) give exactly what DeepSpeed's zero_to_fp32 merge gives, for the weights
     (buffers and tied names included) and both Adam moments, ZeRO 1, 2 and 3 and a bf16 run, after their
-    trained steps; each read is a fresh tensor (nothing kept between reads)."""
+    trained steps; each read is a fresh tensor (nothing kept between reads), and a range of rows read alone
+    (`part`, the verification's row blocks) is those rows of it."""
     import torch
 
     from tessera.engines.zero_lazy import ZeroTensors
@@ -305,6 +306,8 @@ def test_zero_partitions_read_one_parameter_at_a_time_equal_deepspeeds_merge(zer
             got = lazy[k]
             assert got.dtype == torch.float32 and torch.equal(got, want), (name, kind, k)
             assert lazy[k] is not got  # read afresh each time: nothing kept between reads
+            assert lazy.shape_of(k) == tuple(want.shape)
+            assert not want.dim() or torch.equal(lazy.part(k, (slice(1, 3),)), want[1:3])  # rows read alone
         assert any(bool(t.abs().sum()) for t in whole.values())  # trained values, not zeros
 
 

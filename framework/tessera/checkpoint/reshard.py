@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -111,22 +111,6 @@ def stage(ckpt: Path, out: Path) -> dict[str, Any]:
     }
     write_json_atomic(out / STAGE_INFO, info)
     return info
-
-
-class ZeroMoments(Mapping[str, torch.Tensor]):
-    """Zeros shaped like each weight: AdamW's state before its first update (an HF source has none)."""
-
-    def __init__(self, weights: Mapping[str, torch.Tensor]) -> None:
-        self._w = weights
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        return torch.zeros_like(self._w[key], dtype=torch.float32)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._w)
-
-    def __len__(self) -> int:
-        return len(self._w)
 
 
 def _write_streamed(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:

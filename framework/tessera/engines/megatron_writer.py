@@ -24,7 +24,7 @@ import torch
 from tessera.engines.megatron_build import chained, shard_of
 from tessera.engines.megatron_engine import MegatronEngine
 from tessera.engines.megatron_reader import OPTIM_KEY
-from tessera.engines.optim import MOMENTS, set_adam_step
+from tessera.engines.optim import MOMENTS, initial_moments, set_adam_step
 from tessera.hostmem import zeros
 from tessera.models.weight_map import compact, hf_to_mcore_thunks
 
@@ -94,13 +94,10 @@ class MegatronWriter(MegatronEngine):
 
     def import_optimizer(self, moments: Any, step: int) -> None:
         """The moments to write and every parameter's step count: an HF directory's (AdamW's initial
-        state: :class:`~tessera.checkpoint.reshard.ZeroMoments`, step 0) are written as zeros without
+        state: :class:`~tessera.engines.optim.ZeroMoments`, step 0) are written as zeros without
         reading; a stage's are read one tensor at a time as megatron-core writes them."""
-        from tessera.checkpoint.reshard import ZeroMoments
-
         self._materialize_optimizer_state()
-        fresh = step == 0 and all(isinstance(moments[k], ZeroMoments) for k in MOMENTS)
-        self._moments = None if fresh else moments
+        self._moments = None if initial_moments(moments, step) else moments
         for opt in chained(self.optimizer):
             set_adam_step(opt.optimizer, step)
 

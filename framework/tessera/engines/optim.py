@@ -7,7 +7,7 @@ resumed run (even one whose ``train.steps`` was raised) follows exactly the sche
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -105,3 +105,25 @@ def set_adam_step(inner: torch.optim.Optimizer, step: int) -> None:
             st["step"] = (
                 torch.full((), float(step), dtype=torch.float32) if torch.is_tensor(st["step"]) else step
             )
+
+
+class ZeroMoments(Mapping[str, torch.Tensor]):
+    """Zeros shaped like each weight: AdamW's state before its first update (an HF source has none)."""
+
+    def __init__(self, weights: Mapping[str, torch.Tensor]) -> None:
+        self._w = weights
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return torch.zeros_like(self._w[key], dtype=torch.float32)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._w)
+
+    def __len__(self) -> int:
+        return len(self._w)
+
+
+def initial_moments(moments: Mapping[str, Mapping[str, torch.Tensor]], step: int) -> bool:
+    """Whether ``moments`` at ``step`` are AdamW's initial state (:class:`ZeroMoments`, step 0): a
+    conversion's writer then writes zeros without reading them."""
+    return step == 0 and all(isinstance(moments[k], ZeroMoments) for k in MOMENTS)

@@ -118,9 +118,7 @@ class ZeroTensors(Mapping[str, torch.Tensor]):
         self._keys += [a for a, b in self._tied.items() if b in self._keys and a not in self._keys]
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        name = (
-            self._tied.get(name, name) if name not in self._small and name not in (self.plan or {}) else name
-        )
+        name = self._own(name)
         if name in self._small:
             return self._small[name].to(torch.float32, copy=True)
         assert self.plan is not None
@@ -131,6 +129,35 @@ class ZeroTensors(Mapping[str, torch.Tensor]):
             _read_into(f, offset, out[at : at + n])
             at += n
         return out.view(shape)
+
+    def part(self, name: str, index: tuple[int | slice, ...]) -> torch.Tensor:
+        """``self[name][index]`` where ``index`` is a range of leading rows (a slice of step 1) read alone:
+        those rows are one run of the parameter's flat elements; any other index reads the tensor."""
+        own = self._own(name)
+        rows = index[0] if len(index) == 1 and isinstance(index[0], slice) else None
+        if own in self._small or rows is None or rows.step not in (None, 1) or self.plan is None:
+            return self[name][index]
+        pieces, shape = self.plan[own]
+        lo, hi, _ = rows.indices(shape[0] if shape else 1)
+        per = math.prod(shape[1:])
+        out = torch.empty(max(0, hi - lo) * per, dtype=torch.float32)
+        start, at, got = lo * per, 0, 0
+        for f, offset, n in pieces:  # the runs that hold elements [start, start + out.numel())
+            first, last = max(start, at), min(start + out.numel(), at + n)
+            if first < last:
+                _read_into(f, offset + (first - at) * 4, out[got : got + last - first])
+                got += last - first
+            at += n
+        return out.view(max(0, hi - lo), *shape[1:])
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape, from the plan and the model states (nothing read)."""
+        return tuple(self.shapes()[name][0])
+
+    def _own(self, name: str) -> str:
+        """The name a tied name's tensor is kept under."""
+        known = name in self._small or name in (self.plan or {})
+        return name if known else self._tied.get(name, name)
 
     def shapes(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
         """Name -> (shape, dtype as read: fp32), from the plan and the model states (nothing read)."""

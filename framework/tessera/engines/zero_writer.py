@@ -37,10 +37,10 @@ from typing import Any
 
 import torch
 
-from tessera.engines.optim import MOMENTS
+from tessera.engines.optim import MOMENTS, initial_moments
 from tessera.engines.zero import SHARDING_PREFIX, remove_planted_scripts
 from tessera.engines.zero_lazy import tensors_in
-from tessera.hostmem import zeros
+from tessera.hostmem import lean_construction, zeros
 from tessera.writes import current, without_zip_crc
 
 #: a storage's bytes, made when torch's writer reaches its record: tensors whose bytes, end to end, are it
@@ -163,11 +163,8 @@ class ZeroWriter:
 
     def import_optimizer(self, moments: Any, step: int) -> None:
         """The moments to write (full tensors by HF name, read as written) and the step; an HF directory's
-        (:class:`~tessera.checkpoint.reshard.ZeroMoments`, step 0) are written as zeros without reading."""
-        from tessera.checkpoint.reshard import ZeroMoments
-
-        fresh = all(isinstance(moments[k], ZeroMoments) for k in MOMENTS)
-        self.moments = None if fresh and step == 0 else moments
+        (:class:`~tessera.engines.optim.ZeroMoments`, step 0) are written as zeros without reading."""
+        self.moments = None if initial_moments(moments, step) else moments
         self.step = step
 
     def save(self, path: Path) -> None:
@@ -178,8 +175,9 @@ class ZeroWriter:
             self.model, self.optimizer, self.config, zero=self.layout.zero, dp=self.layout.dp, rank=self.rank,
             dtype=self.dtype, weights=self.weights, moments=self.moments, step=self.step,
         )  # fmt: skip
-        for name, obj, fills in files:
-            writes.add(path / name, obj, lambda o, f, fills=fills: save_filled(o, fills, f))
+        with lean_construction():  # tensor after tensor read and freed: each one returned when freed
+            for name, obj, fills in files:
+                writes.add(path / name, obj, lambda o, f, fills=fills: save_filled(o, fills, f))
         if self.rank == 0:
             copy_recovery_scripts(path.parent)
 
@@ -436,6 +434,7 @@ class _Filling:
                 raise RuntimeError(f"a record's fill is longer than its {n} bytes")  # internal
             self._out.write(memoryview(b.numpy()))
             left -= b.numel()
+            del t, b  # before the fill reads its next tensor: one in memory at a time
         if left:
             raise RuntimeError(f"a record's fill is {left} bytes short of {n}")  # internal
         return 0

@@ -55,8 +55,12 @@ def stage_on_rank0(src: Path, run_dir: RunDir) -> Path:
     where = run_dir.reshard_stage(src.name)
 
     def write() -> None:
+        from tessera.hostmem import give_back, lean_construction
+
         remove_stage(where)  # a stale one of a failed attempt
-        stage(src, where)
+        with lean_construction():  # tensor after tensor read and freed: each one returned when freed
+            stage(src, where)
+        give_back()  # before this rank builds its engine (or writer)
 
     on_rank0(write)
     return where
@@ -80,7 +84,6 @@ def import_reshard(
     from tessera.checkpoint.manager import rng_file_name, set_rng_state
     from tessera.checkpoint.reshard import (
         STAGE_INFO,
-        ZeroMoments,
         layout_tag,
         remove_stage,
         stage_moments,
@@ -88,7 +91,7 @@ def import_reshard(
         verify_against_stage,
     )
     from tessera.checkpoint.verify import compare, open_side
-    from tessera.engines.optim import MOMENTS
+    from tessera.engines.optim import MOMENTS, ZeroMoments
     from tessera.tensorfile import LazyTensors, load_tensors_and_meta
 
     # a conversion's writer (the engine's registry entry names one) writes the files without the model
