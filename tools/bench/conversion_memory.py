@@ -184,7 +184,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     top = max(
         [r[k]["peak_rss_largest_process"] for r in rows for k, _ in names] + [r["bound_bytes"] for r in rows]
     )
-    ax.set_ylim(0, top / GB * 1.35)  # room for the legend above the bars and the bound
+    ax.set_ylim(0, top / GB * (1.35 if len(names) <= 2 else 1.6))  # room for the legend above the bound
     ax.legend(fontsize=8, loc="upper center", ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
