@@ -208,3 +208,35 @@ def test_the_writers_zeros_take_no_memory_until_written(tmp_path):
     assert torch.equal(zeros((0, 3), torch.bfloat16), torch.zeros(0, 3, dtype=torch.bfloat16))
     z[1, 2] = 5.0
     assert float(z.sum()) == 5.0
+
+
+@pytest.mark.parametrize(
+    ("numels", "dp", "partition", "paddings", "fragments"),
+    [
+        # two parameters, one partition boundary inside the second, no padding
+        ([3, 5], 2, 4, [0, 0], [{"a": (3, 0), "b": (1, 3)}, {"b": (4, 0)}]),
+        # 7 elements padded to 8 (a multiple of 2 x dp): the last partition ends in one element of padding
+        ([3, 4], 2, 4, [0, 1], [{"a": (3, 0), "b": (1, 3)}, {"b": (3, 0)}]),
+        # more ranks than elements: padding fills the last partitions whole
+        ([1], 4, 2, [1, 2, 2, 2], [{"a": (1, 0)}, {}, {}, {}]),
+    ],
+)
+def test_the_zero_writers_flat_groups_are_laid_out_as_deepspeeds(numels, dp, partition, paddings, fragments):
+    """The ZeRO 1-2 layout the conversion writer writes (DeepSpeedZeroOptimizer's: a group's parameters end
+    to end, padded to a multiple of 2 x dp, dp equal partitions): each rank's partition size, its padding
+    (``groups_padding``) and each parameter's fragment in it (``param_slice_mappings``: numel, start), and
+    the fill of a partition is those elements of the parameters followed by the padding's zeros."""
+    from tessera.engines.zero_writer import FlatGroup, _partition
+
+    names = tuple("ab"[: len(numels)])
+    g = FlatGroup(names, tuple(torch.Size([n]) for n in numels), dp)
+    assert g.partition == partition
+    assert [g.padding(r) for r in range(dp)] == paddings
+    assert [{k: (f.numel, f.start) for k, f in g.fragments(r).items()} for r in range(dp)] == fragments
+    values = {k: torch.arange(n, dtype=torch.float32) + 10 * (i + 1) for i, (k, n) in enumerate(zip(names, numels))}
+    flat = torch.cat([*values.values(), torch.zeros(dp * partition - sum(numels))])
+    for r in range(dp):
+        got = torch.cat(list(_partition(g, r, partition, values.__getitem__)()))
+        assert torch.equal(got, flat[r * partition : (r + 1) * partition])
+        short = partition - g.padding(r)  # the fp32 partition as saved: without its padding
+        assert torch.equal(torch.cat([torch.zeros(0), *_partition(g, r, short, values.__getitem__)()]), flat[r * partition : r * partition + short])
