@@ -340,13 +340,14 @@ def _differences(a, b, path: str = "") -> list[str]:
     return [] if a == b else [f"{path}: {a!r} vs {b!r}"]
 
 
-@pytest.mark.parametrize("name", ["z1", "z2", "bf16"])
+@pytest.mark.parametrize("name", ["z1", "z2", "bf16", "family_gpt2", "family_mixtral"])
 def test_the_conversion_writer_writes_the_files_deepspeeds_engine_wrote(zero_runs, tmp_path, name):
     """The ZeRO 1-2 conversion writer (`engines/zero_writer.py`: DeepSpeed's files made without its engine,
     each tensor's bytes made as torch's writer reaches its record), given a trained checkpoint's weights,
     fp32 masters, Adam moments and step, writes each rank's files as DeepSpeed's engine wrote them: the
     same keys in the same order, the same values, every tensor bit for bit (module, partitions, moments),
-    except what only a stepping engine changes. `writer_for` takes these layouts and declines ZeRO-3."""
+    except what only a stepping engine changes; also GPT-2 (its LM head tied to the embedding) and Mixtral
+    (experts). `writer_for` takes these layouts and declines ZeRO-3."""
     from tessera.config.loader import load_run_recipe
     from tessera.engines.deepspeed_engine import PARAM_DTYPE
     from tessera.engines.ds_config import build_ds_config
