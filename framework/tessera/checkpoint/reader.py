@@ -57,7 +57,7 @@ def read_hf_state(ckpt: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     return {k: view[k] for k in view}, meta
 
 
-def hf_tensors(ckpt: Path) -> tuple[Mapping[str, torch.Tensor], dict[str, Any]]:
+def hf_tensors(ckpt: Path) -> tuple[TensorView, dict[str, Any]]:
     """(HF tensors in fp32, meta) of checkpoint directory ``ckpt``, verified first: a mapping that reads
     each tensor when it is asked for where the engine's reader does (megatron's: one group of tensors
     held at a time, so an export in HF order never holds the model), else over the read state."""
@@ -113,7 +113,7 @@ def base_tensors(ckpt: Path, meta: dict[str, Any]) -> Mapping[str, torch.Tensor]
     )
 
 
-def read_hf_moment(ckpt: Path, meta: dict[str, Any], kind: str) -> Mapping[str, torch.Tensor] | None:
+def read_hf_moment(ckpt: Path, meta: dict[str, Any], kind: str) -> TensorView | None:
     """One Adam moment (``exp_avg`` or ``exp_avg_sq``) of every trainable parameter, keyed by HF name, in
     fp32, each read when asked for where the engine's reader reads lazily; None where the format's moments
     are not readable offline (DeepSpeed's bf16 / fp16 optimizer wrappers without ZeRO). One kind at a

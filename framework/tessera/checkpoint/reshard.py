@@ -17,11 +17,8 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from tessera.atomic import write_json_atomic
 from tessera.checkpoint.reader import (
@@ -36,7 +33,7 @@ from tessera.engines.optim import MOMENTS
 from tessera.errors import CheckpointError
 from tessera.plan.layout import LAYOUT_AXES, MODEL_AXES
 from tessera.tables.engines import ENGINES, ZERO_IMPLS
-from tessera.tensorfile import LazyTensors, write_safetensors
+from tessera.tensorfile import LazyTensors, TensorView, write_safetensors
 
 STAGE_INFO = "tessera_stage.json"
 WEIGHTS = "model.safetensors"
@@ -77,7 +74,15 @@ def _chosen_zero_impl(layout: dict[str, Any]) -> str | None:
 def stage(ckpt: Path, out: Path) -> dict[str, Any]:
     """Write the stage of checkpoint ``ckpt`` into the new directory ``out`` (one process, offline), each
     file one tensor at a time from the source's readers (lazy where the engine's reader is: megatron's,
-    DeepSpeed ZeRO 1-3's), so no more than one tensor of the source is held."""
+    DeepSpeed ZeRO 1-3's), so no more than one tensor of the source is held; under
+    :func:`~tessera.hostmem.lean_construction`, which returns each freed tensor to the system."""
+    from tessera.hostmem import lean_construction
+
+    with lean_construction():
+        return _stage(ckpt, out)
+
+
+def _stage(ckpt: Path, out: Path) -> dict[str, Any]:
     state, meta = hf_tensors(ckpt)  # verified first
     moments_missing = "moments cannot be read offline from this format, so resharding would drop them"
     out.mkdir(parents=True)
@@ -113,12 +118,10 @@ def stage(ckpt: Path, out: Path) -> dict[str, Any]:
     return info
 
 
-def _write_streamed(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
+def _write_streamed(path: Path, tensors: TensorView) -> None:
     """``tensors`` as the safetensors file :func:`~tessera.tensorfile.save_tensors` writes, each tensor read
-    from the (lazy) mapping as it is written, after a header made from the shapes the mapping knows."""
-    of = getattr(tensors, "shapes", None)
-    known = of() if of is not None else {k: (t.shape, t.dtype) for k, t in tensors.items()}
-    layout = {k: (tuple(shape), dtype) for k, (shape, dtype) in known.items()}
+    from the (lazy) view as it is written, after a header made from the shapes the view knows."""
+    layout = {k: (tuple(shape), dtype) for k, (shape, dtype) in tensors.shapes().items()}
     with open(path, "xb") as f:
         write_safetensors(f, tensors, {"tessera": "{}"}, layout=layout)
 

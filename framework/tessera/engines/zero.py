@@ -207,10 +207,14 @@ class DeepSpeedRunner:
         into_memory(inner.state, reuse=replaced)
 
 
+#: the recovery scripts DeepSpeed's save copies beside the step directories (from ``deepspeed/utils``)
+RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
+
+
 def remove_planted_scripts(root: Path) -> None:
     """Rank 0 of DeepSpeed copies its recovery scripts beside the step dirs with shutil.copyfile, which
     writes through a link: a link planted there goes first (the copy is then a file of its own)."""
-    for script in ("zero_to_fp32.py", "zero_to_torch.py"):
+    for script in RECOVERY_SCRIPTS:
         if (root / script).is_symlink():
             (root / script).unlink(missing_ok=True)
 

@@ -123,12 +123,7 @@ class ZeroTensors(Mapping[str, torch.Tensor]):
             return self._small[name].to(torch.float32, copy=True)
         assert self.plan is not None
         pieces, shape = self.plan[name]
-        out = torch.empty(math.prod(shape), dtype=torch.float32)
-        at = 0
-        for f, offset, n in pieces:
-            _read_into(f, offset, out[at : at + n])
-            at += n
-        return out.view(shape)
+        return _read_pieces(pieces, torch.empty(math.prod(shape), dtype=torch.float32)).view(shape)
 
     def part(self, name: str, index: tuple[int | slice, ...]) -> torch.Tensor:
         """``self[name][index]`` where ``index`` is a range of leading rows (a slice of step 1) read alone:
@@ -139,20 +134,14 @@ class ZeroTensors(Mapping[str, torch.Tensor]):
             return self[name][index]
         pieces, shape = self.plan[own]
         lo, hi, _ = rows.indices(shape[0] if shape else 1)
-        per = math.prod(shape[1:])
-        out = torch.empty(max(0, hi - lo) * per, dtype=torch.float32)
-        start, at, got = lo * per, 0, 0
-        for f, offset, n in pieces:  # the runs that hold elements [start, start + out.numel())
-            first, last = max(start, at), min(start + out.numel(), at + n)
-            if first < last:
-                _read_into(f, offset + (first - at) * 4, out[got : got + last - first])
-                got += last - first
-            at += n
-        return out.view(max(0, hi - lo), *shape[1:])
+        per, n = math.prod(shape[1:]), max(0, hi - lo)
+        out = torch.empty(n * per, dtype=torch.float32)
+        return _read_pieces(_split(pieces, lo * per, n * per), out).view(n, *shape[1:])
 
     def shape_of(self, name: str) -> tuple[int, ...]:
         """The tensor's shape, from the plan and the model states (nothing read)."""
-        return tuple(self.shapes()[name][0])
+        own = self._own(name)
+        return tuple(self._small[own].shape) if own in self._small else tuple(self.plan[own][1])  # type: ignore[index]
 
     def _own(self, name: str) -> str:
         """The name a tied name's tensor is kept under."""
@@ -288,6 +277,15 @@ def _zero3_plan(
         plan[name] = (cut, size)
         offset += share
     return plan
+
+
+def _read_pieces(pieces: list[Piece], out: torch.Tensor) -> torch.Tensor:
+    """The runs ``pieces``, end to end, into the flat fp32 tensor ``out``; returns ``out``."""
+    at = 0
+    for f, offset, n in pieces:
+        _read_into(f, offset, out[at : at + n])
+        at += n
+    return out
 
 
 def _read_into(f: Path, offset: int, out: torch.Tensor) -> None:

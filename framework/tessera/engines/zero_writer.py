@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from tessera.engines.optim import MOMENTS, initial_moments
-from tessera.engines.zero import SHARDING_PREFIX, remove_planted_scripts
+from tessera.engines.zero import RECOVERY_SCRIPTS, SHARDING_PREFIX, remove_planted_scripts
 from tessera.engines.zero_lazy import tensors_in
 from tessera.hostmem import lean_construction, zeros
 from tessera.writes import current, without_zip_crc
@@ -95,14 +95,15 @@ class FlatGroup:
         left, size = rank * self.partition, self.partition
         return size if self.numel <= left else max(0, left + size - self.numel)
 
-    def pieces(self, rank: int) -> Iterator[tuple[str, int, int]]:
-        """(name, first, end) of every parameter's elements in ``rank``'s partition, in order."""
+    def pieces(self, rank: int) -> Iterator[tuple[str, int, int, int]]:
+        """(name, first, end, where) of every parameter with elements in ``rank``'s partition, in order: its
+        elements ``[first, end)`` lie there from element ``where`` of the partition."""
         lo, hi = rank * self.partition, (rank + 1) * self.partition
         at = 0
         for name, shape in zip(self.names, self.shapes):
             start, stop = max(at, lo), min(at + shape.numel(), hi)
             if start < stop:
-                yield name, start - at, stop - at
+                yield name, start - at, stop - at, start - lo
             at += shape.numel()
 
     def fragments(self, rank: int) -> OrderedDict[str, Any]:
@@ -110,20 +111,10 @@ class FlatGroup:
         ``rank``'s partition: the optimizer's ``param_slice_mappings`` of this group."""
         from deepspeed.utils.tensor_fragment import fragment_address
 
-        lo = rank * self.partition
-        offsets = dict(zip(self.names, _starts(self.shapes)))
         return OrderedDict(
-            (name, fragment_address(numel=stop - start, start=offsets[name] + start - lo))
-            for name, start, stop in self.pieces(rank)
+            (name, fragment_address(numel=end - first, start=where))
+            for name, first, end, where in self.pieces(rank)
         )
-
-
-def _starts(shapes: tuple[torch.Size, ...]) -> list[int]:
-    out, at = [], 0
-    for s in shapes:
-        out.append(at)
-        at += s.numel()
-    return out
 
 
 class ZeroWriter:
@@ -302,7 +293,7 @@ def _partition(g: FlatGroup, rank: int, n: int, read: Callable[[str], torch.Tens
             yield zeros((n,), torch.float32)
             return
         at = 0
-        for name, lo, hi in g.pieces(rank):
+        for name, lo, hi, _ in g.pieces(rank):
             if at >= n:
                 return
             k = min(hi - lo, n - at)
@@ -367,10 +358,11 @@ def _model_states(
     the counters of an engine that has not stepped."""
     from deepspeed.runtime.engine import _checkpoint_parallel_metadata
 
+    state = model.state_dict(keep_vars=True)
     owner = {id(t): n for n, t in [*model.named_parameters(), *model.named_buffers()]}
     module: OrderedDict[str, torch.Tensor] = OrderedDict()
     by_id: dict[int, torch.Tensor] = {}
-    for key, t in model.state_dict(keep_vars=True).items():
+    for key, t in state.items():
         if id(t) not in by_id:
             name = owner.get(id(t), key)
             by_id[id(t)] = made(t.shape, t.dtype, lambda name=name, dt=t.dtype: iter([weights[name].to(dt)]))
@@ -379,12 +371,14 @@ def _model_states(
     first: dict[int, str] = {}
     shared: dict[str, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):  # DeepSpeed's walk, by identity
-        shared.update({name: first[id(p)]} if id(p) in first else {})
-        first.setdefault(id(p), name)
+        if id(p) in first:
+            shared[name] = first[id(p)]
+        else:
+            first[id(p)] = name
     frozen = OrderedDict() if zero == 2 else None  # ZeRO-2 records the frozen parameters: none here
     return dict(
         module=module,
-        buffer_names=[k for k, t in model.state_dict(keep_vars=True).items() if id(t) in buffers],
+        buffer_names=[k for k, t in state.items() if id(t) in buffers],
         optimizer=None,
         param_shapes=[OrderedDict(zip(g.names, g.shapes)) for g in groups],
         frozen_param_shapes=frozen,
@@ -467,7 +461,7 @@ def copy_recovery_scripts(root: Path) -> None:
     import deepspeed
 
     remove_planted_scripts(root)
-    for script in ("zero_to_fp32.py", "zero_to_torch.py"):
+    for script in RECOVERY_SCRIPTS:
         dst = root / script
         shutil.copyfile(Path(deepspeed.__file__).parent / "utils" / script, dst)
         dst.chmod(dst.stat().st_mode | stat.S_IEXEC)

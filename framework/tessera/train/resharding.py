@@ -55,11 +55,10 @@ def stage_on_rank0(src: Path, run_dir: RunDir) -> Path:
     where = run_dir.reshard_stage(src.name)
 
     def write() -> None:
-        from tessera.hostmem import give_back, lean_construction
+        from tessera.hostmem import give_back
 
         remove_stage(where)  # a stale one of a failed attempt
-        with lean_construction():  # tensor after tensor read and freed: each one returned when freed
-            stage(src, where)
+        stage(src, where)
         give_back()  # before this rank builds its engine (or writer)
 
     on_rank0(write)
